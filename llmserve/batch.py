@@ -1,0 +1,67 @@
+"""The data that crosses the scheduler → backend boundary each step.
+
+The scheduler fills a ScheduledBatch; the backend reads it and returns a ModelOutput.
+Neither side reaches into the other's internals.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from llmserve.request import Logprob, SamplingParams
+
+
+@dataclass(slots=True)
+class ScheduledRequest:
+    """One sequence's share of a step: compute token_ids[num_computed_tokens : +num_new_tokens]."""
+
+    request_id: str
+    token_ids: list[int]  # every token of the sequence so far (a shared reference: read only)
+    num_computed_tokens: int  # tokens whose K/V are already in the cache
+    num_new_tokens: int  # tokens to compute this step (a prefill chunk, or 1 for a decode)
+    block_table: list[int]  # the sequence's KV blocks in order (a shared reference: read only)
+    sampling: SamplingParams
+    do_sample: bool  # sample the next token from the last position's logits
+    num_prompt_tokens: int
+    # the number of output tokens generated so far; with a seed, sampling randomness is a pure
+    # function of (seed, this) so batching and preemption cannot change the result
+    num_output_tokens: int = 0
+
+    @property
+    def new_token_ids(self) -> list[int]:
+        start = self.num_computed_tokens
+        return self.token_ids[start : start + self.num_new_tokens]
+
+
+@dataclass(slots=True)
+class ScheduledBatch:
+    """Everything the backend needs for one forward pass over a flattened, mixed batch."""
+
+    requests: list[ScheduledRequest] = field(default_factory=list)
+    num_prefill_tokens: int = 0
+    num_decode_tokens: int = 0
+    block_size: int = 16
+    # copy-on-write: copy the K/V of block src into block dst before the forward
+    block_copies: list[tuple[int, int]] = field(default_factory=list)
+    # sequences that ended or were preempted since the last batch: drop any per-sequence state
+    finished_request_ids: list[str] = field(default_factory=list)
+    preempted_request_ids: list[str] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_prefill_tokens + self.num_decode_tokens
+
+    def __len__(self) -> int:
+        return len(self.requests)
+
+
+@dataclass(slots=True)
+class ModelOutput:
+    """The backend's answer, aligned with ScheduledBatch.requests."""
+
+    sampled_token_ids: list[int | None]  # None where do_sample was False
+    # Logprob of each sampled token with its top alternatives, where sampling.logprobs is set
+    logprobs: list[Logprob | None] | None = None
+    # for requests with sampling.prompt_logprobs: one entry per computed token of this chunk,
+    # the logprob of the *next* prompt token at that position (None past the prompt's end)
+    prompt_logprobs: list[list[Logprob | None] | None] | None = None

@@ -1,0 +1,297 @@
+"""Configuration: one dataclass per section, loaded from YAML, overridden by CLI flags.
+
+Every key is checked: an unknown key or a bad value is a ConfigError that names the key and
+the file it came from. Plugin-specific settings live under a section's ``options:`` mapping and
+are checked by the plugin itself (see ``check_options``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from llmserve.errors import ConfigError
+
+
+@dataclass(slots=True)
+class ModelConfig:
+    # a local directory, a hub id, or "embedded" (the tiny offline default model)
+    model: str = "embedded"
+    tokenizer: str | None = None  # defaults to the model's
+    served_model_name: str | None = None  # the name clients send; defaults to `model`
+    dtype: str = "float32"  # float32 | bfloat16 | float16 | auto
+    device: str = "cpu"  # cpu | cuda | auto
+    max_model_len: int | None = None  # defaults to the model config's context length
+    load_format: str = "auto"  # auto | safetensors | pt | dummy (seeded random weights)
+    revision: str | None = None
+    seed: int = 0
+    threads: int | None = None  # torch intra-op threads; None leaves torch's default
+    trust_remote_code: bool = False
+
+
+@dataclass(slots=True)
+class BackendConfig:
+    name: str = "torch"
+    # bytes ("512MiB", 536870912) or a fraction of free memory (0.2) for the KV tensors
+    kv_cache_memory: str | float | int = 0.1
+    options: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class SchedulerConfig:
+    name: str = "continuous"
+    policy: str = "fcfs"  # fcfs | priority
+    max_num_seqs: int = 64  # sequences in one batch
+    max_num_batched_tokens: int = 512  # the per-step token budget (decodes + prefill chunks)
+    enable_chunked_prefill: bool = True
+    options: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class CacheConfig:
+    name: str = "paged"
+    block_size: int = 16
+    num_blocks: int | None = None  # None: as many as the backend's kv_cache_memory holds
+    enable_prefix_caching: bool = True
+    options: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class TokenizerConfig:
+    name: str = "auto"  # auto: what the model ships (HF), or the byte-level one for embedded/fake
+    options: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class SinkConfig:
+    name: str
+    options: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class MetricsConfig:
+    sinks: list[SinkConfig] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None  # or env LLMSERVE_API_KEY
+    cors_origins: list[str] = field(default_factory=list)
+    max_waiting_requests: int = 1024  # above this, 429 with Retry-After
+    request_timeout: float | None = 600.0  # seconds; 504 past it
+    max_body_bytes: int = 4 * 1024 * 1024  # larger bodies get 413
+    drain_timeout: float = 30.0  # seconds to finish in-flight requests on SIGTERM
+    log_level: str = "info"
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    backend: BackendConfig = field(default_factory=BackendConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    server: ServerConfig = field(default_factory=ServerConfig)
+    source: str = "<defaults>"  # where the values came from, for error messages
+
+    @property
+    def served_model_name(self) -> str:
+        return self.model.served_model_name or self.model.model
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d.pop("source")
+        return d
+
+    def validate(self) -> None:
+        """Check values that a type alone cannot express."""
+        s, c = self.scheduler, self.cache
+
+        def need(ok: bool, key: str, msg: str) -> None:
+            if not ok:
+                raise ConfigError(f"{self.source}: {key}: {msg}")
+
+        need(s.policy in ("fcfs", "priority") or s.name != "continuous", "scheduler.policy",
+             f"must be 'fcfs' or 'priority', got {s.policy!r}")
+        need(s.max_num_seqs >= 1, "scheduler.max_num_seqs", f"must be >= 1, got {s.max_num_seqs}")
+        need(s.max_num_batched_tokens >= 1, "scheduler.max_num_batched_tokens",
+             f"must be >= 1, got {s.max_num_batched_tokens}")
+        need(s.max_num_batched_tokens >= s.max_num_seqs, "scheduler.max_num_batched_tokens",
+             f"must be >= scheduler.max_num_seqs ({s.max_num_seqs}) so every running sequence can decode")
+        need(c.block_size >= 1 and (c.block_size & (c.block_size - 1)) == 0, "cache.block_size",
+             f"must be a power of two, got {c.block_size}")
+        need(c.num_blocks is None or c.num_blocks >= 1, "cache.num_blocks", f"must be >= 1, got {c.num_blocks}")
+        need(self.model.dtype in ("float32", "bfloat16", "float16", "auto"), "model.dtype",
+             f"must be float32, bfloat16, float16 or auto, got {self.model.dtype!r}")
+        need(self.model.device in ("cpu", "cuda", "auto") or self.model.device.startswith("cuda:"),
+             "model.device", f"must be cpu, cuda or auto, got {self.model.device!r}")
+        need(self.model.max_model_len is None or self.model.max_model_len >= 2, "model.max_model_len",
+             f"must be >= 2, got {self.model.max_model_len}")
+        need(1 <= self.server.port <= 65535 or self.server.port == 0, "server.port",
+             f"must be a TCP port, got {self.server.port}")
+        need(self.server.max_waiting_requests >= 1, "server.max_waiting_requests", "must be >= 1")
+
+
+_SECTIONS = {f.name: f for f in dataclasses.fields(EngineConfig) if f.name != "source"}
+
+
+def _type_check(value: Any, tp: Any, key: str, source: str) -> Any:
+    """Coerce `value` to the annotated type `tp` or raise a ConfigError naming `key`."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for a in args:
+            if a is type(None):
+                continue
+            try:
+                return _type_check(value, a, key, source)
+            except ConfigError as e:
+                errors.append(str(e))
+        names = " or ".join(getattr(a, "__name__", str(a)) for a in args)
+        raise ConfigError(f"{source}: {key}: expected {names}, got {value!r}")
+    if tp is Any:
+        return value
+    if origin is list:
+        if not isinstance(value, list):
+            raise ConfigError(f"{source}: {key}: expected a list, got {value!r}")
+        (item,) = typing.get_args(tp)
+        return [_type_check(v, item, f"{key}[{i}]", source) for i, v in enumerate(value)]
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{source}: {key}: expected a mapping, got {value!r}")
+        return dict(value)
+    if dataclasses.is_dataclass(tp):
+        if isinstance(value, str) and tp is SinkConfig:
+            value = {"name": value}
+        if not isinstance(value, dict):
+            raise ConfigError(f"{source}: {key}: expected a mapping, got {value!r}")
+        return _build(tp, value, key, source)
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "false", "1", "0", "yes", "no"):
+            return value.lower() in ("true", "1", "yes")
+        raise ConfigError(f"{source}: {key}: expected true or false, got {value!r}")
+    if tp is int:
+        if isinstance(value, bool):
+            raise ConfigError(f"{source}: {key}: expected an integer, got {value!r}")
+        if isinstance(value, int):
+            return value
+        if isinstance(value, str):
+            try:
+                return int(value)
+            except ValueError:
+                pass
+        raise ConfigError(f"{source}: {key}: expected an integer, got {value!r}")
+    if tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):
+            try:
+                return float(value)
+            except ValueError:
+                pass
+        raise ConfigError(f"{source}: {key}: expected a number, got {value!r}")
+    if tp is str:
+        if isinstance(value, str):
+            return value
+        raise ConfigError(f"{source}: {key}: expected a string, got {value!r}")
+    return value
+
+
+def _build(cls: type, data: dict[str, Any], prefix: str, source: str) -> Any:
+    hints = typing.get_type_hints(cls)
+    known = {f.name for f in dataclasses.fields(cls)}
+    kwargs = {}
+    for k, v in data.items():
+        key = f"{prefix}.{k}" if prefix else str(k)
+        if k not in known or k == "source":
+            raise ConfigError(f"{source}: unknown key {key!r} (known: {', '.join(sorted(known - {'source'}))})")
+        kwargs[k] = _type_check(v, hints[k], key, source)
+    try:
+        return cls(**kwargs)
+    except TypeError as e:  # a required field is missing
+        raise ConfigError(f"{source}: {prefix or 'config'}: {e}") from None
+
+
+def config_from_dict(data: dict[str, Any] | None, source: str = "<dict>") -> EngineConfig:
+    """Build and validate an EngineConfig from a nested mapping."""
+    data = data or {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{source}: the top level must be a mapping of sections")
+    cfg = _build(EngineConfig, data, "", source)
+    cfg.source = source
+    cfg.validate()
+    return cfg
+
+
+def load_config(path: str | os.PathLike | None = None, overrides: dict[str, Any] | None = None) -> EngineConfig:
+    """Read a YAML file (if given), apply dotted-key overrides (`scheduler.max_num_seqs`), validate."""
+    import yaml
+
+    data: dict[str, Any] = {}
+    source = "<defaults>"
+    if path is not None:
+        source = str(path)
+        try:
+            text = Path(path).read_text()
+        except OSError as e:
+            raise ConfigError(f"cannot read config file {path}: {e.strerror}") from None
+        try:
+            data = yaml.safe_load(text) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"{source}: not valid YAML: {e}") from None
+        if not isinstance(data, dict):
+            raise ConfigError(f"{source}: the top level must be a mapping of sections")
+    for dotted, value in (overrides or {}).items():
+        if value is None:
+            continue
+        parts = dotted.split(".")
+        node = data
+        for p in parts[:-1]:
+            node = node.setdefault(p, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"{source}: {dotted}: {p} is not a section")
+        node[parts[-1]] = value
+        if source == "<defaults>":
+            source = "<command line>"
+    return config_from_dict(data, source)
+
+
+def parse_bytes(value: str | int | float, key: str = "value") -> int:
+    """'512MiB', '2G', 1048576 → bytes."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return int(value)
+    s = str(value).strip().lower().replace(" ", "")
+    units = {"kib": 2**10, "mib": 2**20, "gib": 2**30, "kb": 10**3, "mb": 10**6, "gb": 10**9,
+             "k": 2**10, "m": 2**20, "g": 2**30, "b": 1}
+    for u, mult in units.items():
+        if s.endswith(u):
+            try:
+                return int(float(s[: -len(u)]) * mult)
+            except ValueError:
+                break
+    try:
+        return int(s)
+    except ValueError:
+        raise ConfigError(f"{key}: expected bytes such as '512MiB' or a fraction such as 0.2, got {value!r}") from None
+
+
+def check_options(options: dict[str, Any], allowed: dict[str, Any], where: str) -> dict[str, Any]:
+    """For plugins: reject unknown option keys, fill defaults from `allowed` (name → default)."""
+    unknown = sorted(set(options) - set(allowed))
+    if unknown:
+        raise ConfigError(f"{where}: unknown option(s) {', '.join(map(repr, unknown))} "
+                          f"(known: {', '.join(sorted(allowed)) or 'none'})")
+    return {**allowed, **options}

@@ -1,0 +1,21 @@
+"""Exceptions the core raises; the server maps them to OpenAI error bodies."""
+
+
+class LLMServeError(Exception):
+    """Base class of every error llmserve raises on purpose."""
+
+
+class ConfigError(LLMServeError, ValueError):
+    """A configuration key or value is wrong; the message names the key and the file."""
+
+
+class PluginError(LLMServeError):
+    """A plugin failed to load, or two plugins registered the same component name."""
+
+
+class InvalidRequestError(LLMServeError, ValueError):
+    """A request carries a bad value; `param` names the offending field."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param

@@ -1,0 +1,56 @@
+"""The hooks plugins implement, grouped by phase.
+
+Every hook is a registration hook called once at start-up: it hands the core a name and a
+factory, and the core calls the built object directly afterwards. None is firstresult: every
+implementation is called and may register any number of components.
+"""
+
+from __future__ import annotations
+
+import pluggy
+
+PROJECT = "llmserve"
+
+hookspec = pluggy.HookspecMarker(PROJECT)
+hookimpl = pluggy.HookimplMarker(PROJECT)
+
+
+# --- engine components ----------------------------------------------------------------------
+
+
+@hookspec
+def register_backends(register):
+    """Register model backends: ``register(name, factory)``, ``factory(config) -> ModelBackend``."""
+
+
+@hookspec
+def register_schedulers(register):
+    """Register scheduler policies: ``register(name, factory)``, ``factory(config, allocator) -> Scheduler``."""
+
+
+@hookspec
+def register_cache_allocators(register):
+    """Register KV-cache allocators: ``register(name, factory)``, ``factory(config, num_blocks) -> CacheAllocator``."""
+
+
+@hookspec
+def register_tokenizers(register):
+    """Register tokenizers: ``register(name, factory)``, ``factory(config) -> Tokenizer``."""
+
+
+@hookspec
+def register_metric_sinks(register):
+    """Register metric sinks: ``register(name, factory)``, ``factory(config, options) -> MetricSink``."""
+
+
+# --- server and command line ------------------------------------------------------------------
+
+
+@hookspec
+def register_routes(register, engine):
+    """Add HTTP routes: ``register(path, endpoint, methods=("GET",))`` with a starlette endpoint."""
+
+
+@hookspec
+def register_commands(subparsers):
+    """Add ``llmserve`` subcommands to the argparse ``subparsers``; set ``func=callable(args)`` as default."""

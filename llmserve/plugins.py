@@ -1,0 +1,191 @@
+"""The plugin manager: default plugins first, then third-party entry points, each isolated.
+
+Each Engine builds its own manager (``load_plugins()``), so nothing global needs undoing in
+tests. A component is picked by name from the registries the ``register_*`` hooks fill.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import os
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from importlib import metadata
+from typing import Any
+
+import pluggy
+
+from llmserve import hookspecs
+from llmserve.errors import PluginError
+
+log = logging.getLogger("llmserve.plugins")
+
+ENTRY_POINT_GROUP = "llmserve"
+
+# Built-in plugins: ordinary modules under plugins/, registered through the same hooks a
+# third-party package implements. The core names them only here, as strings.
+DEFAULT_PLUGINS: tuple[str, ...] = (
+    "llmserve_scheduler",
+    "llmserve_paged_cache",
+    "llmserve_fake",
+    "llmserve_torch",
+    "llmserve_tokenizers",
+    "llmserve_jsonl",
+    "llmserve_prometheus",
+)
+
+# registry kind → the hook that fills it
+COMPONENT_HOOKS: dict[str, str] = {
+    "backend": "register_backends",
+    "scheduler": "register_schedulers",
+    "cache": "register_cache_allocators",
+    "tokenizer": "register_tokenizers",
+    "metric_sink": "register_metric_sinks",
+}
+
+
+@dataclass(slots=True)
+class Registration:
+    name: str
+    factory: Callable[..., Any]
+    plugin: str  # the plugin that registered it
+
+
+@dataclass
+class PluginSet:
+    """A loaded plugin manager with the components its plugins registered."""
+
+    pm: pluggy.PluginManager
+    registries: dict[str, dict[str, Registration]] = field(default_factory=dict)
+    failed: dict[str, str] = field(default_factory=dict)  # plugin name → error text
+    sources: dict[str, str] = field(default_factory=dict)  # plugin name → "default" | dist name
+
+    def get(self, kind: str, name: str) -> Registration:
+        """The registration of component `name` of `kind`, or a PluginError listing the choices."""
+        reg = self.registries[kind].get(name)
+        if reg is None:
+            have = ", ".join(sorted(self.registries[kind])) or "none"
+            raise PluginError(f"no {kind.replace('_', ' ')} named {name!r} is registered (available: {have})")
+        return reg
+
+    def describe(self) -> list[dict[str, Any]]:
+        """One entry per plugin: its name, source, hooks and components (for `llmserve plugins`)."""
+        out = []
+        for name, plugin in sorted(self.pm.list_name_plugin(), key=lambda kv: kv[0]):
+            hooks = sorted(h.name for h in self.pm.get_hookcallers(plugin) or [])
+            comps = {
+                kind: sorted(r.name for r in reg.values() if r.plugin == name)
+                for kind, reg in self.registries.items()
+            }
+            out.append({
+                "name": name,
+                "source": self.sources.get(name, "registered"),
+                "hooks": hooks,
+                "components": {k: v for k, v in comps.items() if v},
+            })
+        for name, err in sorted(self.failed.items()):
+            out.append({"name": name, "source": self.sources.get(name, "entry point"), "hooks": [],
+                        "components": {}, "error": err})
+        return out
+
+
+def _strict() -> bool:
+    return os.environ.get("LLMSERVE_STRICT_PLUGINS", "") not in ("", "0", "false", "no")
+
+
+def _allowed() -> set[str] | None:
+    raw = os.environ.get("LLMSERVE_PLUGINS")
+    if raw is None:
+        return None
+    return {p.strip() for p in raw.split(",") if p.strip()}
+
+
+def load_plugins(
+    extra_plugins: list[Any] | None = None,
+    defaults: tuple[str, ...] = DEFAULT_PLUGINS,
+    entry_points: bool = True,
+) -> PluginSet:
+    """Build a fresh plugin manager: defaults, then entry points, then `extra_plugins` objects.
+
+    A third-party plugin that raises while loading is logged by name and skipped (fatal with
+    LLMSERVE_STRICT_PLUGINS=1). LLMSERVE_PLUGINS=a,b loads only the named entry points.
+    Misspelled hooks fail here via pluggy's check_pending().
+    """
+    pm = pluggy.PluginManager(hookspecs.PROJECT)
+    pm.add_hookspecs(hookspecs)
+    ps = PluginSet(pm=pm)
+
+    for modname in defaults:
+        try:
+            mod = importlib.import_module(modname)
+        except ImportError as e:
+            # a default plugin whose optional dependency is missing is reported, not fatal
+            ps.failed[modname] = f"{type(e).__name__}: {e}"
+            ps.sources[modname] = "default"
+            log.warning("default plugin %s not loaded: %s", modname, e)
+            continue
+        pm.register(mod, name=modname)
+        ps.sources[modname] = "default"
+
+    if entry_points:
+        allowed = _allowed()
+        for ep in metadata.entry_points(group=ENTRY_POINT_GROUP):
+            if allowed is not None and ep.name not in allowed:
+                continue
+            if pm.has_plugin(ep.name) or ep.name in ps.failed:
+                continue  # the same distribution seen twice on sys.path
+            dist = getattr(ep, "dist", None)
+            ps.sources[ep.name] = f"entry point ({dist.name} {dist.version})" if dist else "entry point"
+            try:
+                plugin = ep.load()
+                pm.register(plugin, name=ep.name)
+            except Exception as e:
+                msg = f"plugin {ep.name!r} ({ep.value}) failed to load: {type(e).__name__}: {e}"
+                if _strict():
+                    raise PluginError(msg + " [LLMSERVE_STRICT_PLUGINS is set]") from e
+                ps.failed[ep.name] = f"{type(e).__name__}: {e}"
+                log.error("%s; skipped (set LLMSERVE_STRICT_PLUGINS=1 to make this fatal)\n%s",
+                          msg, traceback.format_exc(limit=3))
+
+    for plugin in extra_plugins or []:
+        name = getattr(plugin, "__name__", None) or type(plugin).__name__
+        pm.register(plugin, name=name)
+        ps.sources[name] = "registered"
+
+    try:
+        pm.check_pending()
+    except pluggy.PluginValidationError as e:
+        raise PluginError(f"plugin {e.plugin!r}: {e}") from e
+
+    for kind, hook_name in COMPONENT_HOOKS.items():
+        ps.registries[kind] = _collect(pm, kind, hook_name)
+    return ps
+
+
+def _collect(pm: pluggy.PluginManager, kind: str, hook_name: str) -> dict[str, Registration]:
+    """Call one register_* hook on every plugin, remembering which plugin registered what."""
+    registry: dict[str, Registration] = {}
+    hook = getattr(pm.hook, hook_name)
+    for impl in reversed(hook.get_hookimpls()):  # registration order: defaults first
+        plugin_name = pm.get_name(impl.plugin) or repr(impl.plugin)
+
+        def register(name: str, factory: Callable[..., Any], _plugin: str = plugin_name) -> None:
+            if not isinstance(name, str) or not name:
+                raise PluginError(f"plugin {_plugin!r} registered a {kind} with an invalid name {name!r}")
+            if name in registry:
+                other = registry[name].plugin
+                raise PluginError(
+                    f"two plugins register a {kind.replace('_', ' ')} named {name!r}: "
+                    f"{other!r} and {_plugin!r}; uninstall one or limit loading with LLMSERVE_PLUGINS"
+                )
+            registry[name] = Registration(name, factory, _plugin)
+
+        try:
+            impl.function(register)
+        except PluginError:
+            raise
+        except Exception as e:
+            raise PluginError(f"plugin {plugin_name!r} failed in {hook_name}: {type(e).__name__}: {e}") from e
+    return registry

@@ -1,0 +1,184 @@
+"""Sampling parameters, the engine's per-request state and the outputs it returns."""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import math
+from dataclasses import dataclass, field
+
+from llmserve.errors import InvalidRequestError
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"  # queued, or preempted and waiting to be recomputed
+    PREFILL = "prefill"  # prompt being computed, possibly over several steps (chunked)
+    DECODE = "decode"  # generating one token per step
+    FINISHED = "finished"
+    FAILED = "failed"
+
+    @property
+    def is_done(self) -> bool:
+        return self in (RequestStatus.FINISHED, RequestStatus.FAILED)
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"  # EOS, a stop token id or a stop string
+    LENGTH = "length"  # max_tokens or the model's context length
+    ABORT = "abort"  # cancelled by the caller (client went away)
+    ERROR = "error"  # FAILED: the message says why
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    """What to generate and how; field names follow the OpenAI API and vLLM's extensions."""
+
+    max_tokens: int | None = 16  # None: up to the context length
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: disabled
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[int, float] | None = None
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    logprobs: int | None = None  # top-N alternatives per generated token (0: only the chosen one)
+    prompt_logprobs: int | None = None  # same for prompt tokens (echo)
+    n: int = 1
+    skip_special_tokens: bool = True
+    detokenize: bool = True
+
+    def validate(self) -> None:
+        """Raise InvalidRequestError naming the first bad field."""
+
+        def bad(param: str, msg: str) -> None:
+            raise InvalidRequestError(msg, param=param)
+
+        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
+            bad("max_tokens", f"max_tokens must be at least 1, got {self.max_tokens}")
+        if not (math.isfinite(self.temperature) and self.temperature >= 0.0):
+            bad("temperature", f"temperature must be a finite number >= 0, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            bad("top_p", f"top_p must be in (0, 1], got {self.top_p}")
+        if not isinstance(self.top_k, int) or self.top_k < -1:
+            bad("top_k", f"top_k must be -1, 0 (disabled) or a positive integer, got {self.top_k}")
+        if not 0.0 <= self.min_p <= 1.0:
+            bad("min_p", f"min_p must be in [0, 1], got {self.min_p}")
+        if not (math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0.0):
+            bad("repetition_penalty", f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if not -2.0 <= v <= 2.0:
+                bad(name, f"{name} must be in [-2, 2], got {v}")
+        if not isinstance(self.n, int) or not 1 <= self.n <= 128:
+            bad("n", f"n must be between 1 and 128, got {self.n}")
+        if self.min_tokens < 0 or (self.max_tokens is not None and self.min_tokens > self.max_tokens):
+            bad("min_tokens", f"min_tokens must be in [0, max_tokens], got {self.min_tokens}")
+        for name in ("logprobs", "prompt_logprobs"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, int) or not 0 <= v <= 20):
+                bad(name, f"{name} must be between 0 and 20, got {v}")
+        if self.logit_bias:
+            for tok, b in self.logit_bias.items():
+                if not -100.0 <= b <= 100.0:
+                    bad("logit_bias", f"logit_bias values must be in [-100, 100], got {b} for token {tok}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+_seq_counter = itertools.count()
+
+
+@dataclass(slots=True, eq=False)
+class Request:
+    """The engine's state of one sequence; the scheduler and allocator read it, only the engine writes tokens."""
+
+    request_id: str  # unique per sequence (a parent id, or "<parent>#<i>" for the i-th of n)
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+    arrival_time: float
+    priority: int = 0
+    group_id: str = ""  # the id the caller knows; several sequences share it when n > 1
+    index: int = 0  # which of the caller's n completions this is
+    # every token so far: prompt then output; the backend reads token_ids[num_computed_tokens:]
+    token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0  # tokens whose K/V are in the cache
+    status: RequestStatus = RequestStatus.WAITING
+    finish_reason: FinishReason | None = None
+    stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+    error: str | None = None
+    max_total_tokens: int = 0  # prompt + output may not exceed this (max_tokens and context length)
+    # a fork parent only computes the prompt's KV, then the engine forks it into n children
+    is_fork_parent: bool = False
+    num_preemptions: int = 0
+    arrival_seq: int = field(default_factory=lambda: next(_seq_counter))  # FCFS tie-breaker
+    # timing, for metrics (perf_counter seconds)
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    inter_token_latencies: list[float] = field(default_factory=list)
+    # outputs not yet handed to the caller
+    pending_token_ids: list[int] = field(default_factory=list)
+    pending_logprobs: list = field(default_factory=list)
+    prompt_logprobs: list | None = None
+    detok: object | None = None  # IncrementalDetokenizer when text is wanted
+
+    def __post_init__(self) -> None:
+        if not self.token_ids:
+            self.token_ids = list(self.prompt_token_ids)
+        if not self.group_id:
+            self.group_id = self.request_id
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - len(self.prompt_token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[len(self.prompt_token_ids):]
+
+
+@dataclass(slots=True)
+class Logprob:
+    """The log-probability of one token and the top alternatives at its position."""
+
+    token_id: int
+    logprob: float
+    rank: int = 1  # 1 = the most likely token
+    top: list[tuple[int, float]] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """What one step produced for one of the caller's sequences (a delta, not the whole text)."""
+
+    request_id: str  # the caller's id (shared by the n completions of one request)
+    index: int  # which completion, 0..n-1
+    new_token_ids: list[int]
+    new_text: str = ""
+    finished: bool = False
+    finish_reason: FinishReason | None = None
+    stop_reason: int | str | None = None
+    error: str | None = None
+    logprobs: list[Logprob] | None = None  # one per new token when asked for
+    prompt_token_ids: list[int] | None = None  # set on a sequence's first output
+    prompt_logprobs: list[Logprob | None] | None = None
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0  # so far, in total
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
