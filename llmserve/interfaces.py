@@ -27,12 +27,13 @@ class CacheAllocator(ABC):
         """Return how many leading tokens are already cached (whole blocks, always < len(token_ids)); no state change."""
 
     @abstractmethod
-    def allocate(self, seq_id: str, token_ids: Sequence[int], num_tokens: int) -> int | None:
+    def allocate(self, seq_id: str, token_ids: Sequence[int], num_tokens: int,
+                 use_prefix_cache: bool = True) -> int | None:
         """Reserve slots for positions [0, num_tokens) of seq_id; all or nothing.
 
-        On a sequence's first allocation, reuse the cached prefix blocks first and return how
-        many tokens they cover; later allocations return 0. Return None (changing nothing)
-        when there are not enough free blocks.
+        On a sequence's first allocation (and when use_prefix_cache), reuse the cached prefix
+        blocks first and return how many tokens they cover; later allocations return 0.
+        Return None, changing nothing, when there are not enough free blocks.
         """
 
     @abstractmethod

@@ -1,0 +1,444 @@
+"""The Engine: request lifecycle and the synchronous step loop.
+
+    add_request → WAITING → PREFILL (one or more chunks) → DECODE → FINISHED | FAILED
+                     ↑______ preempted: blocks freed, recomputed later ______|
+
+Each step asks the scheduler for a batch, runs it on the backend, then appends tokens, checks
+stop conditions, detokenizes and reports metrics. The engine is not thread-safe: the async
+wrapper (async_engine.py) drives it from a single thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from llmserve.config import EngineConfig, config_from_dict
+from llmserve.detokenize import IncrementalDetokenizer
+from llmserve.errors import InvalidRequestError, PluginError
+from llmserve.interfaces import CacheAllocator, MetricSink, ModelBackend, Scheduler, Tokenizer
+from llmserve.metrics import MetricsCollector, RequestMetrics, StepMetrics
+from llmserve.plugins import PluginSet, load_plugins
+from llmserve.request import FinishReason, Request, RequestOutput, RequestStatus, SamplingParams
+
+log = logging.getLogger("llmserve.engine")
+
+
+@dataclass(slots=True)
+class StepOutput:
+    """What one step produced: a delta per sequence that advanced or ended, and the step's metrics."""
+
+    outputs: list[RequestOutput] = field(default_factory=list)
+    metrics: StepMetrics | None = None
+
+
+@dataclass(slots=True)
+class _Group:
+    """The caller's request: its n sequences."""
+
+    seq_ids: list[str]
+    unfinished: int
+
+
+class Engine:
+    """Owns the plugin manager, the components built from it, and every request's state."""
+
+    def __init__(self, config: EngineConfig, plugins: PluginSet):
+        self.config = config
+        self.plugins = plugins
+        t0 = time.perf_counter()
+        self.tokenizer: Tokenizer | None = self._build_tokenizer()
+        self.backend: ModelBackend = self._factory("backend", config.backend.name)(config)
+        cc = config.cache
+        num_blocks = cc.num_blocks or self.backend.num_kv_blocks(cc.block_size)
+        if num_blocks < 1:
+            raise PluginError(f"the KV cache budget holds no block of {cc.block_size} tokens; "
+                              "raise backend.kv_cache_memory or set cache.num_blocks")
+        self.backend.init_kv_cache(num_blocks, cc.block_size)
+        self.allocator: CacheAllocator = self._factory("cache", cc.name)(config, num_blocks)
+        self.scheduler: Scheduler = self._factory("scheduler", config.scheduler.name)(config, self.allocator)
+        self.metric_sinks: list[MetricSink] = [
+            self._factory("metric_sink", s.name)(config, dict(s.options)) for s in config.metrics.sinks
+        ]
+        limits = [self.backend.max_model_len, num_blocks * cc.block_size]
+        if config.model.max_model_len:
+            limits.append(config.model.max_model_len)
+        self.max_model_len: int = min(limits)
+        self.eos_token_id = self.backend.eos_token_id
+        if self.eos_token_id is None and self.tokenizer is not None:
+            self.eos_token_id = self.tokenizer.eos_token_id
+        self.collector = MetricsCollector()
+        self._seqs: dict[str, Request] = {}
+        self._groups: dict[str, _Group] = {}
+        self._pending: list[RequestOutput] = []  # outputs made outside step() (immediate failures)
+        self._step_no = 0
+        self._prefix_q = self._prefix_h = 0
+        self.startup_seconds = time.perf_counter() - t0
+        log.info("engine ready in %.2fs: backend=%s blocks=%d×%d max_model_len=%d",
+                 self.startup_seconds, config.backend.name, num_blocks, cc.block_size, self.max_model_len)
+
+    # --- construction -------------------------------------------------------------------------
+
+    @classmethod
+    def from_config(cls, config: EngineConfig | dict | None = None, extra_plugins: list | None = None) -> Engine:
+        """Load plugins (defaults, entry points, extra_plugins) and build an engine from config."""
+        if config is None or isinstance(config, dict):
+            config = config_from_dict(config or {})
+        return cls(config, load_plugins(extra_plugins=extra_plugins))
+
+    def _factory(self, kind: str, name: str):
+        return self.plugins.get(kind, name).factory
+
+    def _build_tokenizer(self) -> Tokenizer | None:
+        name = self.config.tokenizer.name
+        if name == "none":
+            return None
+        if name not in self.plugins.registries["tokenizer"]:
+            if name == "auto":
+                log.warning("no tokenizer plugin provides 'auto': the engine takes token ids only")
+                return None
+        return self._factory("tokenizer", name)(self.config)
+
+    # --- requests -----------------------------------------------------------------------------
+
+    def add_request(
+        self,
+        prompt_token_ids: Sequence[int],
+        sampling_params: SamplingParams | None = None,
+        request_id: str | None = None,
+        priority: int = 0,
+        arrival_time: float | None = None,
+    ) -> str:
+        """Queue a request; return its id. Bad input raises InvalidRequestError (nothing queued)."""
+        sp = sampling_params or SamplingParams()
+        sp.validate()
+        rid = request_id or uuid.uuid4().hex
+        if rid in self._groups:
+            raise InvalidRequestError(f"request id {rid!r} is already in use", param="request_id")
+        prompt = list(prompt_token_ids)
+        if not prompt:
+            raise InvalidRequestError("the prompt is empty", param="prompt")
+        vocab = self.backend.vocab_size
+        for t in prompt:
+            if not isinstance(t, int) or not 0 <= t < vocab:
+                raise InvalidRequestError(f"token id {t!r} is outside the vocabulary [0, {vocab})", param="prompt")
+        if sp.logit_bias:
+            for t in sp.logit_bias:
+                if not 0 <= t < vocab:
+                    raise InvalidRequestError(f"logit_bias token {t} is outside the vocabulary", param="logit_bias")
+        now = time.perf_counter() if arrival_time is None else arrival_time
+        if len(prompt) >= self.max_model_len:
+            # can never run: fail at once (reported by the next step), holding nothing
+            msg = (f"the prompt has {len(prompt)} tokens but the engine's maximum context is "
+                   f"{self.max_model_len} tokens (model context and KV-cache capacity), "
+                   "which leaves no room to generate")
+            for i in range(sp.n):
+                self._pending.append(RequestOutput(rid, i, [], finished=True, finish_reason=FinishReason.ERROR,
+                                                   error=msg, num_prompt_tokens=len(prompt)))
+            self.collector.requests_finished["error"] = self.collector.requests_finished.get("error", 0) + sp.n
+            return rid
+        max_total = self.max_model_len if sp.max_tokens is None else min(self.max_model_len, len(prompt) + sp.max_tokens)
+
+        def seq(sid: str, index: int, tokens: list[int] | None = None, parent: bool = False) -> Request:
+            r = Request(sid, prompt, sp, now, priority=priority, group_id=rid, index=index,
+                        token_ids=list(tokens if tokens is not None else prompt), is_fork_parent=parent,
+                        max_total_tokens=max_total)
+            self._seqs[sid] = r
+            return r
+
+        if sp.n > 1 and len(prompt) > 1 and sp.prompt_logprobs is None:
+            # compute the prompt once (all but its last token), then fork into n children
+            seqs = [seq(f"{rid}#p", 0, prompt[:-1], parent=True)]
+            ids = [f"{rid}#{i}" for i in range(sp.n)]
+        elif sp.n > 1:
+            seqs = [seq(f"{rid}#{i}", i) for i in range(sp.n)]
+            ids = [r.request_id for r in seqs]
+        else:
+            seqs = [seq(rid, 0)]
+            ids = [rid]
+        self._groups[rid] = _Group(ids, sp.n)
+        for r in seqs:
+            self.scheduler.add(r)
+        return rid
+
+    def abort(self, request_id: str) -> bool:
+        """Cancel every sequence of the request; blocks are freed now. False if it is not running."""
+        group = self._groups.get(request_id)
+        if group is None:
+            return False
+        for sid in list(group.seq_ids) + [f"{request_id}#p"]:
+            r = self._seqs.get(sid)
+            if r is not None and not r.status.is_done:
+                self._finish(r, FinishReason.ABORT, out=self._pending)
+        return True
+
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(self._pending) or self.scheduler.has_unfinished
+
+    @property
+    def num_waiting(self) -> int:
+        return self.scheduler.num_waiting
+
+    @property
+    def num_running(self) -> int:
+        return self.scheduler.num_running
+
+    # --- ending sequences ---------------------------------------------------------------------
+
+    def _end(self, r: Request, now: float) -> None:
+        """Release the sequence everywhere and report its metrics."""
+        self.scheduler.finish(r)
+        self._seqs.pop(r.request_id, None)
+        forked = r.is_fork_parent and r.status is RequestStatus.FINISHED and r.finish_reason is FinishReason.STOP
+        if forked:
+            return  # the parent handed its blocks to its children: no sequence of the caller's ended
+        g = self._groups.get(r.group_id)
+        if g is not None:
+            g.unfinished -= r.sampling.n if r.is_fork_parent else 1
+            if g.unfinished <= 0:
+                del self._groups[r.group_id]
+        m = RequestMetrics(
+            request_id=r.group_id, index=r.index,
+            finish_reason=r.finish_reason.value if r.finish_reason else None, error=r.error,
+            num_prompt_tokens=r.num_prompt_tokens, num_output_tokens=max(r.num_output_tokens, 0),
+            num_cached_tokens=0, num_preemptions=r.num_preemptions,
+            queue_seconds=(r.first_scheduled_time - r.arrival_time) if r.first_scheduled_time else None,
+            ttft_seconds=(r.first_token_time - r.arrival_time) if r.first_token_time else None,
+            e2e_seconds=now - r.arrival_time, inter_token_latencies=r.inter_token_latencies,
+        )
+        self.collector.on_request_finished(m)
+        for s in self.metric_sinks:
+            s.on_request_finished(m)
+
+    def _outputs_for_end(self, r: Request, text: str) -> list[RequestOutput]:
+        """The final delta(s): a fork parent that ends early ends all n of the caller's sequences."""
+        if not r.is_fork_parent:
+            return [self._delta(r, text, finished=True)]
+        return [RequestOutput(r.group_id, i, [], finished=True, finish_reason=r.finish_reason, error=r.error,
+                              num_prompt_tokens=r.num_prompt_tokens) for i in range(r.sampling.n)]
+
+    def _finish(self, r: Request, reason: FinishReason, out: list[RequestOutput], stop_reason=None,
+                text: str = "") -> None:
+        r.status = RequestStatus.FINISHED
+        r.finish_reason = reason
+        r.stop_reason = stop_reason
+        if r.detok is not None and reason is not FinishReason.ABORT and not isinstance(stop_reason, str):
+            text += r.detok.flush()  # the text held back for stop strings is final now
+        out.extend(self._outputs_for_end(r, text))
+        self._end(r, time.perf_counter())
+
+    def _fail(self, r: Request, message: str) -> None:
+        r.status = RequestStatus.FAILED
+        r.finish_reason = FinishReason.ERROR
+        r.error = message
+        self._pending.extend(self._outputs_for_end(r, ""))
+        self._end(r, time.perf_counter())
+
+    def _delta(self, r: Request, text: str, finished: bool = False) -> RequestOutput:
+        o = RequestOutput(
+            request_id=r.group_id, index=r.index, new_token_ids=r.pending_token_ids, new_text=text,
+            finished=finished, finish_reason=r.finish_reason if finished else None,
+            stop_reason=r.stop_reason if finished else None, error=r.error,
+            logprobs=r.pending_logprobs or None,
+            num_prompt_tokens=r.num_prompt_tokens, num_output_tokens=max(r.num_output_tokens, 0),
+        )
+        if r.prompt_logprobs is not None and len(r.prompt_logprobs) >= r.num_prompt_tokens:
+            o.prompt_logprobs, r.prompt_logprobs = r.prompt_logprobs, []
+        r.pending_token_ids = []
+        if r.pending_logprobs:
+            r.pending_logprobs = []
+        return o
+
+    # --- the step -----------------------------------------------------------------------------
+
+    def step(self) -> StepOutput:
+        """Schedule, run the backend once, and turn its tokens into per-request outputs."""
+        t0 = time.perf_counter()
+        outputs, self._pending = self._pending, []
+        batch = self.scheduler.schedule()
+        backend_s = 0.0
+        forks: list[Request] = []
+        if batch.requests:
+            tb = time.perf_counter()
+            try:
+                mo = self.backend.execute(batch)
+            except Exception as e:  # the backend failed: fail this batch's requests, keep serving
+                backend_s = time.perf_counter() - tb
+                log.exception("backend failed on a batch of %d sequences", len(batch.requests))
+                for sr in batch.requests:
+                    r = self._seqs.get(sr.request_id)
+                    if r is not None and not r.status.is_done:
+                        self._fail(r, f"backend error: {type(e).__name__}: {e}")
+                outputs.extend(self._pending)
+                self._pending = []
+                return StepOutput(outputs, self._report_step(batch, t0, backend_s))
+            now = time.perf_counter()
+            backend_s = now - tb
+            self._postprocess(batch, mo, now, t0, outputs, forks)
+            for parent in forks:
+                self._fork(parent, now)
+        outputs.extend(self._pending)
+        self._pending = []
+        return StepOutput(outputs, self._report_step(batch, t0, backend_s))
+
+    def _postprocess(self, batch, mo, now: float, t0: float, outputs: list[RequestOutput],
+                     forks: list[Request]) -> None:
+        bs = batch.block_size
+        alloc = self.allocator
+        caching = self.config.cache.enable_prefix_caching
+        eos = self.eos_token_id
+        sampled = mo.sampled_token_ids
+        lps = mo.logprobs
+        plps = mo.prompt_logprobs
+        for i, sr in enumerate(batch.requests):
+            r = self._seqs[sr.request_id]
+            before = r.num_computed_tokens
+            after = before + sr.num_new_tokens
+            r.num_computed_tokens = after
+            if caching and after // bs > before // bs:
+                alloc.cache_full_blocks(r.request_id, r.token_ids, after)
+            if r.first_scheduled_time is None:
+                r.first_scheduled_time = t0
+            if plps is not None and plps[i] is not None:
+                if r.prompt_logprobs is None:
+                    r.prompt_logprobs = [None]  # the first prompt token has no logprob
+                if len(r.prompt_logprobs) < r.num_prompt_tokens:
+                    r.prompt_logprobs.extend(plps[i][: r.num_prompt_tokens - len(r.prompt_logprobs)])
+            if r.is_fork_parent:
+                if after >= len(r.token_ids):
+                    forks.append(r)
+                continue
+            tok = sampled[i]
+            if tok is None:
+                continue
+            # a new token
+            r.token_ids.append(tok)
+            r.pending_token_ids.append(tok)
+            if lps is not None and lps[i] is not None:
+                r.pending_logprobs.append(lps[i])
+            if r.first_token_time is None:
+                r.first_token_time = now
+            else:
+                r.inter_token_latencies.append(now - r.last_token_time)
+            r.last_token_time = now
+            r.status = RequestStatus.DECODE
+            sp = r.sampling
+            n_out = len(r.token_ids) - len(r.prompt_token_ids)
+            if n_out >= sp.min_tokens and ((tok == eos and not sp.ignore_eos) or tok in sp.stop_token_ids):
+                # the stop token counts as an output token but adds no text
+                self._finish(r, FinishReason.STOP, outputs, stop_reason=None if tok == eos else tok)
+                continue
+            text = ""
+            if sp.detokenize and self.tokenizer is not None:
+                if r.detok is None:
+                    r.detok = IncrementalDetokenizer(self.tokenizer, r.prompt_token_ids, sp.skip_special_tokens,
+                                                     sp.stop, sp.include_stop_str_in_output)
+                text, hit = r.detok.add(tok)
+                if hit is not None:
+                    self._finish(r, FinishReason.STOP, outputs, stop_reason=hit, text=text)
+                    continue
+            if len(r.token_ids) >= r.max_total_tokens:
+                self._finish(r, FinishReason.LENGTH, outputs, text=text)
+                continue
+            outputs.append(self._delta(r, text))
+
+    def _fork(self, parent: Request, now: float) -> None:
+        """The parent's prompt KV is computed: hand it to n children, then retire the parent."""
+        sp = parent.sampling
+        for i in range(sp.n):
+            child = Request(f"{parent.group_id}#{i}", parent.prompt_token_ids, sp, parent.arrival_time,
+                            priority=parent.priority, group_id=parent.group_id, index=i,
+                            max_total_tokens=parent.max_total_tokens, arrival_seq=parent.arrival_seq)
+            child.num_computed_tokens = parent.num_computed_tokens
+            child.first_scheduled_time = parent.first_scheduled_time
+            child.status = RequestStatus.PREFILL
+            if sp.seed is not None:
+                # n samples from one seed must differ: each child draws from its own stream
+                child.sampling = _with_seed(sp, sp.seed + i)
+            self.allocator.fork(parent.request_id, child.request_id)
+            self._seqs[child.request_id] = child
+            self.scheduler.add_running(child)
+        parent.status = RequestStatus.FINISHED
+        parent.finish_reason = FinishReason.STOP
+        self._end(parent, now)
+
+    def _report_step(self, batch, t0: float, backend_s: float) -> StepMetrics | None:
+        if not batch.requests and not batch.preempted_request_ids:
+            return None
+        self._step_no += 1
+        a = self.allocator
+        q = getattr(a, "prefix_queries", 0)
+        h = getattr(a, "prefix_hits", 0)
+        dq, dh = q - self._prefix_q, h - self._prefix_h
+        self._prefix_q, self._prefix_h = q, h
+        step_s = time.perf_counter() - t0
+        m = StepMetrics(
+            step=self._step_no, timestamp=time.time(), batch_size=len(batch.requests),
+            num_scheduled_tokens=batch.num_prefill_tokens + batch.num_decode_tokens,
+            num_prefill_tokens=batch.num_prefill_tokens, num_decode_tokens=batch.num_decode_tokens,
+            num_running=self.scheduler.num_running, num_waiting=self.scheduler.num_waiting,
+            num_preempted=len(batch.preempted_request_ids), step_seconds=step_s,
+            backend_seconds=backend_s, overhead_seconds=step_s - backend_s,
+            kv_cache_usage=_usage(a),
+            prefix_cache_queries=dq, prefix_cache_hits=dh,
+        )
+        self.collector.on_step(m)
+        for s in self.metric_sinks:
+            s.on_step(m)
+        return m
+
+    # --- reporting ----------------------------------------------------------------------------
+
+    def metrics_snapshot(self) -> dict[str, Any]:
+        """Counters and p50/p95/p99 of queue time, TTFT, ITL, e2e latency and step overhead."""
+        return self.collector.snapshot()
+
+    def stats(self) -> dict[str, Any]:
+        """Queue, running, cache and prefix-cache state plus the metrics snapshot (for /stats)."""
+        sched = self.scheduler.stats() if hasattr(self.scheduler, "stats") else {}
+        return {
+            "model": self.config.served_model_name,
+            "backend": self.backend.describe(),
+            "max_model_len": self.max_model_len,
+            "waiting": self.scheduler.num_waiting,
+            "running": self.scheduler.num_running,
+            "scheduler": sched,
+            "cache": self.allocator.stats(),
+            "metrics": self.metrics_snapshot(),
+        }
+
+    def generate(self, prompts: list[list[int]], sampling_params: SamplingParams | None = None) -> list[list[int]]:
+        """Run prompts to completion offline; return each one's output token ids (n=1)."""
+        ids = [self.add_request(p, sampling_params) for p in prompts]
+        result: dict[str, list[int]] = {i: [] for i in ids}
+        while self.has_unfinished:
+            for o in self.step().outputs:
+                result[o.request_id].extend(o.new_token_ids)
+        return [result[i] for i in ids]
+
+    def shutdown(self) -> None:
+        """Abort what is left and close sinks and backend."""
+        for rid in list(self._groups):
+            self.abort(rid)
+        self._pending.clear()
+        for s in self.metric_sinks:
+            s.close()
+        self.backend.shutdown()
+
+
+def _usage(allocator: CacheAllocator) -> float:
+    used = getattr(allocator, "num_used_blocks", None)
+    if used is None:
+        return 1.0 - allocator.num_free_blocks() / allocator.num_blocks
+    return used / allocator.num_blocks
+
+
+def _with_seed(sp: SamplingParams, seed: int) -> SamplingParams:
+    from dataclasses import replace
+
+    return replace(sp, seed=seed)

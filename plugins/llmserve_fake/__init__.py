@@ -1,0 +1,25 @@
+"""Default plugin: the deterministic fake backend ("fake")."""
+
+from llmserve.hookspecs import hookimpl
+from llmserve_fake.backend import FakeBackend, next_token
+
+__all__ = ["FakeBackend", "next_token"]
+
+_OPTIONS = {"vocab_size": 257, "eos_token_id": 256, "max_model_len": 4096, "num_blocks": 2048,
+            "step_cost_s": 0.0, "token_cost_s": 0.0}
+
+
+def _build(config) -> FakeBackend:
+    from llmserve.config import check_options
+
+    o = check_options(config.backend.options, _OPTIONS, "backend.options (fake)")
+    max_len = config.model.max_model_len or o["max_model_len"]
+    return FakeBackend(vocab_size=int(o["vocab_size"]), max_model_len=int(max_len),
+                       eos_token_id=o["eos_token_id"], num_blocks=int(o["num_blocks"]),
+                       step_cost_s=float(o["step_cost_s"]), token_cost_s=float(o["token_cost_s"]))
+
+
+@hookimpl
+def register_backends(register):
+    """Register the deterministic fake backend as "fake"."""
+    register("fake", _build)

@@ -1,0 +1,103 @@
+"""A deterministic backend with no model: the next token is a pure function of the tokens so far.
+
+Outputs therefore do not depend on batching, chunking or preemption, which makes it the
+reference for scheduler and server tests. An optional simulated cost per step and per token
+makes it useful for scheduler experiments.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from llmserve.batch import ModelOutput, ScheduledBatch
+from llmserve.interfaces import ModelBackend
+from llmserve.request import Logprob
+
+_MASK = (1 << 64) - 1
+
+
+def next_token(token_ids: list[int], end: int, vocab_size: int, eos_token_id: int | None) -> int:
+    """The token that follows token_ids[:end]: a hash of the last four tokens and the length."""
+    h = 0xCBF29CE484222325 ^ end
+    for t in token_ids[max(0, end - 4) : end]:
+        h = ((h ^ (t + 1)) * 0x100000001B3) & _MASK
+    h ^= h >> 29
+    tok = h % vocab_size
+    return tok
+
+
+class FakeBackend(ModelBackend):
+    """Deterministic, dependency-free stand-in for a model."""
+
+    def __init__(
+        self,
+        vocab_size: int = 257,
+        max_model_len: int = 4096,
+        eos_token_id: int | None = 256,
+        num_blocks: int = 2048,
+        step_cost_s: float = 0.0,
+        token_cost_s: float = 0.0,
+    ):
+        self.vocab_size = vocab_size
+        self.max_model_len = max_model_len
+        self.eos_token_id = eos_token_id
+        self._num_blocks = num_blocks
+        self.step_cost_s = step_cost_s
+        self.token_cost_s = token_cost_s
+        self.block_copies_done: list[tuple[int, int]] = []
+        self.steps = 0
+        self.fail_next: Exception | None = None  # tests inject a backend failure here
+
+    def num_kv_blocks(self, block_size: int) -> int:
+        return self._num_blocks
+
+    def init_kv_cache(self, num_blocks: int, block_size: int) -> None:
+        self._num_blocks = num_blocks
+
+    def execute(self, batch: ScheduledBatch) -> ModelOutput:
+        self.steps += 1
+        if self.fail_next is not None:
+            err, self.fail_next = self.fail_next, None
+            raise err
+        self.block_copies_done.extend(batch.block_copies)
+        cost = self.step_cost_s + self.token_cost_s * batch.num_tokens
+        if cost > 0:
+            time.sleep(cost)
+        V, eos = self.vocab_size, self.eos_token_id
+        sampled: list[int | None] = []
+        logprobs: list[Logprob | None] | None = None
+        for i, r in enumerate(batch.requests):
+            if not r.do_sample:
+                sampled.append(None)
+                continue
+            sp = r.sampling
+            tok = next_token(r.token_ids, len(r.token_ids), V, eos)
+            if tok == eos and (sp.ignore_eos or r.num_output_tokens < sp.min_tokens):
+                tok = (tok + 1) % V
+            sampled.append(tok)
+            if sp.logprobs is not None:
+                if logprobs is None:
+                    logprobs = [None] * len(batch.requests)
+                # a fixed, valid distribution: the chosen token gets log(0.5), the rest share the remainder
+                top = [(tok, -0.6931471805599453)] + [((tok + k) % V, -0.6931471805599453 - k) for k in range(1, sp.logprobs)]
+                logprobs[i] = Logprob(tok, -0.6931471805599453, 1, top[: max(sp.logprobs, 0)])
+        prompt_logprobs = None
+        if any(r.sampling.prompt_logprobs is not None for r in batch.requests):
+            prompt_logprobs = []
+            for r in batch.requests:
+                if r.sampling.prompt_logprobs is None:
+                    prompt_logprobs.append(None)
+                    continue
+                entries: list[Logprob | None] = []
+                for pos in range(r.num_computed_tokens, r.num_computed_tokens + r.num_new_tokens):
+                    if pos + 1 < r.num_prompt_tokens:
+                        entries.append(Logprob(r.token_ids[pos + 1], -1.0, 1, []))
+                    else:
+                        entries.append(None)
+                prompt_logprobs.append(entries)
+        return ModelOutput(sampled, logprobs, prompt_logprobs)
+
+    def describe(self) -> dict[str, Any]:
+        return {"backend": "fake", "vocab_size": self.vocab_size, "max_model_len": self.max_model_len,
+                "step_cost_s": self.step_cost_s, "token_cost_s": self.token_cost_s}

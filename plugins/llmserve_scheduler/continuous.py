@@ -1,0 +1,214 @@
+"""Continuous batching: iteration-level scheduling with chunked prefill and preemption.
+
+Each step shares one token budget between the running sequences (decodes and unfinished
+prefill chunks, best first) and new admissions from the waiting queue. A running sequence that
+cannot grow preempts the worst running one (its blocks are freed and it is recomputed later)
+instead of failing. The waiting queue's order is the policy: FCFS, or priority then FCFS.
+"""
+
+from __future__ import annotations
+
+import bisect
+import heapq
+from typing import Any
+
+from llmserve.batch import ScheduledBatch, ScheduledRequest
+from llmserve.interfaces import CacheAllocator, Scheduler
+from llmserve.request import Request, RequestStatus
+
+
+class ContinuousScheduler(Scheduler):
+    """FCFS or priority continuous batching; subclass and override `order_key` for other policies."""
+
+    def __init__(
+        self,
+        allocator: CacheAllocator,
+        max_num_seqs: int = 64,
+        max_num_batched_tokens: int = 512,
+        policy: str = "fcfs",
+        enable_chunked_prefill: bool = True,
+    ):
+        if policy not in ("fcfs", "priority"):
+            raise ValueError(f"unknown scheduling policy {policy!r} (expected 'fcfs' or 'priority')")
+        self.allocator = allocator
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.policy = policy
+        self.enable_chunked_prefill = enable_chunked_prefill
+        self._waiting: list[tuple[tuple, Request]] = []  # heap of (order_key, request)
+        self._num_waiting = 0  # live entries (aborted ones are dropped lazily from the heap)
+        self._running: list[Request] = []  # sorted by order_key: best first, preemption victims last
+        self._running_keys: list[tuple] = []
+        self._by_id: dict[str, Request] = {}
+        self._finished_ids: list[str] = []
+        self.num_preemptions = 0  # total, for metrics
+
+    # --- policy -------------------------------------------------------------------------------
+
+    def order_key(self, request: Request) -> tuple:
+        """Smaller runs first: admission order for the waiting queue, survival order when preempting."""
+        if self.policy == "priority":
+            return (request.priority, request.arrival_seq, request.index)
+        return (request.arrival_seq, request.index)
+
+    # --- queue management ---------------------------------------------------------------------
+
+    def add(self, request: Request) -> None:
+        assert request.request_id not in self._by_id, f"duplicate sequence id {request.request_id}"
+        request.status = RequestStatus.WAITING
+        self._by_id[request.request_id] = request
+        heapq.heappush(self._waiting, (self.order_key(request), request))
+        self._num_waiting += 1
+
+    def add_running(self, request: Request) -> None:
+        assert request.request_id not in self._by_id, f"duplicate sequence id {request.request_id}"
+        self._by_id[request.request_id] = request
+        self._insert_running(request)
+
+    def _insert_running(self, request: Request) -> None:
+        key = self.order_key(request)
+        i = bisect.bisect_right(self._running_keys, key)
+        self._running_keys.insert(i, key)
+        self._running.insert(i, request)
+
+    def _remove_running(self, request: Request) -> None:
+        i = self._running.index(request)
+        del self._running[i]
+        del self._running_keys[i]
+
+    def finish(self, request: Request) -> None:
+        rid = request.request_id
+        if self._by_id.pop(rid, None) is None:
+            return
+        if request in self._running:
+            self._remove_running(request)
+        else:
+            self._num_waiting -= 1  # its heap entry is skipped when it surfaces
+        self.allocator.free(rid)
+        self._finished_ids.append(rid)
+
+    def get(self, request_id: str) -> Request | None:
+        return self._by_id.get(request_id)
+
+    @property
+    def num_waiting(self) -> int:
+        return self._num_waiting
+
+    @property
+    def num_running(self) -> int:
+        return len(self._running)
+
+    def running(self) -> list[Request]:
+        """The running sequences, best first (a copy)."""
+        return list(self._running)
+
+    def _preempt(self, victim: Request, batch: ScheduledBatch) -> None:
+        """Free the victim's blocks and queue it for recomputation from scratch."""
+        self._remove_running(victim)
+        self.allocator.free(victim.request_id)
+        victim.num_computed_tokens = 0
+        victim.num_preemptions += 1
+        victim.status = RequestStatus.WAITING
+        heapq.heappush(self._waiting, (self.order_key(victim), victim))
+        self._num_waiting += 1
+        batch.preempted_request_ids.append(victim.request_id)
+        self.num_preemptions += 1
+
+    # --- the step -----------------------------------------------------------------------------
+
+    def _entry(self, req: Request, n: int) -> ScheduledRequest:
+        start = req.num_computed_tokens
+        return ScheduledRequest(
+            request_id=req.request_id,
+            token_ids=req.token_ids,
+            num_computed_tokens=start,
+            num_new_tokens=n,
+            block_table=self.allocator.block_table(req.request_id),
+            sampling=req.sampling,
+            do_sample=start + n == len(req.token_ids) and not req.is_fork_parent,
+            num_prompt_tokens=len(req.prompt_token_ids),
+            num_output_tokens=len(req.token_ids) - len(req.prompt_token_ids),
+        )
+
+    def schedule(self) -> ScheduledBatch:
+        alloc = self.allocator
+        batch = ScheduledBatch(block_size=alloc.block_size)
+        batch.finished_request_ids, self._finished_ids = self._finished_ids, []
+        budget = self.max_num_batched_tokens
+        out = batch.requests
+        prefill = decode = 0
+
+        # 1. running sequences, best first: a decode token each, or the next prefill chunk
+        i = 0
+        while i < len(self._running) and budget > 0:
+            req = self._running[i]
+            remaining = len(req.token_ids) - req.num_computed_tokens
+            n = min(remaining, budget)
+            if n < remaining and not self.enable_chunked_prefill and req.num_computed_tokens == 0:
+                i += 1
+                continue
+            target = req.num_computed_tokens + n
+            while alloc.allocate(req.request_id, req.token_ids, target) is None:
+                victim = self._running[-1]  # the worst; never one already scheduled this step
+                self._preempt(victim, batch)
+                if victim is req:
+                    break
+            else:
+                out.append(self._entry(req, n))
+                budget -= n
+                if remaining == 1 and req.num_computed_tokens >= len(req.prompt_token_ids):
+                    decode += 1
+                else:
+                    prefill += n
+                i += 1
+                continue
+            # req preempted itself: it was the last running one, nothing more to do here
+            break
+
+        # 2. admit waiting sequences in policy order while budget, seats and blocks last
+        if not batch.preempted_request_ids:
+            waiting = self._waiting
+            while waiting and budget > 0 and len(self._running) < self.max_num_seqs:
+                _, req = waiting[0]
+                if req.status is not RequestStatus.WAITING or req.request_id not in self._by_id:
+                    heapq.heappop(waiting)  # aborted while waiting
+                    continue
+                seats = req.sampling.n if req.is_fork_parent else 1
+                if self._running and len(self._running) + seats > self.max_num_seqs:
+                    break
+                use_cache = req.sampling.prompt_logprobs is None
+                cached = alloc.lookup_prefix(req.token_ids) if use_cache else 0
+                remaining = len(req.token_ids) - cached
+                n = min(remaining, budget)
+                if n < remaining and not self.enable_chunked_prefill:
+                    # a whole prompt must fit; if it can never fit in one step, chunk it anyway
+                    if remaining <= self.max_num_batched_tokens or out:
+                        break
+                got = alloc.allocate(req.request_id, req.token_ids, cached + n, use_prefix_cache=use_cache)
+                if got is None:
+                    break  # not enough blocks: wait for running sequences to finish
+                assert got == cached, f"prefix lookup {cached} != allocation {got}"
+                heapq.heappop(waiting)
+                self._num_waiting -= 1
+                req.num_computed_tokens = got
+                req.status = RequestStatus.PREFILL
+                self._insert_running(req)
+                out.append(self._entry(req, n))
+                budget -= n
+                prefill += n
+
+        batch.num_prefill_tokens = prefill
+        batch.num_decode_tokens = decode
+        batch.block_copies = alloc.take_block_copies()
+        return batch
+
+    def stats(self) -> dict[str, Any]:
+        """Queue lengths and policy, for /stats."""
+        return {
+            "policy": self.policy,
+            "waiting": self._num_waiting,
+            "running": len(self._running),
+            "max_num_seqs": self.max_num_seqs,
+            "max_num_batched_tokens": self.max_num_batched_tokens,
+            "preemptions": self.num_preemptions,
+        }
