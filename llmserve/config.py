@@ -236,8 +236,17 @@ def config_from_dict(data: dict[str, Any] | None, source: str = "<dict>") -> Eng
     return cfg
 
 
-def load_config(path: str | os.PathLike | None = None, overrides: dict[str, Any] | None = None) -> EngineConfig:
-    """Read a YAML file (if given), apply dotted-key overrides (`scheduler.max_num_seqs`), validate."""
+def _merge(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
+    """Nested dict merge: `top` wins, sections merge key by key."""
+    out = {k: (dict(v) if isinstance(v, dict) else v) for k, v in base.items()}
+    for k, v in top.items():
+        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def load_config(path: str | os.PathLike | None = None, overrides: dict[str, Any] | None = None,
+                defaults: dict[str, Any] | None = None) -> EngineConfig:
+    """Defaults, then a YAML file (if given), then dotted-key overrides (`scheduler.max_num_seqs`); validate."""
     import yaml
 
     data: dict[str, Any] = {}
@@ -254,6 +263,8 @@ def load_config(path: str | os.PathLike | None = None, overrides: dict[str, Any]
             raise ConfigError(f"{source}: not valid YAML: {e}") from None
         if not isinstance(data, dict):
             raise ConfigError(f"{source}: the top level must be a mapping of sections")
+    if defaults:
+        data = _merge(defaults, data)
     for dotted, value in (overrides or {}).items():
         if value is None:
             continue

@@ -44,6 +44,7 @@ class PagedAllocator(CacheAllocator):
         self.prefix_queries = 0  # prompt tokens looked up on first allocation
         self.prefix_hits = 0  # of those, served from the cache
         self.evictions = 0
+        self._refused_free: int | None = None  # free blocks when an allocation was last refused
 
     # --- look-ups -----------------------------------------------------------------------------
 
@@ -126,6 +127,7 @@ class PagedAllocator(CacheAllocator):
             # cached blocks we are about to retain are not available as fresh ones
             reusable_evictable = sum(1 for b in hit_blocks if self.ref_count[b] == 0)
             if needed > self.num_free_blocks() - reusable_evictable:
+                self._refused_free = self.num_free_blocks()
                 return None
             for b in hit_blocks:
                 self._retain(b)
@@ -146,6 +148,7 @@ class PagedAllocator(CacheAllocator):
         # writing into a shared partial last block needs a private copy first (copy-on-write)
         cow = have % bs != 0 and self.ref_count[table[-1]] > 1
         if needed + cow > self.num_free_blocks():
+            self._refused_free = self.num_free_blocks()
             return None
         if cow:
             src = table[-1]
@@ -191,6 +194,7 @@ class PagedAllocator(CacheAllocator):
         table = self._tables.pop(seq_id, None)
         if table is None:
             return
+        self._refused_free = None
         n = self._num_tokens.pop(seq_id)
         self._hashes.pop(seq_id)
         self._waste -= len(table) * self.block_size - n
@@ -232,15 +236,13 @@ class PagedAllocator(CacheAllocator):
         return self._waste / reserved if reserved else 0.0
 
     def external_fragmentation(self) -> float:
-        """1 - (longest run of consecutive free block ids / free blocks); see docs/architecture.md."""
-        free = sorted(self._free + list(self._evictable))
-        if not free:
-            return 0.0
-        best = run = 1
-        for a, b in zip(free, free[1:]):
-            run = run + 1 if b == a + 1 else 1
-            best = max(best, run)
-        return 1.0 - best / len(free)
+        """Free blocks stranded by the last refused allocation, over all blocks (0 once blocks are freed).
+
+        A contiguous allocator's external fragmentation is free memory that cannot serve a
+        request; with paging any free block serves any sequence, so the only capacity that sits
+        free while work waits is the remainder too small for the refused request.
+        """
+        return (self._refused_free or 0) / self.num_blocks
 
     def stats(self) -> dict[str, Any]:
         return {

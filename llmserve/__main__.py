@@ -1,0 +1,5 @@
+"""`python -m llmserve` runs the command line."""
+
+from llmserve.cli import main
+
+raise SystemExit(main())

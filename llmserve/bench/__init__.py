@@ -1,0 +1,1 @@
+"""Benchmarks: `llmserve bench offline` (engine, no HTTP) and `llmserve bench serve` (HTTP)."""
