@@ -1,0 +1,81 @@
+"""A byte-level tokenizer that needs no download: ids 0..255 are bytes, 256 is <|endoftext|>.
+
+Built with tiktoken from a mergeable-ranks table holding only the 256 single bytes, so every
+string round-trips exactly and the vocabulary (257) matches the embedded model and the fake
+backend.
+
+Chat template (documented in docs/server.md): each message becomes ``<role>: <content>\\n``
+(text parts of a list content are joined with no separator); with ``add_generation_prompt``
+the prompt ends in ``assistant:`` so the model continues as the assistant.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from llmserve.config import check_options
+from llmserve.interfaces import Tokenizer
+
+EOS_TEXT = "<|endoftext|>"
+EOS_ID = 256
+VOCAB_SIZE = 257
+
+
+def _message_text(content: Any) -> str:
+    """The text of a message's content: a string, or a list of {"type": "text", "text": ...} parts."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    return "".join(part.get("text", "") for part in content if isinstance(part, dict))
+
+
+def render_simple_chat(messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+    """Render messages as ``role: content`` lines, ending in ``assistant:`` when asked to."""
+    lines = [f"{m.get('role', 'user')}: {_message_text(m.get('content'))}\n" for m in messages]
+    if add_generation_prompt:
+        lines.append("assistant:")
+    return "".join(lines)
+
+
+class ByteTokenizer(Tokenizer):
+    """Byte-level tokenizer over tiktoken: 256 byte tokens plus <|endoftext|> as EOS."""
+
+    eos_token_id = EOS_ID
+    vocab_size = VOCAB_SIZE
+
+    def __init__(self) -> None:
+        import tiktoken
+
+        self._enc = tiktoken.Encoding(
+            name="llmserve-byte",
+            # split on whitespace runs so BPE pieces stay short; with no merges every piece
+            # becomes its bytes anyway
+            pat_str=r"\S+|\s+",
+            mergeable_ranks={bytes([i]): i for i in range(256)},
+            special_tokens={EOS_TEXT: EOS_ID},
+        )
+
+    @classmethod
+    def from_config(cls, config) -> ByteTokenizer:
+        """Build from an EngineConfig (tokenizer.options must be empty)."""
+        check_options(config.tokenizer.options, {}, f"{config.source}: tokenizer.options (byte)")
+        return cls()
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Bytes of text; a literal "<|endoftext|>" in user text stays plain bytes (no injected EOS)."""
+        return self._enc.encode_ordinary(text)
+
+    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        """UTF-8 text of the bytes (U+FFFD where a character is cut); EOS dropped unless asked for."""
+        ids = [t for t in token_ids if not (skip_special_tokens and t == EOS_ID)]
+        return self._enc.decode(ids, errors="replace")
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The raw bytes of one token (for OpenAI's logprobs `bytes` field)."""
+        return self._enc.decode_single_token_bytes(token_id)
+
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+        """Render with the simple ``role: content`` template described in the module docstring."""
+        return render_simple_chat(messages, add_generation_prompt)

@@ -1,0 +1,81 @@
+"""The "hf" tokenizer: transformers' AutoTokenizer from a local directory (or a hub id when online)."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from typing import Any
+
+from llmserve.config import check_options
+from llmserve.errors import ConfigError, InvalidRequestError
+from llmserve.interfaces import Tokenizer
+
+
+class HFTokenizer(Tokenizer):
+    """Wraps a transformers tokenizer; the chat template is the checkpoint's own."""
+
+    def __init__(self, tok: Any, name: str) -> None:
+        self._tok = tok
+        self.name = name
+        self.eos_token_id = tok.eos_token_id
+        self.vocab_size = len(tok)
+        self._special = set(tok.all_special_ids)
+
+    @classmethod
+    def from_config(cls, config) -> HFTokenizer:
+        """Load config.model.tokenizer (or config.model.model); a ConfigError says how to fix a failure."""
+        check_options(config.tokenizer.options, {}, f"{config.source}: tokenizer.options (hf)")
+        name = config.model.tokenizer or config.model.model
+        if name == "embedded":
+            raise ConfigError(f"{config.source}: tokenizer: the embedded model has no HF tokenizer; "
+                              "use tokenizer.name 'byte' or 'auto'")
+        return cls.load(name, revision=config.model.revision, trust_remote_code=config.model.trust_remote_code)
+
+    @classmethod
+    def load(cls, name: str, revision: str | None = None, trust_remote_code: bool = False) -> HFTokenizer:
+        """Load from a local directory, or from the hub cache / the hub for an id."""
+        from transformers import AutoTokenizer
+
+        local = os.path.isdir(name)
+        try:
+            # try the local files first: without internet a hub lookup only fails slowly
+            tok = AutoTokenizer.from_pretrained(name, revision=revision, trust_remote_code=trust_remote_code,
+                                                local_files_only=True)
+        except Exception as first:
+            if local or os.environ.get("HF_HUB_OFFLINE") in ("1", "true", "True"):
+                hint = "" if local else " (HF_HUB_OFFLINE is set: pass a local directory holding tokenizer files)"
+                raise ConfigError(f"cannot load the tokenizer from {name!r}: {type(first).__name__}: "
+                                  f"{str(first).splitlines()[0] if str(first) else ''}{hint}") from None
+            try:
+                tok = AutoTokenizer.from_pretrained(name, revision=revision, trust_remote_code=trust_remote_code)
+            except Exception as e:
+                raise ConfigError(
+                    f"cannot load the tokenizer {name!r}: it is not a local directory and the hub could not "
+                    f"provide it ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}). Without "
+                    "internet access, pass a local directory holding tokenizer files (model.tokenizer or model.model)"
+                ) from None
+        return cls(tok, name)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of text."""
+        return self._tok.encode(text, add_special_tokens=add_special_tokens)
+
+    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        """Text of token ids."""
+        return self._tok.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """UTF-8 bytes of one token's text (for OpenAI's logprobs `bytes` field)."""
+        return self._tok.decode([token_id], skip_special_tokens=False).encode("utf-8", errors="replace")
+
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+        """Render with the checkpoint's chat template; a 400 when the checkpoint has none."""
+        if not getattr(self._tok, "chat_template", None):
+            raise InvalidRequestError(
+                f"the tokenizer {self.name!r} has no chat template; use /v1/completions or a checkpoint "
+                "whose tokenizer_config.json defines chat_template", param="messages")
+        return self._tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+
+    @property
+    def all_special_ids(self) -> set[int]:
+        return self._special
