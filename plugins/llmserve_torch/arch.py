@@ -1,0 +1,106 @@
+"""A small, normalized description of a supported model architecture (from an HF config or the embedded one)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from llmserve.errors import ConfigError
+
+# HF model_type → our model family
+_FAMILIES = {
+    "gpt2": "gpt2",
+    "qwen2": "decoder",
+    "llama": "decoder",
+    "mistral": "decoder",
+    "qwen3": "decoder",
+}
+
+
+@dataclass(slots=True)
+class ArchConfig:
+    """The numbers a forward pass needs; the same for every family (unused fields keep defaults)."""
+
+    family: str  # gpt2 | decoder (llama-style: RoPE, RMSNorm, SwiGLU, GQA)
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    max_position_embeddings: int
+    norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    tie_word_embeddings: bool = True
+    qkv_bias: bool = False
+    qk_norm: bool = False  # Qwen3: RMSNorm on each head of q and k
+    activation: str = "gelu_new"
+    eos_token_id: int | None = None
+    torch_dtype: str | None = None  # what the checkpoint says it was saved in
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+
+def _first_int(v: Any) -> int | None:
+    """HF configs give eos_token_id as an int or a list; take the first."""
+    if isinstance(v, (list, tuple)):
+        return int(v[0]) if v else None
+    return None if v is None else int(v)
+
+
+def _rope_theta(cfg: Any) -> float:
+    """rope_theta lives on the config (transformers 4) or in rope_parameters (transformers 5)."""
+    params = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {}
+    rope_type = params.get("rope_type", params.get("type", "default")) if isinstance(params, dict) else "default"
+    if rope_type not in ("default", None):
+        raise ConfigError(f"model {cfg.model_type}: RoPE scaling {rope_type!r} is not supported by the torch backend "
+                          "(supported: default)")
+    theta = getattr(cfg, "rope_theta", None)
+    if theta is None and isinstance(params, dict):
+        theta = params.get("rope_theta")
+    return float(theta or 10000.0)
+
+
+def arch_from_hf(cfg: Any) -> ArchConfig:
+    """Translate a transformers PretrainedConfig into an ArchConfig, or say which types are supported."""
+    mt = getattr(cfg, "model_type", None)
+    family = _FAMILIES.get(mt)
+    if family is None:
+        raise ConfigError(f"model type {mt!r} is not supported by the torch backend "
+                          f"(supported: {', '.join(sorted(_FAMILIES))})")
+    dtype = getattr(cfg, "dtype", None) or getattr(cfg, "torch_dtype", None)
+    dtype = str(dtype).replace("torch.", "") if dtype is not None else None
+    if family == "gpt2":
+        if getattr(cfg, "scale_attn_by_inverse_layer_idx", False) or getattr(cfg, "reorder_and_upcast_attn", False):
+            raise ConfigError("GPT-2 variants with scale_attn_by_inverse_layer_idx/reorder_and_upcast_attn are not supported")
+        n_embd, n_head = cfg.n_embd, cfg.n_head
+        return ArchConfig(
+            family="gpt2", model_type=mt, vocab_size=cfg.vocab_size, hidden_size=n_embd,
+            num_layers=cfg.n_layer, num_heads=n_head, num_kv_heads=n_head, head_dim=n_embd // n_head,
+            intermediate_size=cfg.n_inner or 4 * n_embd, max_position_embeddings=cfg.n_positions,
+            norm_eps=cfg.layer_norm_epsilon, tie_word_embeddings=True, qkv_bias=True,
+            activation=cfg.activation_function, eos_token_id=_first_int(cfg.eos_token_id), torch_dtype=dtype,
+        )
+    act = getattr(cfg, "hidden_act", "silu")
+    if act != "silu":
+        raise ConfigError(f"model {mt}: hidden_act {act!r} is not supported (supported: silu)")
+    heads = cfg.num_attention_heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    return ArchConfig(
+        family="decoder", model_type=mt, vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,
+        num_layers=cfg.num_hidden_layers, num_heads=heads,
+        num_kv_heads=getattr(cfg, "num_key_value_heads", None) or heads, head_dim=head_dim,
+        intermediate_size=cfg.intermediate_size, max_position_embeddings=cfg.max_position_embeddings,
+        norm_eps=cfg.rms_norm_eps, rope_theta=_rope_theta(cfg),
+        tie_word_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
+        qkv_bias=mt == "qwen2" or bool(getattr(cfg, "attention_bias", False)), qk_norm=mt == "qwen3",
+        activation="silu", eos_token_id=_first_int(cfg.eos_token_id), torch_dtype=dtype,
+    )

@@ -1,0 +1,219 @@
+"""Attention over the paged KV cache: the kernel seam (`backend.options.attention`).
+
+Kernels:
+  reference  pure torch, any device: gathers each request's K/V by slot and runs SDPA per request.
+  cpu        a C++ kernel (built once with the system compiler, loaded with ctypes) that reads
+             every K/V block in place through the block tables; float32 and bfloat16.
+  auto       cpu where it builds and supports the shapes, else reference.
+A GPU kernel slots in as one more class with begin_step/forward.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from llmserve.errors import ConfigError
+from llmserve_torch.arch import ArchConfig
+from llmserve_torch.kv_cache import KVCache
+
+log = logging.getLogger("llmserve.torch")
+
+KERNELS = ("auto", "reference", "cpu")
+_SRC = Path(__file__).with_name("csrc") / "paged_attention.cpp"
+
+
+@dataclass(slots=True)
+class StepMetadata:
+    """Per-step indices shared by every layer (built once per step, not per layer)."""
+
+    slots: torch.Tensor  # int64 [T]: where each new token's K/V goes
+    tok_req: torch.Tensor  # int32 [T]: the request each token belongs to
+    tok_pos: torch.Tensor  # int32 [T]: each token's position
+    block_tables: torch.Tensor  # int32 [R, max_blocks]
+    q_starts: list[int]  # per request: first flattened token
+    q_lens: list[int]  # per request: tokens computed this step
+    ctx_lens: list[int]  # per request: tokens in context after this step
+    num_tokens: int
+
+
+class PagedAttention:
+    """Writes the step's K/V into the cache and attends over it; subclasses differ in how they read."""
+
+    name = "base"
+
+    def __init__(self, arch: ArchConfig, kv: KVCache):
+        self.arch = arch
+        self.kv = kv
+        self.scale = arch.head_dim ** -0.5
+        self.meta: StepMetadata | None = None
+
+    def begin_step(self, meta: StepMetadata) -> None:
+        """Remember this step's metadata (and precompute what every layer reuses)."""
+        self.meta = meta
+
+    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q [T, heads*head_dim], k/v [T, kv_heads*head_dim] (views allowed) → [T, heads*head_dim]."""
+        raise NotImplementedError
+
+
+class ReferenceAttention(PagedAttention):
+    """Portable and obviously right: per request, gather its context by slot and run SDPA with a causal offset."""
+
+    name = "reference"
+
+    def begin_step(self, meta: StepMetadata) -> None:
+        super().begin_step(meta)
+        bs = self.kv.block_size
+        bt = meta.block_tables.tolist()
+        dev = self.kv.k.device
+        self._ctx_slots = []
+        self._masks = []
+        for r, (ql, cl) in enumerate(zip(meta.q_lens, meta.ctx_lens)):
+            pos = torch.arange(cl, device=dev)
+            blocks = torch.tensor(bt[r][: (cl + bs - 1) // bs], device=dev, dtype=torch.long)
+            self._ctx_slots.append(blocks[pos // bs] * bs + pos % bs)
+            qpos = torch.arange(cl - ql, cl, device=dev)
+            self._masks.append(pos.unsqueeze(0) <= qpos.unsqueeze(1))  # [q, ctx]
+
+    def forward(self, layer, q, k, v):
+        a, m = self.arch, self.meta
+        self.kv.write(layer, m.slots, k, v)
+        out = torch.empty((m.num_tokens, a.q_size), dtype=q.dtype, device=q.device)
+        kf, vf = self.kv.k_flat[layer], self.kv.v_flat[layer]
+        group = a.num_heads // a.num_kv_heads
+        for r, (qs, ql) in enumerate(zip(m.q_starts, m.q_lens)):
+            slots = self._ctx_slots[r]
+            kr = kf.index_select(0, slots).view(-1, a.num_kv_heads, a.head_dim).transpose(0, 1)
+            vr = vf.index_select(0, slots).view(-1, a.num_kv_heads, a.head_dim).transpose(0, 1)
+            if group > 1:
+                kr = kr.repeat_interleave(group, dim=0)
+                vr = vr.repeat_interleave(group, dim=0)
+            qr = q[qs:qs + ql].reshape(ql, a.num_heads, a.head_dim).transpose(0, 1)
+            o = F.scaled_dot_product_attention(qr, kr, vr, attn_mask=self._masks[r], scale=self.scale)
+            out[qs:qs + ql] = o.transpose(0, 1).reshape(ql, a.q_size)
+        return out
+
+
+# --- the C++ CPU kernel --------------------------------------------------------------------------
+
+_lib_lock = threading.Lock()
+_lib: ctypes.CDLL | None = None
+_lib_error: str | None = None
+
+
+def _cache_dir() -> Path:
+    base = os.environ.get("LLMSERVE_CACHE_DIR") or os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "llmserve" / "kernels"
+
+
+def build_kernel() -> ctypes.CDLL:
+    """Compile csrc/paged_attention.cpp once per source/compiler/torch (cached on disk) and load it."""
+    global _lib, _lib_error
+    with _lib_lock:
+        if _lib is not None:
+            return _lib
+        if _lib_error is not None:
+            raise RuntimeError(_lib_error)
+        try:
+            src = _SRC.read_bytes()
+            cxx = os.environ.get("CXX", "g++")
+            flags = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
+            key = hashlib.sha256(src + " ".join([cxx, *flags, sys.platform]).encode()).hexdigest()[:16]
+            out = _cache_dir() / f"paged_attention_{key}.so"
+            if not out.exists():
+                out.parent.mkdir(parents=True, exist_ok=True)
+                with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
+                    tmp_so = Path(tmp) / out.name
+                    r = subprocess.run([cxx, *flags, str(_SRC), "-o", str(tmp_so)], capture_output=True, text=True,
+                                       timeout=120)
+                    if r.returncode != 0:
+                        raise RuntimeError(f"{cxx} failed: {r.stderr.strip()[-400:]}")
+                    os.replace(tmp_so, out)  # atomic: concurrent builders never load a half-written file
+            lib = ctypes.CDLL(str(out))
+            for fn in (lib.llmserve_paged_attention_f32, lib.llmserve_paged_attention_bf16):
+                fn.restype = None
+                fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+                               ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
+                               ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_float,
+                               ctypes.c_int]
+            _lib = lib
+            return lib
+        except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+            _lib_error = f"the CPU attention kernel could not be built: {e}"
+            raise RuntimeError(_lib_error) from None
+
+
+def cpu_kernel_unsupported(arch: ArchConfig, kv: KVCache) -> str | None:
+    """Why the CPU kernel cannot serve this model/cache (None when it can)."""
+    dev, dt = kv.k.device, kv.k.dtype
+    if dev.type != "cpu":
+        return f"it runs on CPU only (device is {dev})"
+    if dt not in (torch.float32, torch.bfloat16):
+        return f"it supports float32 and bfloat16 only (dtype is {dt})"
+    if arch.head_dim > 256 or arch.num_heads // arch.num_kv_heads > 16 or kv.block_size > 256:
+        return "head_dim > 256, GQA group > 16 or block_size > 256"
+    return None
+
+
+class CPUPagedAttention(PagedAttention):
+    """Reads each K/V block in place through the block tables: no per-layer gather, no padding."""
+
+    name = "cpu"
+
+    def __init__(self, arch: ArchConfig, kv: KVCache):
+        super().__init__(arch, kv)
+        lib = build_kernel()
+        self._fn = lib.llmserve_paged_attention_bf16 if kv.k.dtype == torch.bfloat16 else \
+            lib.llmserve_paged_attention_f32
+        self._out: torch.Tensor | None = None
+
+    def begin_step(self, meta: StepMetadata) -> None:
+        super().begin_step(meta)
+        self._threads = torch.get_num_threads()
+        T = meta.num_tokens
+        if self._out is None or self._out.shape[0] < T:  # grow-only buffer: no fresh pages per layer
+            self._out = torch.empty((max(T, 64), self.arch.q_size), dtype=self.kv.k.dtype)
+        self._args_tail = (meta.block_tables.data_ptr(), meta.block_tables.shape[1], meta.tok_req.data_ptr(),
+                           meta.tok_pos.data_ptr())
+
+    def forward(self, layer, q, k, v):
+        a, m = self.arch, self.meta
+        self.kv.write(layer, m.slots, k, v)
+        if q.stride(1) != 1:
+            q = q.contiguous()
+        out = self._out[: m.num_tokens]
+        bt, maxb, treq, tpos = self._args_tail
+        self._fn(q.data_ptr(), q.stride(0), self.kv.k[layer].data_ptr(), self.kv.v[layer].data_ptr(), bt, maxb,
+                 treq, tpos, out.data_ptr(), out.stride(0), m.num_tokens, a.num_heads, a.num_kv_heads, a.head_dim,
+                 self.kv.block_size, self.scale, self._threads)
+        return out
+
+
+def make_attention(name: str, arch: ArchConfig, kv: KVCache) -> PagedAttention:
+    """Pick the kernel: an explicit name must work (or fail clearly); auto falls back to reference."""
+    if name not in KERNELS:
+        raise ConfigError(f"backend.options.attention: must be one of {', '.join(KERNELS)}, got {name!r}")
+    if name == "reference":
+        return ReferenceAttention(arch, kv)
+    why = cpu_kernel_unsupported(arch, kv)
+    if why is None:
+        try:
+            return CPUPagedAttention(arch, kv)
+        except RuntimeError as e:
+            why = str(e)
+    if name == "cpu":
+        raise ConfigError(f"backend.options.attention: the cpu kernel cannot be used: {why}")
+    log.info("attention: using the reference kernel (%s)", why)
+    return ReferenceAttention(arch, kv)

@@ -1,0 +1,229 @@
+"""TorchBackend: one forward over a flattened mixed batch on the paged KV cache, then sampling."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+
+from llmserve.batch import ModelOutput, ScheduledBatch
+from llmserve.config import EngineConfig, check_options
+from llmserve.errors import ConfigError
+from llmserve.interfaces import ModelBackend
+from llmserve_torch.attention import KERNELS, StepMetadata, make_attention
+from llmserve_torch.kv_cache import KVCache, budget_bytes, bytes_per_block
+from llmserve_torch.loader import load_model
+from llmserve_torch.sampling import Sampler, prompt_logprobs
+
+log = logging.getLogger("llmserve.torch")
+
+OPTIONS = {
+    "attention": "auto",  # auto | reference | cpu
+    # never size the cache beyond what max_num_seqs full-length sequences can use at once
+    "cap_kv_blocks": True,
+}
+
+
+class TorchBackend(ModelBackend):
+    """GPT-2 / Qwen2-family models in plain PyTorch on a backend-owned paged KV cache."""
+
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        self.options = check_options(config.backend.options, OPTIONS, "backend.options (torch backend)")
+        if self.options["attention"] not in KERNELS:
+            raise ConfigError(f"backend.options.attention: must be one of {', '.join(KERNELS)}, "
+                              f"got {self.options['attention']!r}")
+        mc = config.model
+        loaded = load_model(mc)
+        self.loaded = loaded
+        self.model = loaded.model
+        self.arch = loaded.arch
+        self.device = loaded.device
+        self.dtype = loaded.dtype
+        self.vocab_size = self.arch.vocab_size
+        limit = self.arch.max_position_embeddings
+        if mc.max_model_len is not None:
+            if self.arch.family == "gpt2" and mc.max_model_len > limit:
+                raise ConfigError(f"model.max_model_len: {mc.max_model_len} exceeds GPT-2's learned positions "
+                                  f"({limit})")
+            limit = mc.max_model_len
+        self.max_model_len = limit
+        self.eos_token_id = self.arch.eos_token_id
+        self.sampler = Sampler(self.device, seed=mc.seed, eos_token_id=self.eos_token_id)
+        self.kv: KVCache | None = None
+        self.attention = None
+        self._kv_peak = {"reserved_slots": 0, "used_slots": 0}
+        self._steps = 0
+
+    # --- KV cache -----------------------------------------------------------------------------
+
+    def num_kv_blocks(self, block_size: int) -> int:
+        """Blocks the kv_cache_memory budget holds, capped at what max_num_seqs full sequences can use."""
+        per_block = bytes_per_block(self.arch, block_size, self.dtype)
+        budget = budget_bytes(self.config.backend.kv_cache_memory, self.device)
+        n = budget // per_block
+        if self.options["cap_kv_blocks"]:
+            per_seq = -(-self.max_model_len // block_size)
+            n = min(n, per_seq * self.config.scheduler.max_num_seqs + 1)
+        if n < 1:
+            raise ConfigError(f"backend.kv_cache_memory: {budget} bytes hold no KV block "
+                              f"(one block of {block_size} tokens takes {per_block} bytes)")
+        return int(n)
+
+    def init_kv_cache(self, num_blocks: int, block_size: int) -> None:
+        """Allocate the K/V tensors and pick the attention kernel for them."""
+        self.kv = KVCache(self.arch, num_blocks, block_size, self.dtype, self.device)
+        self.attention = make_attention(self.options["attention"], self.arch, self.kv)
+        log.info("KV cache: %d blocks of %d tokens (%.1f MiB), attention kernel %s", num_blocks, block_size,
+                 self.kv.nbytes / 2**20, self.attention.name)
+
+    # --- one step -------------------------------------------------------------------------------
+
+    def _metadata(self, batch: ScheduledBatch):
+        """Flatten the batch: token ids, positions, slots, block tables, rows to compute logits for."""
+        bs = self.kv.block_size
+        ids: list[int] = []
+        pos: list[int] = []
+        slots: list[int] = []
+        tok_req: list[int] = []
+        q_starts, q_lens, ctx_lens, tables = [], [], [], []
+        sample_rows: list[int] = []
+        reserved = used = 0
+        for ri, r in enumerate(batch.requests):
+            s, n = r.num_computed_tokens, r.num_new_tokens
+            ctx = s + n
+            bt = r.block_table
+            nb = -(-ctx // bs)
+            if nb > len(bt):
+                raise RuntimeError(f"request {r.request_id}: block table holds {len(bt)} blocks, "
+                                   f"{ctx} tokens need {nb}")
+            q_starts.append(len(ids))
+            q_lens.append(n)
+            ctx_lens.append(ctx)
+            tables.append(bt[:nb])
+            ids.extend(r.token_ids[s:ctx])
+            if n == 1:
+                pos.append(s)
+                slots.append(bt[s // bs] * bs + s % bs)
+            else:
+                rng = range(s, ctx)
+                pos.extend(rng)
+                slots.extend([bt[p // bs] * bs + p % bs for p in rng])
+            tok_req.extend([ri] * n)
+            if r.do_sample:
+                sample_rows.append(len(ids) - 1)
+            reserved += len(bt) * bs
+            used += ctx
+        if reserved > self._kv_peak["reserved_slots"]:
+            self._kv_peak = {"reserved_slots": reserved, "used_slots": used}
+        maxb = max(len(t) for t in tables)
+        flat: list[int] = []
+        for t in tables:
+            flat.extend(t)
+            flat.extend([0] * (maxb - len(t)))
+        dev = self.device
+        meta = StepMetadata(
+            slots=torch.tensor(slots, dtype=torch.long, device=dev),
+            tok_req=torch.tensor(tok_req, dtype=torch.int32, device=dev),
+            tok_pos=torch.tensor(pos, dtype=torch.int32, device=dev),
+            block_tables=torch.tensor(flat, dtype=torch.int32, device=dev).view(len(tables), maxb),
+            q_starts=q_starts, q_lens=q_lens, ctx_lens=ctx_lens, num_tokens=len(ids),
+        )
+        return torch.tensor(ids, dtype=torch.long, device=dev), meta, sample_rows
+
+    def _forward(self, batch: ScheduledBatch):
+        """Metadata once per step, then the model over every flattened token: hidden [T, hidden]."""
+        ids, meta, sample_rows = self._metadata(batch)
+        step = self.model.prepare_step(meta.tok_pos.long())
+        self.attention.begin_step(meta)
+        return self.model.forward(ids, step, self.attention), meta, sample_rows
+
+    def compute_logits(self, batch: ScheduledBatch) -> torch.Tensor:
+        """Float32 logits of every token the batch computes, [T, vocab] (for tests and debugging; writes K/V)."""
+        if self.kv is None:
+            raise RuntimeError("init_kv_cache() must be called before compute_logits()")
+        if batch.block_copies:
+            self.kv.copy_blocks(batch.block_copies)
+        with torch.inference_mode():
+            hidden, _, _ = self._forward(batch)
+            return self.model.logits(hidden)
+
+    def execute(self, batch: ScheduledBatch) -> ModelOutput:
+        """Copy-on-write blocks, run the forward, sample the requests that want a token."""
+        if self.kv is None:
+            raise RuntimeError("init_kv_cache() must be called before execute()")
+        if batch.block_copies:
+            self.kv.copy_blocks(batch.block_copies)
+        reqs = batch.requests
+        if not reqs:
+            return ModelOutput(sampled_token_ids=[])
+        with torch.inference_mode():
+            hidden, meta, sample_rows = self._forward(batch)
+            sampled: list[int | None] = [None] * len(reqs)
+            logprobs = None
+            sample_reqs = [r for r in reqs if r.do_sample]
+            if sample_reqs:
+                rows = torch.tensor(sample_rows, dtype=torch.long, device=self.device)
+                logits = self.model.logits(hidden.index_select(0, rows))
+                toks, lps = self.sampler.sample(logits, sample_reqs)
+                it = iter(zip(toks, lps))
+                if any(lp is not None for lp in lps):
+                    logprobs = [None] * len(reqs)
+                for i, r in enumerate(reqs):
+                    if r.do_sample:
+                        tok, lp = next(it)
+                        sampled[i] = tok
+                        if logprobs is not None:
+                            logprobs[i] = lp
+            plp = None
+            if any(r.sampling.prompt_logprobs is not None for r in reqs):
+                plp = [None] * len(reqs)
+                for i, r in enumerate(reqs):
+                    if r.sampling.prompt_logprobs is None:
+                        continue
+                    s, n = r.num_computed_tokens, r.num_new_tokens
+                    targets = [r.token_ids[p + 1] if p + 1 < r.num_prompt_tokens else None for p in range(s, s + n)]
+                    if all(t is None for t in targets):
+                        plp[i] = [None] * n
+                        continue
+                    qs = meta.q_starts[i]
+                    lg = self.model.logits(hidden[qs:qs + n])
+                    plp[i] = prompt_logprobs(lg, targets, r.sampling.prompt_logprobs)
+        self._steps += 1
+        return ModelOutput(sampled_token_ids=sampled, logprobs=logprobs, prompt_logprobs=plp)
+
+    # --- reporting ------------------------------------------------------------------------------
+
+    def kv_peak(self) -> dict[str, Any]:
+        """Reserved vs used KV slots at the step that reserved the most."""
+        p = dict(self._kv_peak)
+        p["waste_fraction"] = 1 - p["used_slots"] / p["reserved_slots"] if p["reserved_slots"] else 0.0
+        return p
+
+    def describe(self) -> dict[str, Any]:
+        """Model, dtype, device, kernel, weights, cache size, threads."""
+        a = self.arch
+        d = {
+            "backend": "torch",
+            "model": self.loaded.source,
+            "model_type": a.model_type,
+            "layers": a.num_layers, "hidden_size": a.hidden_size, "heads": a.num_heads, "kv_heads": a.num_kv_heads,
+            "vocab_size": a.vocab_size,
+            "dtype": str(self.dtype).replace("torch.", ""),
+            "device": str(self.device),
+            "weights": self.loaded.weights,
+            "max_model_len": self.max_model_len,
+            "threads": torch.get_num_threads(),
+            "torch": torch.__version__,
+        }
+        if self.kv is not None:
+            d.update({"attention": self.attention.name, "kv_blocks": self.kv.num_blocks,
+                      "kv_block_size": self.kv.block_size, "kv_bytes": self.kv.nbytes, "kv_peak": self.kv_peak()})
+        return d
+
+    def shutdown(self) -> None:
+        """Drop the weights and the KV tensors."""
+        self.kv = None
+        self.attention = None
+        self.model = None

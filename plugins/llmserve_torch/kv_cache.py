@@ -1,0 +1,89 @@
+"""The backend-owned paged K/V tensors and the memory budget that sizes them."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from llmserve.config import parse_bytes
+from llmserve.errors import ConfigError
+from llmserve_torch.arch import ArchConfig
+
+
+def free_memory_bytes(device: torch.device) -> int:
+    """Memory a new allocation can take now: CUDA free memory, or MemAvailable on Linux."""
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def budget_bytes(value: str | float | int, device: torch.device) -> int:
+    """kv_cache_memory → bytes: a number in (0, 1] is a fraction of free memory, else bytes ('512MiB')."""
+    key = "backend.kv_cache_memory"
+    frac = None
+    if isinstance(value, float) and not isinstance(value, bool):
+        frac = value if value <= 1.0 else None
+        if frac is None:
+            return int(value)
+    elif isinstance(value, str):
+        try:
+            f = float(value)
+            if f <= 1.0:
+                frac = f
+        except ValueError:
+            pass
+    if frac is not None:
+        if not 0.0 < frac <= 1.0:
+            raise ConfigError(f"{key}: a fraction of free memory must be in (0, 1], got {value!r}")
+        return int(frac * free_memory_bytes(device))
+    n = parse_bytes(value, key)
+    if n <= 0:
+        raise ConfigError(f"{key}: must be positive, got {value!r}")
+    return n
+
+
+def bytes_per_block(arch: ArchConfig, block_size: int, dtype: torch.dtype) -> int:
+    """K and V of every layer for block_size tokens."""
+    elem = torch.empty((), dtype=dtype).element_size()
+    return 2 * arch.num_layers * block_size * arch.num_kv_heads * arch.head_dim * elem
+
+
+class KVCache:
+    """K and V as [layers, blocks, block_size, kv_heads, head_dim]; a slot is block * block_size + offset."""
+
+    def __init__(self, arch: ArchConfig, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device):
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        shape = (arch.num_layers, num_blocks, block_size, arch.num_kv_heads, arch.head_dim)
+        # empty, not zeros: only slots written this run are ever read, and untouched pages stay unbacked
+        self.k = torch.empty(shape, dtype=dtype, device=device)
+        self.v = torch.empty(shape, dtype=dtype, device=device)
+        flat = (arch.num_layers, num_blocks * block_size, arch.num_kv_heads * arch.head_dim)
+        self.k_flat = self.k.view(flat)
+        self.v_flat = self.v.view(flat)
+
+    @property
+    def nbytes(self) -> int:
+        return self.k.numel() * self.k.element_size() * 2
+
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy-on-write: block src's K/V (every layer) into block dst."""
+        if not pairs:
+            return
+        src = torch.tensor([p[0] for p in pairs], dtype=torch.long, device=self.k.device)
+        dst = torch.tensor([p[1] for p in pairs], dtype=torch.long, device=self.k.device)
+        for t in (self.k, self.v):
+            t.index_copy_(1, dst, t.index_select(1, src))
+
+    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store the new tokens' K/V ([T, kv_heads*head_dim]) at their slots."""
+        self.k_flat[layer].index_copy_(0, slots, k)
+        self.v_flat[layer].index_copy_(0, slots, v)

@@ -1,0 +1,210 @@
+"""Find a model (local directory, hub id or the embedded default), read its config and weights, build it."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from llmserve.config import ModelConfig
+from llmserve.errors import ConfigError
+from llmserve_torch import embedded
+from llmserve_torch.arch import ArchConfig, arch_from_hf
+from llmserve_torch.models import gpt2, qwen2
+
+log = logging.getLogger("llmserve.torch")
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(slots=True)
+class LoadedModel:
+    """A built model and the facts the backend reports about it."""
+
+    model: Any  # GPT2Model | Qwen2Model
+    arch: ArchConfig
+    dtype: torch.dtype
+    device: torch.device
+    source: str  # the directory, "embedded", or the hub id and where it was cached
+    weights: str  # the files read, or "dummy (seed N)"
+
+
+def resolve_device(name: str) -> torch.device:
+    """cpu | cuda | cuda:N | auto → a torch.device, with a clear error when CUDA is missing."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise ConfigError(f"model.device: {name!r} was asked for but this torch build sees no CUDA device "
+                          f"(torch {torch.__version__}); use device: cpu")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, arch: ArchConfig, device: torch.device) -> torch.dtype:
+    """float32 | bfloat16 | float16 | auto (the checkpoint's dtype; float32 when unknown)."""
+    if name == "auto":
+        name = arch.torch_dtype if arch.torch_dtype in _DTYPES else "float32"
+    if name not in _DTYPES:
+        raise ConfigError(f"model.dtype: must be float32, bfloat16, float16 or auto, got {name!r}")
+    return _DTYPES[name]
+
+
+def resolve_model_dir(mc: ModelConfig) -> Path:
+    """A local directory as it is; otherwise fetch (or find in the HF cache) a hub id, explaining failures."""
+    p = Path(mc.model).expanduser()
+    if p.is_dir():
+        return p
+    if p.exists():
+        raise ConfigError(f"model.model: {mc.model!r} is a file; pass the directory that holds config.json")
+    if mc.model.startswith((".", "/", "~")) or mc.model.count("/") > 1:
+        raise ConfigError(f"model.model: no such directory {mc.model!r}")
+    try:
+        from huggingface_hub import snapshot_download
+    except ImportError:  # pragma: no cover - huggingface_hub ships with transformers
+        raise ConfigError(f"model.model: {mc.model!r} is not a local directory and huggingface_hub is not installed")
+    patterns = ["*.json", "*.safetensors", "*.bin", "*.txt", "*.model", "*.tiktoken", "merges.txt", "vocab.*"]
+    try:
+        return Path(snapshot_download(mc.model, revision=mc.revision, allow_patterns=patterns))
+    except Exception as e:  # offline, unknown repo, gated repo, network down ...
+        offline = os.environ.get("HF_HUB_OFFLINE", "") not in ("", "0") or "offline" in str(e).lower()
+        why = "the Hugging Face hub is offline (HF_HUB_OFFLINE is set or no network)" if offline else \
+            f"it could not be fetched from the Hugging Face hub ({type(e).__name__}: {str(e).splitlines()[0][:200]})"
+        raise ConfigError(
+            f"model.model: {mc.model!r} is not a local directory and {why}. "
+            f"Download it where there is network, e.g. `huggingface-cli download {mc.model} --local-dir ./models/x`, "
+            f"then pass that directory: --model ./models/x (or model.model: ./models/x in the config file)"
+        ) from None
+
+
+def read_arch(model_dir: Path, trust_remote_code: bool = False) -> ArchConfig:
+    """Read config.json through transformers and normalize it."""
+    from transformers import AutoConfig
+
+    if not (model_dir / "config.json").is_file():
+        raise ConfigError(f"model.model: {str(model_dir)!r} has no config.json")
+    try:
+        cfg = AutoConfig.from_pretrained(str(model_dir), trust_remote_code=trust_remote_code)
+    except Exception as e:
+        raise ConfigError(f"model.model: cannot read {model_dir / 'config.json'}: {type(e).__name__}: {e}") from None
+    arch = arch_from_hf(cfg)
+    gen = model_dir / "generation_config.json"
+    if arch.eos_token_id is None and gen.is_file():
+        try:
+            v = json.loads(gen.read_text()).get("eos_token_id")
+            arch.eos_token_id = v[0] if isinstance(v, list) and v else v
+        except (OSError, ValueError):
+            pass
+    return arch
+
+
+def _weight_files(model_dir: Path, load_format: str) -> list[Path]:
+    """The checkpoint files to read: safetensors first (auto), single or sharded via the index."""
+    kinds = {"auto": ("safetensors", "pt"), "safetensors": ("safetensors",), "pt": ("pt",)}.get(load_format)
+    if kinds is None:
+        raise ConfigError(f"model.load_format: must be auto, safetensors, pt or dummy, got {load_format!r}")
+    for kind in kinds:
+        single, index = (("model.safetensors", "model.safetensors.index.json") if kind == "safetensors"
+                         else ("pytorch_model.bin", "pytorch_model.bin.index.json"))
+        if (model_dir / index).is_file():
+            idx = json.loads((model_dir / index).read_text())
+            names = sorted(set(idx.get("weight_map", {}).values()))
+            missing = [n for n in names if not (model_dir / n).is_file()]
+            if missing:
+                raise ConfigError(f"{model_dir / index} names shards that are missing: {', '.join(missing)}")
+            return [model_dir / n for n in names]
+        if (model_dir / single).is_file():
+            return [model_dir / single]
+        found = sorted(model_dir.glob("*.safetensors" if kind == "safetensors" else "*.bin"))
+        if found:
+            return found
+    raise ConfigError(f"model.model: no weights in {str(model_dir)!r} for load_format {load_format!r} "
+                      "(looked for model.safetensors, sharded *.safetensors with an index, pytorch_model.bin); "
+                      "use load_format: dummy for random weights")
+
+
+def read_state_dict(files: list[Path], normalize) -> dict[str, torch.Tensor]:
+    """Tensors from safetensors or torch .bin files, names normalized by the model family."""
+    sd: dict[str, torch.Tensor] = {}
+    for f in files:
+        if f.suffix == ".safetensors":
+            from safetensors import safe_open
+
+            with safe_open(str(f), framework="pt", device="cpu") as fh:
+                items = ((k, fh.get_tensor(k)) for k in fh.keys())
+                for k, t in items:
+                    name = normalize(k)
+                    if name is not None:
+                        sd[name] = t
+        else:
+            for k, t in torch.load(str(f), map_location="cpu", weights_only=True, mmap=True).items():
+                name = normalize(k)
+                if name is not None:
+                    sd[name] = t
+    return sd
+
+
+def dummy_state_dict(shapes: dict[str, tuple[int, ...]], seed: int) -> dict[str, torch.Tensor]:
+    """Seeded random weights in checkpoint layout: N(0, 0.02) matrices, unit norm weights, small biases."""
+    g = torch.Generator().manual_seed(seed)
+    sd = {}
+    for name, shape in shapes.items():
+        if len(shape) == 1 and ("norm" in name or name.split(".")[-2].startswith("ln")) and name.endswith("weight"):
+            sd[name] = torch.ones(shape)
+        else:
+            sd[name] = torch.empty(shape).normal_(0.0, 0.02, generator=g)
+    return sd
+
+
+def _family(arch: ArchConfig):
+    return gpt2 if arch.family == "gpt2" else qwen2
+
+
+def build_model(arch: ArchConfig, sd: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device, max_len: int):
+    """Instantiate the family's model, checking that every tensor it needs is present with the right shape."""
+    fam = _family(arch)
+    expected = fam.hf_shapes(arch)
+    missing = [n for n in expected if n not in sd]
+    if missing:
+        raise ConfigError(f"checkpoint is missing {len(missing)} tensor(s), e.g. {', '.join(missing[:3])}")
+    for n, shape in expected.items():
+        if tuple(sd[n].shape) != shape:
+            raise ConfigError(f"checkpoint tensor {n} has shape {tuple(sd[n].shape)}, the config implies {shape}")
+    if fam is gpt2:
+        return gpt2.GPT2Model(arch, sd, dtype, device)
+    return qwen2.Qwen2Model(arch, sd, dtype, device, max_len)
+
+
+def load_model(mc: ModelConfig) -> LoadedModel:
+    """Everything from ModelConfig to a ready model: find, read config, read or invent weights, cast, place."""
+    device = resolve_device(mc.device)
+    if mc.threads is not None:
+        if mc.threads < 1:
+            raise ConfigError(f"model.threads: must be >= 1, got {mc.threads}")
+        torch.set_num_threads(mc.threads)
+    if mc.model == "embedded":
+        arch = embedded.arch()
+        source = "embedded"
+        load_format = "dummy"
+    else:
+        model_dir = resolve_model_dir(mc)
+        arch = read_arch(model_dir, mc.trust_remote_code)
+        source = str(model_dir)
+        load_format = mc.load_format
+    dtype = resolve_dtype(mc.dtype, arch, device)
+    max_len = arch.max_position_embeddings if arch.family == "gpt2" else max(arch.max_position_embeddings,
+                                                                              mc.max_model_len or 0)
+    fam = _family(arch)
+    if load_format == "dummy":
+        sd = dummy_state_dict(fam.hf_shapes(arch), mc.seed)
+        weights = f"dummy (seeded random, seed {mc.seed})"
+    else:
+        files = _weight_files(Path(source), load_format)
+        sd = read_state_dict(files, fam.normalize_name)
+        weights = ", ".join(f.name for f in files)
+    model = build_model(arch, sd, dtype, device, max_len)
+    log.info("loaded %s (%s) %s on %s: %s", source, arch.model_type, str(dtype).replace("torch.", ""), device, weights)
+    return LoadedModel(model=model, arch=arch, dtype=dtype, device=device, source=source, weights=weights)

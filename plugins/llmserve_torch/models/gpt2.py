@@ -1,0 +1,102 @@
+"""GPT-2 as plain tensors: learned positions, LayerNorm, fused QKV, GELU MLP, tied LM head."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from llmserve_torch.arch import ArchConfig
+
+_ACTS = {
+    "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
+    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "gelu_fast": lambda x: F.gelu(x, approximate="tanh"),
+    "gelu": F.gelu,
+    "relu": F.relu,
+    "silu": F.silu,
+}
+
+
+def hf_shapes(a: ArchConfig) -> dict[str, tuple[int, ...]]:
+    """Checkpoint tensor names and shapes (HF's Conv1D stores weights as [in, out])."""
+    h, i = a.hidden_size, a.intermediate_size
+    shapes: dict[str, tuple[int, ...]] = {"wte.weight": (a.vocab_size, h), "wpe.weight": (a.max_position_embeddings, h)}
+    for n in range(a.num_layers):
+        p = f"h.{n}."
+        shapes.update({
+            p + "ln_1.weight": (h,), p + "ln_1.bias": (h,),
+            p + "attn.c_attn.weight": (h, 3 * h), p + "attn.c_attn.bias": (3 * h,),
+            p + "attn.c_proj.weight": (h, h), p + "attn.c_proj.bias": (h,),
+            p + "ln_2.weight": (h,), p + "ln_2.bias": (h,),
+            p + "mlp.c_fc.weight": (h, i), p + "mlp.c_fc.bias": (i,),
+            p + "mlp.c_proj.weight": (i, h), p + "mlp.c_proj.bias": (h,),
+        })
+    shapes.update({"ln_f.weight": (h,), "ln_f.bias": (h,)})
+    return shapes
+
+
+def normalize_name(name: str) -> str | None:
+    """Strip the GPT2LMHeadModel prefix; None for tensors we do not use (masks, the tied head)."""
+    if name.startswith("transformer."):
+        name = name[len("transformer."):]
+    if name.endswith(".attn.bias") or name.endswith(".attn.masked_bias") or name == "lm_head.weight":
+        return None
+    return name
+
+
+class GPT2Model:
+    """Holds the weights laid out for F.linear ([out, in], contiguous) and runs the flattened forward."""
+
+    def __init__(self, arch: ArchConfig, sd: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device):
+        self.arch = arch
+        self.act = _ACTS.get(arch.activation)
+        if self.act is None:
+            raise ValueError(f"GPT-2 activation {arch.activation!r} is not supported (supported: {', '.join(_ACTS)})")
+
+        def w(name: str, transpose: bool = False) -> torch.Tensor:
+            t = sd[name]
+            if transpose:
+                t = t.t()
+            return t.to(device=device, dtype=dtype).contiguous()
+
+        self.wte = w("wte.weight")
+        self.wpe = w("wpe.weight")
+        self.layers = []
+        for n in range(arch.num_layers):
+            p = f"h.{n}."
+            self.layers.append({
+                "ln1_w": w(p + "ln_1.weight"), "ln1_b": w(p + "ln_1.bias"),
+                "qkv_w": w(p + "attn.c_attn.weight", True), "qkv_b": w(p + "attn.c_attn.bias"),
+                "o_w": w(p + "attn.c_proj.weight", True), "o_b": w(p + "attn.c_proj.bias"),
+                "ln2_w": w(p + "ln_2.weight"), "ln2_b": w(p + "ln_2.bias"),
+                "fc_w": w(p + "mlp.c_fc.weight", True), "fc_b": w(p + "mlp.c_fc.bias"),
+                "proj_w": w(p + "mlp.c_proj.weight", True), "proj_b": w(p + "mlp.c_proj.bias"),
+            })
+        self.lnf_w = w("ln_f.weight")
+        self.lnf_b = w("ln_f.bias")
+        self.lm_head = self.wte  # tied, [vocab, hidden]: a contiguous matmul operand
+
+    def prepare_step(self, positions: torch.Tensor) -> dict:
+        """Per-step tensors shared by every layer (here: the position embeddings)."""
+        return {"pos_emb": F.embedding(positions, self.wpe)}
+
+    def forward(self, input_ids: torch.Tensor, step: dict, attention) -> torch.Tensor:
+        """Hidden states of every flattened token before the final norm: [T, hidden]."""
+        a = self.arch
+        h_size, eps = a.hidden_size, a.norm_eps
+        x = F.embedding(input_ids, self.wte)
+        x += step["pos_emb"]
+        for li, L in enumerate(self.layers):
+            h = F.layer_norm(x, (h_size,), L["ln1_w"], L["ln1_b"], eps)
+            qkv = F.linear(h, L["qkv_w"], L["qkv_b"])
+            q, k, v = qkv[:, :h_size], qkv[:, h_size:2 * h_size], qkv[:, 2 * h_size:]
+            o = attention.forward(li, q, k, v)
+            x += F.linear(o, L["o_w"], L["o_b"])
+            h = F.layer_norm(x, (h_size,), L["ln2_w"], L["ln2_b"], eps)
+            x += F.linear(self.act(F.linear(h, L["fc_w"], L["fc_b"])), L["proj_w"], L["proj_b"])
+        return x
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Final norm + LM head on the selected rows, as float32."""
+        h = F.layer_norm(hidden, (self.arch.hidden_size,), self.lnf_w, self.lnf_b, self.arch.norm_eps)
+        return F.linear(h, self.lm_head).float()

@@ -1,0 +1,185 @@
+"""Batched sampling on the device: penalties, logit bias, temperature, top-k/top-p/min-p, seeds, logprobs.
+
+Randomness: a request with a seed draws from a generator seeded by (seed, num_output_tokens), so
+the token it gets depends only on its own logits and that pair, never on what else is in the batch
+or on preemption. Requests without a seed share the backend's generator (seeded by model.seed).
+The token is argmax(probs / E) with E ~ Exp(1) per vocabulary entry (the exponential-race form of
+sampling from probs), so sorting for top-k/top-p never changes which random number a token gets.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from llmserve.batch import ScheduledRequest
+from llmserve.request import Logprob, SamplingParams
+
+_MASK = float("-inf")
+_M64 = (1 << 64) - 1
+
+
+def step_seed(seed: int, num_output_tokens: int) -> int:
+    """A well-mixed 63-bit seed from (request seed, output index) (splitmix64 finalizer)."""
+    z = (seed * 0x9E3779B97F4A7C15 + (num_output_tokens + 1) * 0xBF58476D1CE4E5B9) & _M64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _M64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _M64
+    return (z ^ (z >> 31)) >> 1
+
+
+def _needs_processing(sp: SamplingParams, num_output_tokens: int) -> bool:
+    return bool(sp.repetition_penalty != 1.0 or sp.presence_penalty or sp.frequency_penalty or sp.logit_bias
+                or (sp.min_tokens and num_output_tokens < sp.min_tokens))
+
+
+def apply_logit_processors(logits: torch.Tensor, reqs: Sequence[ScheduledRequest], eos_token_id: int | None) -> None:
+    """In place: repetition (prompt+output), presence/frequency (output), logit bias, min_tokens stop masking."""
+    V = logits.shape[1]
+    dev = logits.device
+    for i, r in enumerate(reqs):
+        sp = r.sampling
+        n_out = r.num_output_tokens
+        if not _needs_processing(sp, n_out):
+            continue
+        row = logits[i]
+        toks = r.token_ids[: r.num_prompt_tokens + n_out]
+        if sp.repetition_penalty != 1.0 and toks:
+            ids = torch.tensor(sorted(set(toks)), dtype=torch.long, device=dev)
+            ids = ids[ids < V]
+            vals = row.index_select(0, ids)
+            row.index_copy_(0, ids, torch.where(vals > 0, vals / sp.repetition_penalty, vals * sp.repetition_penalty))
+        if (sp.presence_penalty or sp.frequency_penalty) and n_out:
+            out = torch.tensor(toks[r.num_prompt_tokens:], dtype=torch.long, device=dev)
+            counts = torch.bincount(out[out < V], minlength=V)[:V].to(row.dtype)
+            row -= counts * sp.frequency_penalty + (counts > 0).to(row.dtype) * sp.presence_penalty
+        if sp.logit_bias:
+            ids = [int(t) for t in sp.logit_bias if 0 <= int(t) < V]
+            if ids:
+                idx = torch.tensor(ids, dtype=torch.long, device=dev)
+                row.index_add_(0, idx, torch.tensor([float(sp.logit_bias[t]) for t in sp.logit_bias
+                                                     if 0 <= int(t) < V], dtype=row.dtype, device=dev))
+        if sp.min_tokens and n_out < sp.min_tokens:
+            stops = [t for t in sp.stop_token_ids if 0 <= t < V]
+            if eos_token_id is not None and not sp.ignore_eos and eos_token_id < V:
+                stops.append(eos_token_id)
+            if stops:
+                row[torch.tensor(stops, dtype=torch.long, device=dev)] = _MASK
+
+
+def filter_logits(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Mask (to -inf) what top-k, top-p and min-p exclude; x is [R, V] after temperature; returns x."""
+    V = x.shape[1]
+    need_sort = bool(((top_k > 0) & (top_k < V)).any()) or bool((top_p < 1.0).any())
+    if need_sort:
+        sorted_x, order = x.sort(dim=-1, descending=True)
+        rank = torch.arange(V, device=x.device).unsqueeze(0)
+        k = torch.where(top_k > 0, top_k, V).clamp(max=V).unsqueeze(1)
+        drop = rank >= k
+        sorted_x = sorted_x.masked_fill(drop, _MASK)
+        probs = sorted_x.softmax(dim=-1)
+        cum = probs.cumsum(dim=-1)
+        # drop a token when the tokens ranked above it already reach top_p (the first always stays)
+        drop |= (cum - probs) >= top_p.unsqueeze(1)
+        x = x.scatter(1, order, sorted_x.masked_fill(drop, _MASK))
+    if bool((min_p > 0).any()):
+        probs = x.softmax(dim=-1)
+        x = x.masked_fill(probs < min_p.unsqueeze(1) * probs.max(dim=-1, keepdim=True).values, _MASK)
+    return x
+
+
+def _exp_noise(shape: tuple[int, ...], gen: torch.Generator, device: torch.device) -> torch.Tensor:
+    u = torch.rand(shape, generator=gen, device=device, dtype=torch.float32)
+    return -torch.log1p(-u)  # Exp(1); log1p(-u) is finite since u < 1
+
+
+def _logprob_entries(lp: torch.Tensor, chosen: torch.Tensor, ns: list[int]) -> list[Logprob]:
+    """Logprob of each row's chosen token, its rank, and the row's top-n alternatives."""
+    chosen_lp = lp.gather(1, chosen.unsqueeze(1)).squeeze(1)
+    ranks = (lp > chosen_lp.unsqueeze(1)).sum(dim=1) + 1
+    max_n = max(ns)
+    top_v, top_i = lp.topk(max_n, dim=-1) if max_n > 0 else (None, None)
+    chosen_l, lp_l, rank_l = chosen.tolist(), chosen_lp.tolist(), ranks.tolist()
+    tv = top_v.tolist() if top_v is not None else None
+    ti = top_i.tolist() if top_i is not None else None
+    out = []
+    for i, n in enumerate(ns):
+        top = list(zip(ti[i][:n], tv[i][:n])) if n > 0 else []
+        out.append(Logprob(token_id=chosen_l[i], logprob=lp_l[i], rank=rank_l[i], top=top))
+    return out
+
+
+class Sampler:
+    """Turns the last-position logits of the sampling requests into tokens (and logprobs)."""
+
+    def __init__(self, device: torch.device, seed: int = 0, eos_token_id: int | None = None):
+        self.device = device
+        self.eos_token_id = eos_token_id
+        self.generator = torch.Generator(device=device).manual_seed(seed)
+        self._seeded = torch.Generator(device=device)
+
+    def sample(self, logits: torch.Tensor, reqs: Sequence[ScheduledRequest]) -> tuple[list[int], list[Logprob | None]]:
+        """logits: float32 [R, V], one row per request; returns one token per row and optional logprobs."""
+        R = logits.shape[0]
+        want_lp = [r.sampling.logprobs for r in reqs]
+        raw_lp = None
+        if any(n is not None for n in want_lp):
+            raw_lp = torch.log_softmax(logits, dim=-1)  # the model's own distribution, before any processing
+        if any(_needs_processing(r.sampling, r.num_output_tokens) for r in reqs):
+            logits = logits.clone()
+            apply_logit_processors(logits, reqs, self.eos_token_id)
+        greedy = [r.sampling.temperature == 0.0 for r in reqs]
+        tokens = torch.empty(R, dtype=torch.long, device=logits.device)
+        g_rows = [i for i in range(R) if greedy[i]]
+        s_rows = [i for i in range(R) if not greedy[i]]
+        if len(g_rows) == R:
+            tokens = logits.argmax(dim=-1)
+        elif g_rows:
+            gi = torch.tensor(g_rows, device=logits.device)
+            tokens[gi] = logits.index_select(0, gi).argmax(dim=-1)
+        if s_rows:
+            si = torch.tensor(s_rows, device=logits.device)
+            sub = [reqs[i].sampling for i in s_rows]
+            temp = torch.tensor([sp.temperature for sp in sub], device=logits.device).unsqueeze(1)
+            x = logits.index_select(0, si) / temp
+            x = filter_logits(
+                x,
+                torch.tensor([max(sp.top_k, 0) for sp in sub], device=logits.device),
+                torch.tensor([sp.top_p for sp in sub], device=logits.device),
+                torch.tensor([sp.min_p for sp in sub], device=logits.device),
+            )
+            probs = x.softmax(dim=-1)
+            noise = torch.empty_like(probs)
+            unseeded = [j for j, sp in enumerate(sub) if sp.seed is None]
+            if unseeded:
+                noise[torch.tensor(unseeded, device=logits.device)] = _exp_noise(
+                    (len(unseeded), probs.shape[1]), self.generator, logits.device)
+            for j, sp in enumerate(sub):
+                if sp.seed is not None:
+                    self._seeded.manual_seed(step_seed(sp.seed, reqs[s_rows[j]].num_output_tokens))
+                    noise[j] = _exp_noise((probs.shape[1],), self._seeded, logits.device)
+            tokens[si] = (probs / noise).argmax(dim=-1)
+        token_list = tokens.tolist()
+        lps: list[Logprob | None] = [None] * R
+        if raw_lp is not None:
+            rows = [i for i in range(R) if want_lp[i] is not None]
+            ri = torch.tensor(rows, device=logits.device)
+            entries = _logprob_entries(raw_lp.index_select(0, ri), tokens.index_select(0, ri),
+                                       [want_lp[i] for i in rows])
+            for i, e in zip(rows, entries):
+                lps[i] = e
+        return token_list, lps
+
+
+def prompt_logprobs(logits: torch.Tensor, targets: list[int | None], n: int) -> list[Logprob | None]:
+    """Logprob of the next prompt token at each position of a chunk (None where there is none)."""
+    out: list[Logprob | None] = [None] * len(targets)
+    rows = [i for i, t in enumerate(targets) if t is not None]
+    if not rows:
+        return out
+    ri = torch.tensor(rows, device=logits.device)
+    lp = torch.log_softmax(logits.index_select(0, ri), dim=-1)
+    chosen = torch.tensor([targets[i] for i in rows], dtype=torch.long, device=logits.device)
+    for i, e in zip(rows, _logprob_entries(lp, chosen, [n] * len(rows))):
+        out[i] = e
+    return out

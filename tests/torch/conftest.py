@@ -1,0 +1,47 @@
+"""Fixtures for the torch backend tests: tiny HF models saved to temp dirs."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+_ROOT = Path(__file__).resolve().parents[2]
+for p in (str(_ROOT), str(_ROOT / "plugins"), str(Path(__file__).resolve().parent)):
+    if p not in sys.path:
+        sys.path.insert(0, p)
+
+pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from torch_helpers import make_gpt2, make_qwen2  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def gpt2_dir(tmp_path_factory):
+    """A tiny GPT-2 saved as one safetensors file; yields (dir, hf_model)."""
+    model = make_gpt2()
+    d = tmp_path_factory.mktemp("gpt2")
+    model.save_pretrained(d)
+    return d, model
+
+
+@pytest.fixture(scope="session")
+def qwen2_dir(tmp_path_factory):
+    """A tiny Qwen2 with untied embeddings; yields (dir, hf_model)."""
+    model = make_qwen2()
+    d = tmp_path_factory.mktemp("qwen2")
+    model.save_pretrained(d)
+    return d, model
+
+
+@pytest.fixture(scope="session")
+def qwen2_tied_dir(tmp_path_factory):
+    """A tiny Qwen2 with tied embeddings; yields (dir, hf_model)."""
+    model = make_qwen2(seed=1, tie=True)
+    d = tmp_path_factory.mktemp("qwen2tied")
+    model.save_pretrained(d)
+    return d, model
+
+

@@ -1,0 +1,83 @@
+"""Helpers for the torch backend tests: tiny HF models, backend construction, a hand-played scheduler."""
+
+from __future__ import annotations
+
+import random
+
+import torch
+import transformers
+
+from llmserve.batch import ScheduledBatch, ScheduledRequest
+from llmserve.config import config_from_dict
+from llmserve.request import SamplingParams
+
+
+def make_gpt2(seed: int = 0, **kw):
+    """A tiny random GPT-2 (HF) in eval mode."""
+    torch.manual_seed(seed)
+    cfg = transformers.GPT2Config(vocab_size=kw.pop("vocab_size", 211), n_positions=256, n_embd=64, n_layer=2,
+                                  n_head=4, eos_token_id=7, bos_token_id=7, **kw)
+    return transformers.GPT2LMHeadModel(cfg).eval()
+
+
+def make_qwen2(seed: int = 0, tie: bool = False, **kw):
+    """A tiny random Qwen2 (HF) with grouped-query attention (4 query heads, 2 KV heads)."""
+    torch.manual_seed(seed)
+    cfg = transformers.Qwen2Config(vocab_size=kw.pop("vocab_size", 223), hidden_size=64, intermediate_size=96,
+                                   num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                   max_position_embeddings=512, tie_word_embeddings=tie, eos_token_id=5,
+                                   bos_token_id=5, **kw)
+    model = transformers.Qwen2ForCausalLM(cfg).eval()
+    with torch.no_grad():  # HF initializes biases to zero; make them count
+        for layer in model.model.layers:
+            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                proj.bias.normal_(0, 0.1)
+    return model
+
+
+def backend_config(model: str, attention: str = "auto", dtype: str = "float32", **model_kw):
+    """An EngineConfig for the torch backend with a small KV budget."""
+    return config_from_dict({
+        "model": {"model": model, "dtype": dtype, **model_kw},
+        "backend": {"name": "torch", "kv_cache_memory": "16MiB", "options": {"attention": attention}},
+    })
+
+
+def make_backend(model: str, attention: str = "auto", dtype: str = "float32", block_size: int = 4, **model_kw):
+    """A TorchBackend with its KV cache initialized."""
+    from llmserve_torch.backend import TorchBackend
+
+    b = TorchBackend(backend_config(model, attention, dtype, **model_kw))
+    b.init_kv_cache(b.num_kv_blocks(block_size), block_size)
+    return b
+
+
+class Driver:
+    """Plays scheduler + allocator by hand: shuffled (non-contiguous) blocks, chunked prefill, decode."""
+
+    def __init__(self, backend, seed: int = 0):
+        self.b = backend
+        self.bs = backend.kv.block_size
+        self.free = list(range(backend.kv.num_blocks))
+        random.Random(seed).shuffle(self.free)
+        self.tables: dict[str, list[int]] = {}
+
+    def ensure(self, rid: str, num_tokens: int) -> list[int]:
+        t = self.tables.setdefault(rid, [])
+        while len(t) * self.bs < num_tokens:
+            t.append(self.free.pop())
+        return t
+
+    def request(self, rid, token_ids, computed, new, sampling=None, prompt_len=None, do_sample=True):
+        table = self.ensure(rid, computed + new)
+        prompt_len = len(token_ids) if prompt_len is None else prompt_len
+        return ScheduledRequest(rid, token_ids, computed, new, table, sampling or SamplingParams(temperature=0.0),
+                                do_sample, prompt_len, max(0, len(token_ids) - prompt_len))
+
+
+def batch_of(reqs, copies=()):
+    """A ScheduledBatch with its token counts filled in."""
+    pre = sum(r.num_new_tokens for r in reqs if r.num_new_tokens > 1)
+    dec = sum(r.num_new_tokens for r in reqs if r.num_new_tokens == 1)
+    return ScheduledBatch(requests=list(reqs), num_prefill_tokens=pre, num_decode_tokens=dec,
+                          block_copies=list(copies))
