@@ -1,0 +1,148 @@
+"""Each sampling knob moves the distribution the way it should; seeds make draws batch-independent."""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+
+import pytest
+import torch
+from llmserve_torch.sampling import Sampler, filter_logits, prompt_logprobs, step_seed
+
+from llmserve.batch import ScheduledRequest
+from llmserve.request import SamplingParams
+
+V = 8
+BASE = torch.tensor([2.0, 1.5, 1.0, 0.5, 0.0, -0.5, -1.0, -1.5])
+
+
+def req(sp: SamplingParams, prompt=(0,), output=(), rid="r") -> ScheduledRequest:
+    toks = list(prompt) + list(output)
+    return ScheduledRequest(rid, toks, len(toks) - 1, 1, [0], sp, True, len(prompt), len(output))
+
+
+def draw(sp: SamplingParams, n: int = 3000, logits=BASE, **kw) -> Counter:
+    """n draws of the same request (unseeded: the sampler's generator advances)."""
+    s = Sampler(torch.device("cpu"), seed=0, eos_token_id=kw.pop("eos", None))
+    rows = logits.unsqueeze(0).repeat(n, 1)
+    toks, _ = s.sample(rows, [req(sp, **kw)] * n)
+    return Counter(toks)
+
+
+def test_greedy_takes_the_argmax():
+    assert draw(SamplingParams(temperature=0.0), n=5) == Counter({0: 5})
+
+
+def test_temperature_one_matches_softmax():
+    c = draw(SamplingParams(temperature=1.0), n=20000)
+    p = BASE.softmax(-1)
+    for t in range(V):
+        assert abs(c[t] / 20000 - p[t].item()) < 0.015
+
+
+def test_low_temperature_sharpens_high_temperature_flattens():
+    cold, hot = draw(SamplingParams(temperature=0.3)), draw(SamplingParams(temperature=3.0))
+    assert cold[0] > 0.8 * 3000 and hot[0] < 0.3 * 3000 and len(hot) == V
+
+
+def test_top_k_keeps_only_k_tokens():
+    assert set(draw(SamplingParams(temperature=1.0, top_k=2))) == {0, 1}
+
+
+def test_top_p_keeps_the_smallest_set_reaching_p():
+    p = BASE.softmax(-1)  # 0.44, 0.27, 0.16, ... → top_p 0.6 keeps {0, 1}
+    assert p[0] < 0.6 <= p[0] + p[1]
+    assert set(draw(SamplingParams(temperature=1.0, top_p=0.6))) == {0, 1}
+    assert set(draw(SamplingParams(temperature=1.0, top_p=0.3))) == {0}
+
+
+def test_min_p_drops_tokens_below_a_fraction_of_the_best():
+    # p[t]/p[0] = exp(BASE[t]-2): 1, .61, .37, .22, .14 → min_p 0.3 keeps {0,1,2}
+    assert set(draw(SamplingParams(temperature=1.0, min_p=0.3))) == {0, 1, 2}
+
+
+def test_filter_logits_batched_rows_are_independent():
+    x = BASE.unsqueeze(0).repeat(3, 1)
+    out = filter_logits(x.clone(), torch.tensor([0, 3, 0]), torch.tensor([1.0, 1.0, 0.6]), torch.tensor([0.0, 0, 0]))
+    assert torch.isfinite(out[0]).all()
+    assert torch.isfinite(out[1]).sum() == 3 and torch.isfinite(out[2]).sum() == 2
+
+
+def test_repetition_penalty_discourages_seen_tokens():
+    sp = SamplingParams(temperature=0.0, repetition_penalty=2.0)
+    assert draw(sp, n=1, prompt=(0,)) == Counter({1: 1})  # 2.0/2 = 1.0 < 1.5
+    # a negative logit gets multiplied (more negative), never rewarded
+    neg = torch.tensor([-1.0, -1.2, -3.0, -3, -3, -3, -3, -3])
+    assert draw(sp, n=1, logits=neg, prompt=(1,)) == Counter({0: 1})
+    assert draw(sp, n=1, logits=neg, prompt=(0,)) == Counter({1: 1})
+
+
+def test_presence_and_frequency_penalties_use_output_counts():
+    logits = torch.tensor([2.0, 1.8, 1.0, 0, 0, 0, 0, 0])
+    # token 0 appears in the prompt only: no presence/frequency penalty
+    assert draw(SamplingParams(temperature=0.0, presence_penalty=1.0), n=1, logits=logits, prompt=(0,)) == Counter({0: 1})
+    assert draw(SamplingParams(temperature=0.0, presence_penalty=0.5), n=1, logits=logits, output=(0,)) == Counter({1: 1})
+    # frequency scales with the count: one occurrence × 0.1 keeps 0 ahead, three × 0.1 do not
+    assert draw(SamplingParams(temperature=0.0, frequency_penalty=0.1), n=1, logits=logits, output=(0,)) == Counter({0: 1})
+    assert draw(SamplingParams(temperature=0.0, frequency_penalty=0.1), n=1, logits=logits,
+                output=(0, 0, 0)) == Counter({1: 1})
+
+
+def test_logit_bias_and_min_tokens():
+    assert draw(SamplingParams(temperature=0.0, logit_bias={5: 10.0}), n=1) == Counter({5: 1})
+    assert draw(SamplingParams(temperature=0.0, logit_bias={0: -100.0}), n=1) == Counter({1: 1})
+    sp = SamplingParams(temperature=0.0, min_tokens=2, stop_token_ids=[1])
+    assert draw(sp, n=1, eos=0) == Counter({2: 1})  # EOS (0) and the stop id (1) are masked
+    assert draw(sp, n=1, eos=0, output=(3, 4)) == Counter({0: 1})  # min_tokens reached
+
+
+def test_seed_is_a_function_of_seed_and_output_index_only():
+    logits = torch.randn(5, 50, generator=torch.Generator().manual_seed(0))
+    sp = SamplingParams(temperature=1.0, seed=42)
+    target = req(sp, output=(1, 2, 3))
+    a, _ = Sampler(torch.device("cpu"), seed=0).sample(logits[:1], [target])
+    # other rows (seeded differently or unseeded), another sampler seed, another position in the batch
+    mix = [req(SamplingParams(temperature=1.0)), req(SamplingParams(temperature=0.7, seed=1)), target,
+           req(SamplingParams(temperature=0.0))]
+    rows = torch.cat([logits[1:3], logits[:1], logits[3:4]])
+    b, _ = Sampler(torch.device("cpu"), seed=99).sample(rows, mix)
+    assert b[2] == a[0]
+    # a different output index gives a different stream, so a sequence of draws is not constant
+    draws = {Sampler(torch.device("cpu")).sample(logits[:1], [req(sp, output=(0,) * k)])[0][0] for k in range(20)}
+    assert len(draws) > 1
+    assert step_seed(42, 3) != step_seed(42, 4) != step_seed(43, 3)
+
+
+def test_logprobs_with_top_alternatives():
+    sp = SamplingParams(temperature=0.0, logprobs=3)
+    toks, lps = Sampler(torch.device("cpu")).sample(BASE.unsqueeze(0), [req(sp)])
+    lp = lps[0]
+    ref = BASE.log_softmax(-1)
+    assert lp.token_id == toks[0] == 0 and lp.rank == 1
+    assert math.isclose(lp.logprob, ref[0].item(), abs_tol=1e-6)
+    assert [t for t, _ in lp.top] == [0, 1, 2]
+    assert all(math.isclose(v, ref[t].item(), abs_tol=1e-6) for t, v in lp.top)
+    # rank of a sampled token that is not the best; logprobs=0 gives no alternatives
+    sp = SamplingParams(temperature=0.0, logprobs=0, logit_bias={4: 100.0})
+    _, lps = Sampler(torch.device("cpu")).sample(BASE.unsqueeze(0), [req(sp)])
+    assert lps[0].token_id == 4 and lps[0].rank == 5 and lps[0].top == []
+    # requests that did not ask get None
+    _, lps = Sampler(torch.device("cpu")).sample(BASE.unsqueeze(0).repeat(2, 1),
+                                                 [req(SamplingParams(temperature=0.0)), req(sp)])
+    assert lps[0] is None and lps[1] is not None
+
+
+def test_prompt_logprobs_layout():
+    logits = torch.randn(3, V, generator=torch.Generator().manual_seed(1))
+    out = prompt_logprobs(logits, [4, 2, None], 2)
+    ref = logits.log_softmax(-1)
+    assert out[2] is None
+    assert out[0].token_id == 4 and math.isclose(out[0].logprob, ref[0, 4].item(), abs_tol=1e-6)
+    assert len(out[1].top) == 2
+
+
+@pytest.mark.parametrize("knob", [{"top_k": 3}, {"top_p": 0.5}, {"min_p": 0.2}])
+def test_filters_never_leave_an_empty_distribution(knob):
+    flat = torch.zeros(V)
+    c = draw(SamplingParams(temperature=1.0, **knob), n=200, logits=flat)
+    assert sum(c.values()) == 200
