@@ -1,0 +1,291 @@
+"""AsyncEngine: drives the (not thread-safe) Engine from one thread and serves asyncio callers.
+
+The step loop runs in its own thread, so the event loop never waits on a forward pass.
+Callers on the event loop never touch the Engine: add, abort and arbitrary calls are put on a
+command list that the engine thread drains at the start of every iteration, so an abort takes
+effect before the next step (and frees the request's blocks then). Each step's outputs go back
+to the event loop in one ``call_soon_threadsafe`` and are dispatched to per-request streams.
+An idle engine thread sleeps on a condition variable, not in a busy spin.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import itertools
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from llmserve.errors import LLMServeError
+from llmserve.request import FinishReason, RequestOutput, SamplingParams
+
+log = logging.getLogger("llmserve.async_engine")
+
+_ids = itertools.count()
+
+
+class EngineDeadError(LLMServeError):
+    """The engine thread is stopped (shut down or crashed); no request can run."""
+
+
+class RequestStream:
+    """The async stream of RequestOutput deltas of one request (all n of its sequences)."""
+
+    __slots__ = ("request_id", "n", "_loop", "_items", "_waiter", "_finished", "done", "error")
+
+    def __init__(self, request_id: str, n: int, loop: asyncio.AbstractEventLoop):
+        self.request_id = request_id
+        self.n = n
+        self._loop = loop
+        self._items: deque[RequestOutput] = deque()
+        self._waiter: asyncio.Future | None = None
+        self._finished: set[int] = set()
+        self.done = False  # every sequence ended (or the request failed): no more items will come
+        self.error: BaseException | None = None  # set when the request could not be run at all
+
+    # called on the event loop by AsyncEngine
+    def _put(self, out: RequestOutput) -> None:
+        self._items.append(out)
+        if out.finished:
+            if out.finish_reason is FinishReason.ERROR:
+                self._finished.update(range(self.n))  # a failed request ends as a whole
+            else:
+                self._finished.add(out.index)
+            if len(self._finished) >= self.n:
+                self.done = True
+        self._wake()
+
+    def _fail(self, exc: BaseException) -> None:
+        self.error = exc
+        self.done = True
+        self._wake()
+
+    def _wake(self) -> None:
+        w = self._waiter
+        if w is not None and not w.done():
+            w.set_result(None)
+
+    async def _wait(self) -> None:
+        while not self._items and not self.done:
+            self._waiter = self._loop.create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+
+    async def next_batch(self) -> list[RequestOutput]:
+        """Every delta queued so far (at least one); [] when the stream has ended. Raises its error."""
+        await self._wait()
+        if self._items:
+            items = list(self._items)
+            self._items.clear()
+            return items
+        if self.error is not None:
+            raise self.error
+        return []
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        await self._wait()
+        if self._items:
+            return self._items.popleft()
+        if self.error is not None:
+            raise self.error
+        raise StopAsyncIteration
+
+
+class AsyncEngine:
+    """Runs Engine.step() in a dedicated thread and hands each request an async stream of outputs."""
+
+    def __init__(self, engine: Any, idle_timeout: float = 1.0):
+        self.engine = engine
+        self.idle_timeout = idle_timeout  # an idle thread wakes this often anyway (a safety net)
+        self._cv = threading.Condition()
+        self._cmds: list[tuple[str, Any]] = []
+        self._streams: dict[str, RequestStream] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._stop = False
+        self.dead: BaseException | None = None  # why the thread stopped, if it crashed
+        self.num_steps = 0
+
+    # --- life cycle -----------------------------------------------------------------------------
+
+    def start(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
+        """Start the engine thread; outputs are delivered to `loop` (default: the running loop)."""
+        if self._thread is not None:
+            return
+        self._loop = loop or asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name="llmserve-engine", daemon=True)
+        self._thread.start()
+
+    @property
+    def running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and not self._stop
+
+    @property
+    def num_active(self) -> int:
+        """Requests whose stream has not ended."""
+        return len(self._streams)
+
+    @property
+    def num_waiting(self) -> int:
+        """Sequences queued in the engine plus requests not yet handed to it (for backpressure)."""
+        return self.engine.num_waiting + sum(1 for c in self._cmds if c[0] == "add")
+
+    async def wait_idle(self, timeout: float | None) -> bool:
+        """Wait until no request is in flight; False if the timeout passed first."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self._streams:
+            if deadline is not None and time.monotonic() >= deadline:
+                return False
+            await asyncio.sleep(0.05)
+        return True
+
+    async def shutdown(self, drain_timeout: float = 0.0) -> None:
+        """Let in-flight requests finish for up to drain_timeout, abort the rest, stop the thread."""
+        if drain_timeout > 0:
+            await self.wait_idle(drain_timeout)
+        for rid in list(self._streams):
+            self.abort(rid)
+        with self._cv:
+            self._stop = True
+            self._cv.notify()
+        if self._thread is not None:
+            await asyncio.get_running_loop().run_in_executor(None, self._thread.join, 10.0)
+        for s in list(self._streams.values()):
+            s._fail(EngineDeadError("the server is shutting down"))
+        self._streams.clear()
+
+    # --- requests (call these on the event loop) ----------------------------------------------
+
+    def add_request(self, prompt_token_ids: Sequence[int], params: SamplingParams,
+                    request_id: str | None = None, priority: int = 0) -> RequestStream:
+        """Queue a request for the engine thread and return its stream at once."""
+        if self._loop is None or not self.running:
+            raise EngineDeadError(f"the engine is not running{f': {self.dead}' if self.dead else ''}")
+        rid = request_id or f"req-{next(_ids)}-{time.monotonic_ns():x}"
+        stream = RequestStream(rid, params.n, self._loop)
+        self._streams[rid] = stream
+        self._submit(("add", (rid, list(prompt_token_ids), params, priority, time.perf_counter())))
+        return stream
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request: its stream ends now; the engine frees its blocks before its next step."""
+        s = self._streams.pop(request_id, None)
+        if s is None:
+            return
+        if not s.done:
+            s.done = True
+            s._wake()
+        self._submit(("abort", request_id))
+
+    async def call(self, fn: Callable[[Any], Any]) -> Any:
+        """Run fn(engine) on the engine thread between steps (e.g. stats) and return its result."""
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        if not self.running:
+            fut.set_result(fn(self.engine))  # nothing else touches the engine now
+        else:
+            self._submit(("call", (fn, fut)))
+        return await asyncio.wrap_future(fut)
+
+    def _submit(self, cmd: tuple[str, Any]) -> None:
+        with self._cv:
+            self._cmds.append(cmd)
+            self._cv.notify()
+
+    # --- delivery (runs on the event loop) ----------------------------------------------------
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        streams = self._streams
+        for o in outputs:
+            s = streams.get(o.request_id)
+            if s is None:
+                continue  # aborted: drop what was already computed
+            s._put(o)
+            if s.done:
+                del streams[o.request_id]
+
+    def _deliver_error(self, request_id: str, exc: BaseException) -> None:
+        s = self._streams.pop(request_id, None)
+        if s is not None:
+            s._fail(exc)
+
+    def _fail_all(self, exc: BaseException) -> None:
+        for rid in list(self._streams):
+            self._deliver_error(rid, exc)
+
+    # --- the engine thread --------------------------------------------------------------------
+
+    def _run(self) -> None:
+        eng = self.engine
+        loop = self._loop
+        try:
+            while True:
+                with self._cv:
+                    while not self._cmds and not self._stop and not eng.has_unfinished:
+                        self._cv.wait(self.idle_timeout)
+                    cmds, self._cmds = self._cmds, []
+                    stop = self._stop
+                for kind, arg in cmds:
+                    self._apply(kind, arg)
+                if stop:
+                    break
+                if not eng.has_unfinished:
+                    continue
+                try:
+                    out = eng.step()
+                except Exception as e:
+                    # the engine itself failed (the backend's failures are handled inside step()
+                    # and fail only that batch); fail every request in flight, keep serving
+                    log.exception("engine step failed; failing the requests in flight")
+                    self._recover(e)
+                    continue
+                self.num_steps += 1
+                if out.outputs:
+                    loop.call_soon_threadsafe(self._deliver, out.outputs)
+        except BaseException as e:  # pragma: no cover - a bug in this loop
+            log.exception("the engine thread crashed")
+            self.dead = e
+            loop.call_soon_threadsafe(self._fail_all, EngineDeadError(f"the engine thread crashed: {e}"))
+        finally:
+            self._stop = True
+            try:
+                eng.shutdown()
+            except Exception:  # noqa: BLE001 - shutting down anyway
+                log.exception("engine shutdown failed")
+
+    def _apply(self, kind: str, arg: Any) -> None:
+        eng = self.engine
+        if kind == "add":
+            rid, prompt, params, priority, arrival = arg
+            try:
+                eng.add_request(prompt, params, request_id=rid, priority=priority, arrival_time=arrival)
+            except Exception as e:  # InvalidRequestError and friends go back to that caller only
+                self._loop.call_soon_threadsafe(self._deliver_error, rid, e)
+        elif kind == "abort":
+            eng.abort(arg)
+        elif kind == "call":
+            fn, fut = arg
+            if fut.set_running_or_notify_cancel():
+                try:
+                    fut.set_result(fn(eng))
+                except Exception as e:
+                    fut.set_exception(e)
+
+    def _recover(self, exc: Exception) -> None:
+        ids = list(getattr(self.engine, "_groups", {}) or {})
+        for rid in ids:
+            try:
+                self.engine.abort(rid)
+            except Exception:  # noqa: BLE001 - best effort
+                log.exception("abort of %s failed during recovery", rid)
+        err = RuntimeError(f"engine error: {type(exc).__name__}: {exc}")
+        for rid in ids:
+            self._loop.call_soon_threadsafe(self._deliver_error, rid, err)

@@ -1,0 +1,129 @@
+"""The starlette app factory: routes, middleware, lifespan (engine start, drain, stop)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import copy
+import importlib.util
+import logging
+import os
+import threading
+
+from starlette.applications import Starlette
+from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
+from starlette.routing import Route
+
+from llmserve.async_engine import AsyncEngine
+from llmserve.config import EngineConfig, SinkConfig
+from llmserve.server import routes
+from llmserve.server.errors import EXCEPTION_HANDLERS
+from llmserve.server.middleware import ApiKeyMiddleware, BodyLimitMiddleware
+from llmserve.server.state import ServerState
+
+log = logging.getLogger("llmserve.server")
+
+PROMETHEUS_SINK = "prometheus"
+
+
+def with_default_sinks(config: EngineConfig) -> EngineConfig:
+    """A copy of config whose metrics.sinks names the Prometheus sink (the server's default).
+
+    Added only when its plugin is importable, so a machine without prometheus-client still serves.
+    """
+    if any(s.name == PROMETHEUS_SINK for s in config.metrics.sinks):
+        return config
+    if importlib.util.find_spec("llmserve_prometheus") is None or importlib.util.find_spec("prometheus_client") is None:
+        return config
+    cfg = copy.deepcopy(config)
+    cfg.metrics.sinks.append(SinkConfig(PROMETHEUS_SINK))
+    return cfg
+
+
+def api_key(config: EngineConfig) -> str | None:
+    """The key /v1/* requires: server.api_key, else env LLMSERVE_API_KEY, else none."""
+    return config.server.api_key or os.environ.get("LLMSERVE_API_KEY") or None
+
+
+def _plugin_routes(engine) -> list[Route]:
+    """Routes that plugins add through the register_routes hook."""
+    out: list[Route] = []
+
+    def register(path: str, endpoint, methods=("GET",)) -> None:
+        out.append(Route(path, endpoint, methods=list(methods)))
+
+    engine.plugins.pm.hook.register_routes(register=register, engine=engine)
+    return out
+
+
+def create_app(config: EngineConfig, engine=None) -> Starlette:
+    """The HTTP app; with engine None it builds one from config in the background (/health says 503 meanwhile)."""
+    if engine is None:
+        config = with_default_sinks(config)
+    st = ServerState(config=config)
+
+    base = [
+        Route("/v1/completions", routes.completions, methods=["POST"]),
+        Route("/v1/chat/completions", routes.chat_completions, methods=["POST"]),
+        Route("/v1/models", routes.list_models, methods=["GET"]),
+        Route("/v1/models/{model:path}", routes.get_model, methods=["GET"]),
+        Route("/health", routes.health, methods=["GET"]),
+        Route("/stats", routes.stats, methods=["GET"]),
+    ]
+
+    def attach(app: Starlette, eng) -> None:
+        taken = {r.path for r in app.router.routes if isinstance(r, Route)}
+        for r in _plugin_routes(eng):
+            if r.path in taken:
+                log.warning("a plugin route %s clashes with an existing route; skipped", r.path)
+                continue
+            app.router.routes.append(r)
+        st.engine = eng
+        st.aengine = AsyncEngine(eng)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette):
+        loop = asyncio.get_running_loop()
+        if engine is not None:
+            attach(app, engine)
+            st.aengine.start(loop)
+            st.ready = True
+        else:
+            def build() -> None:
+                try:
+                    from llmserve.engine import Engine
+
+                    eng = Engine.from_config(config)
+                except Exception as e:  # reported by /health and the log; the server stays up to say so
+                    log.exception("the engine failed to start")
+                    st.load_error = f"{type(e).__name__}: {e}"
+                    return
+
+                def ready() -> None:
+                    attach(app, eng)
+                    st.aengine.start(loop)
+                    st.ready = True
+
+                loop.call_soon_threadsafe(ready)
+
+            threading.Thread(target=build, name="llmserve-load", daemon=True).start()
+        try:
+            yield
+        finally:
+            st.begin_drain()
+            if st.aengine is not None:
+                await st.aengine.shutdown(config.server.drain_timeout)
+
+    middleware = []
+    if config.server.cors_origins:
+        middleware.append(Middleware(CORSMiddleware, allow_origins=list(config.server.cors_origins),
+                                     allow_methods=["*"], allow_headers=["*"], allow_credentials=False))
+    middleware.append(Middleware(BodyLimitMiddleware, max_bytes=config.server.max_body_bytes))
+    key = api_key(config)
+    if key:
+        middleware.append(Middleware(ApiKeyMiddleware, api_key=key))
+
+    app = Starlette(routes=base, middleware=middleware, exception_handlers=EXCEPTION_HANDLERS, lifespan=lifespan)
+    app.state.llm = st
+    return app

@@ -1,0 +1,90 @@
+"""OpenAI-shaped error bodies: {"error": {"message", "type", "param", "code"}} with the right status."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import Response
+
+from llmserve.errors import InvalidRequestError
+
+log = logging.getLogger("llmserve.server")
+
+# status → OpenAI's error `type` for it
+_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    413: "invalid_request_error",
+    429: "rate_limit_error",
+    500: "server_error",
+    503: "service_unavailable",
+    504: "timeout_error",
+}
+
+
+class ApiError(Exception):
+    """An error answered to the client with an OpenAI error body."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 type: str | None = None, headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.type = type or _TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
+        self.headers = headers or {}
+
+    def body(self) -> dict:
+        return error_body(self.message, self.type, self.param, self.code)
+
+
+def bad_request(message: str, param: str | None = None, code: str | None = None) -> ApiError:
+    """A 400 whose `param` names the offending field."""
+    return ApiError(400, message, param=param, code=code)
+
+
+def error_body(message: str, type: str, param: str | None = None, code: str | None = None) -> dict:
+    """The OpenAI error object."""
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+def error_response(err: ApiError) -> Response:
+    """A JSON response for an ApiError, with its headers (e.g. Retry-After)."""
+    return Response(json.dumps(err.body()), status_code=err.status, media_type="application/json",
+                    headers=err.headers)
+
+
+async def handle_api_error(request: Request, exc: ApiError) -> Response:
+    return error_response(exc)
+
+
+async def handle_invalid_request(request: Request, exc: InvalidRequestError) -> Response:
+    return error_response(bad_request(str(exc), exc.param))
+
+
+async def handle_http_exception(request: Request, exc: HTTPException) -> Response:
+    msg = exc.detail if isinstance(exc.detail, str) else str(exc.detail)
+    if exc.status_code == 404:
+        msg = f"no route {request.method} {request.url.path}"
+    code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
+    return error_response(ApiError(exc.status_code, msg, code=code, headers=dict(exc.headers or {})))
+
+
+async def handle_unexpected(request: Request, exc: Exception) -> Response:
+    log.exception("unhandled error on %s %s", request.method, request.url.path, exc_info=exc)
+    return error_response(ApiError(500, f"internal server error: {type(exc).__name__}", code="internal_error"))
+
+
+EXCEPTION_HANDLERS = {
+    ApiError: handle_api_error,
+    InvalidRequestError: handle_invalid_request,
+    HTTPException: handle_http_exception,
+    Exception: handle_unexpected,
+}

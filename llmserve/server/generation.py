@@ -1,0 +1,111 @@
+"""One HTTP request's engine work: its streams (one per prompt), deadline, abort and disconnect watch."""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+from collections.abc import Sequence
+
+from llmserve.async_engine import AsyncEngine, EngineDeadError
+from llmserve.errors import InvalidRequestError
+from llmserve.request import FinishReason, RequestOutput, SamplingParams
+from llmserve.server.errors import ApiError
+
+
+class ClientGone(Exception):
+    """The client disconnected before the answer was ready; nothing is sent."""
+
+
+class Generation:
+    """Submits one engine request per prompt and yields their deltas as (prompt index, batch)."""
+
+    def __init__(self, aengine: AsyncEngine, prompts: Sequence[list[int]], sp: SamplingParams, priority: int,
+                 timeout: float | None, request_id: str):
+        self.aengine = aengine
+        self.streams = []
+        for i, ids in enumerate(prompts):
+            rid = request_id if len(prompts) == 1 else f"{request_id}-{i}"
+            self.streams.append(aengine.add_request(ids, copy.copy(sp), request_id=rid, priority=priority))
+        self._pending: dict[asyncio.Future, int] = {}
+        self._started = False
+        loop = asyncio.get_running_loop()
+        self._timer = loop.call_later(timeout, self._on_timeout, timeout) if timeout else None
+
+    def _on_timeout(self, timeout: float) -> None:
+        err = ApiError(504, f"the request did not finish within the server's request_timeout ({timeout:g} s)",
+                       code="timeout")
+        for s in self.streams:
+            if not s.done:
+                s._fail(err)
+            self.aengine.abort(s.request_id)
+
+    def abort(self) -> None:
+        """Abort every stream that has not ended (idempotent); stop the deadline timer."""
+        if self._timer is not None:
+            self._timer.cancel()
+        for t in self._pending:
+            t.cancel()
+        self._pending.clear()
+        for s in self.streams:
+            self.aengine.abort(s.request_id)
+
+    async def next(self) -> tuple[int, list[RequestOutput]] | None:
+        """The next batch of deltas of some prompt, or None when every stream has ended."""
+        if len(self.streams) == 1:
+            batch = await self.streams[0].next_batch()
+            return (0, _checked(batch)) if batch else None
+        if not self._started:
+            self._started = True
+            for i, s in enumerate(self.streams):
+                self._pending[asyncio.ensure_future(s.next_batch())] = i
+        while self._pending:
+            done, _ = await asyncio.wait(self._pending, return_when=asyncio.FIRST_COMPLETED)
+            t = next(iter(done))
+            i = self._pending.pop(t)
+            batch = t.result()
+            if batch:
+                self._pending[asyncio.ensure_future(self.streams[i].next_batch())] = i
+                return i, _checked(batch)
+        return None
+
+
+def _checked(batch: list[RequestOutput]) -> list[RequestOutput]:
+    for o in batch:
+        if o.finish_reason is FinishReason.ERROR:
+            raise ApiError(500, o.error or "the request failed in the engine", code="engine_error")
+    return batch
+
+
+def map_error(exc: BaseException) -> ApiError:
+    """An engine-side failure of one request as the ApiError the client gets."""
+    if isinstance(exc, ApiError):
+        return exc
+    if isinstance(exc, InvalidRequestError):
+        return ApiError(400, str(exc), param=exc.param)
+    if isinstance(exc, EngineDeadError):
+        return ApiError(503, str(exc), code="engine_unavailable")
+    return ApiError(500, f"{type(exc).__name__}: {exc}", code="engine_error")
+
+
+async def wait_disconnect(receive) -> None:
+    """Return when the client disconnects (the body has already been read)."""
+    while True:
+        msg = await receive()
+        if msg["type"] == "http.disconnect":
+            return
+
+
+async def guarded(receive, coro, on_gone):
+    """Run coro; if the client disconnects first, call on_gone() and raise ClientGone."""
+    work = asyncio.ensure_future(coro)
+    watch = asyncio.ensure_future(wait_disconnect(receive))
+    try:
+        await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+        if work.done():
+            return work.result()
+        on_gone()
+        raise ClientGone()
+    finally:
+        for t in (work, watch):
+            if not t.done():
+                t.cancel()

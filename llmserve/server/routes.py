@@ -1,0 +1,390 @@
+"""The OpenAI endpoints (/v1/completions, /v1/chat/completions, /v1/models) and /health, /stats."""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from typing import Any
+
+from sse_starlette import EventSourceResponse
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from llmserve.request import FinishReason, RequestOutput
+from llmserve.server.errors import ApiError, bad_request, error_body
+from llmserve.server.generation import ClientGone, Generation, guarded, map_error
+from llmserve.server.logprobs import CompletionLogprobs, TokenText, chat_logprobs
+from llmserve.server.protocol import parse_chat, parse_completion, parse_json
+from llmserve.server.state import ServerState
+
+_dumps = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode
+
+
+def _state(request: Request) -> ServerState:
+    return request.app.state.llm
+
+
+async def _read_body(request: Request) -> bytes:
+    # the body limit is enforced by BodyLimitMiddleware while this reads
+    return await request.body()
+
+
+def _finish(o: RequestOutput) -> str | None:
+    r = o.finish_reason
+    if r is None:
+        return None
+    return r.value if isinstance(r, FinishReason) else str(r)
+
+
+def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+class _Choice:
+    """The accumulated state of one choice (one of n completions of one prompt)."""
+
+    __slots__ = ("text", "finish", "stop_reason", "num_output", "lp", "chat_lp", "started")
+
+    def __init__(self) -> None:
+        self.text: list[str] = []
+        self.finish: str | None = None
+        self.stop_reason: Any = None
+        self.num_output = 0
+        self.lp: CompletionLogprobs | None = None
+        self.chat_lp: list[dict] = []
+        self.started = False
+
+
+def _merge(batch: list[RequestOutput]) -> dict[int, list[RequestOutput]]:
+    """Deltas grouped by choice index, in order (several steps may have queued up)."""
+    by: dict[int, list[RequestOutput]] = {}
+    for o in batch:
+        by.setdefault(o.index, []).append(o)
+    return by
+
+
+async def _start(request: Request, st: ServerState, prompts: list[list[int]], common, rid: str) -> Generation:
+    aengine = st.admit()
+    try:
+        common.sampling.validate()
+    except Exception as e:
+        raise map_error(e) from None
+    return Generation(aengine, prompts, common.sampling, common.priority, st.config.server.request_timeout, rid)
+
+
+async def _first(request: Request, gen: Generation):
+    """The first batch of deltas, so an immediate failure still gets its own status code."""
+    try:
+        return await guarded(request.receive, gen.next(), gen.abort)
+    except ClientGone:
+        raise
+    except Exception as e:
+        gen.abort()
+        raise map_error(e) from None
+
+
+def _sse(gen: Generation, events) -> Response:
+    async def run():
+        try:
+            async for ev in events:
+                yield ev
+        except Exception as e:  # a failure after the first chunk: an error event, then [DONE]
+            err = map_error(e)
+            yield _dumps(err.body())
+            yield "[DONE]"
+        finally:
+            gen.abort()  # ends, or the client went away: free the engine's blocks either way
+
+    return EventSourceResponse(run(), sep="\n", ping=15, headers={"Cache-Control": "no-cache"})
+
+
+# --- /v1/completions --------------------------------------------------------------------------
+
+
+async def completions(request: Request) -> Response:
+    """POST /v1/completions."""
+    st = _state(request)
+    st.admit()
+    req = parse_completion(parse_json(await _read_body(request)))
+    c = req.common
+    st.check_model(c.model)
+    sp = c.sampling
+    tok = st.tokenizer
+    prompt_ids: list[list[int]] = []
+    prompt_texts: list[str] = []
+    for i, p in enumerate(req.prompts):
+        param = "prompt" if len(req.prompts) == 1 else f"prompt[{i}]"
+        if isinstance(p, str):
+            if tok is None:
+                raise bad_request("this server has no tokenizer: send the prompt as token ids", "prompt")
+            ids = tok.encode(p)
+            text = p
+        else:
+            ids = p
+            text = tok.decode(ids, skip_special_tokens=False) if (tok is not None and req.echo) else ""
+        st.check_ids(ids, param)
+        st.check_fit(len(ids), max(sp.max_tokens or 0, 1) if sp.max_tokens is not None else None, param)
+        prompt_ids.append(ids)
+        prompt_texts.append(text)
+    zero_gen = sp.max_tokens == 0  # echo with max_tokens 0: score the prompt, generate nothing
+    if zero_gen:
+        sp.max_tokens = 1
+    rid = f"cmpl-{uuid.uuid4().hex}"
+    created = int(time.time())
+    gen = await _start(request, st, prompt_ids, c, rid)
+    try:
+        first = await _first(request, gen)
+    except ClientGone:
+        return Response(status_code=499)
+    tt = TokenText(tok)
+    n = sp.n
+    choices = [_Choice() for _ in range(len(prompt_ids) * n)]
+    prompt_tokens = [len(p) for p in prompt_ids]
+
+    def apply(pi: int, outs: list[RequestOutput]) -> tuple[int, str, dict | None, str | None, Any]:
+        """Fold one choice's deltas in; return (choice index, new text, logprobs delta, finish, stop_reason)."""
+        idx = pi * n + outs[0].index
+        ch = choices[idx]
+        text = ""
+        if not ch.started:
+            ch.started = True
+            if req.echo:
+                text = prompt_texts[pi]
+            if req.logprobs is not None:
+                ch.lp = CompletionLogprobs(tt, req.logprobs)
+        for o in outs:
+            if req.echo and req.logprobs is not None and o.prompt_logprobs is not None and ch.lp is not None:
+                ch.lp.add_many(prompt_ids[pi], o.prompt_logprobs)
+            if not zero_gen:
+                text += o.new_text
+                if ch.lp is not None and o.new_token_ids:
+                    ch.lp.add_many(o.new_token_ids, o.logprobs)
+                ch.num_output = o.num_output_tokens
+            if o.finished:
+                ch.finish = "length" if zero_gen else _finish(o)
+                ch.stop_reason = None if zero_gen else o.stop_reason
+        ch.text.append(text)
+        # streamed chunks carry only the new entries; a whole answer keeps them all
+        lp_delta = ch.lp.take() if (ch.lp is not None and c.stream) else None
+        return idx, text, lp_delta, (
+            ch.finish if outs[-1].finished else None), ch.stop_reason
+
+    def usage() -> dict:
+        return _usage(sum(prompt_tokens) if n else 0, sum(ch.num_output for ch in choices))
+
+    if not c.stream:
+        async def collect():
+            batch = first
+            while batch is not None:
+                pi, outs = batch
+                for group in _merge(outs).values():
+                    apply(pi, group)
+                batch = await gen.next()
+
+        try:
+            await guarded(request.receive, collect(), gen.abort)
+        except ClientGone:
+            return Response(status_code=499)
+        except Exception as e:
+            gen.abort()
+            raise map_error(e) from None
+        gen.abort()
+        body = {
+            "id": rid, "object": "text_completion", "created": created, "model": st.model_name,
+            "choices": [{"index": i, "text": "".join(ch.text),
+                         "logprobs": ch.lp.to_dict() if ch.lp is not None else None, "finish_reason": ch.finish, "stop_reason": ch.stop_reason}
+                        for i, ch in enumerate(choices)],
+            "usage": usage(), "system_fingerprint": None,
+        }
+        return Response(_dumps(body), media_type="application/json")
+
+    include_usage = c.include_usage
+
+    async def events():
+        batch = first
+        while batch is not None:
+            pi, outs = batch
+            for group in _merge(outs).values():
+                idx, text, lp, fin, sr = apply(pi, group)
+                if not text and fin is None and not (lp and lp["tokens"]):
+                    continue
+                chunk = {"id": rid, "object": "text_completion", "created": created, "model": st.model_name,
+                         "choices": [{"index": idx, "text": text, "logprobs": lp, "finish_reason": fin,
+                                      "stop_reason": sr if fin else None}]}
+                if include_usage:
+                    chunk["usage"] = None
+                yield _dumps(chunk)
+            batch = await gen.next()
+        if include_usage:
+            yield _dumps({"id": rid, "object": "text_completion", "created": created, "model": st.model_name,
+                          "choices": [], "usage": usage()})
+        yield "[DONE]"
+
+    return _sse(gen, events())
+
+
+# --- /v1/chat/completions ---------------------------------------------------------------------
+
+
+async def chat_completions(request: Request) -> Response:
+    """POST /v1/chat/completions."""
+    st = _state(request)
+    st.admit()
+    req = parse_chat(parse_json(await _read_body(request)))
+    c = req.common
+    st.check_model(c.model)
+    tok = st.tokenizer
+    if tok is None:
+        raise bad_request("this server has no tokenizer, so it cannot render chat messages; "
+                          "use /v1/completions with token ids", "messages")
+    try:
+        prompt = tok.apply_chat_template(req.messages, add_generation_prompt=req.add_generation_prompt)
+    except NotImplementedError as e:
+        raise bad_request(str(e), "messages") from None
+    ids = tok.encode(prompt, add_special_tokens=False)
+    st.check_ids(ids, "messages")
+    sp = c.sampling
+    st.check_fit(len(ids), sp.max_tokens, "messages")
+    rid = f"chatcmpl-{uuid.uuid4().hex}"
+    created = int(time.time())
+    gen = await _start(request, st, [ids], c, rid)
+    try:
+        first = await _first(request, gen)
+    except ClientGone:
+        return Response(status_code=499)
+    tt = TokenText(tok)
+    n = sp.n
+    choices = [_Choice() for _ in range(n)]
+    want_lp = req.logprobs
+
+    def apply(outs: list[RequestOutput]):
+        ch = choices[outs[0].index]
+        text = "".join(o.new_text for o in outs)
+        lps = None
+        if want_lp:
+            lps = []
+            for o in outs:
+                if o.new_token_ids:
+                    lps.extend(chat_logprobs(tt, o.new_token_ids, o.logprobs, req.top_logprobs))
+            ch.chat_lp.extend(lps)
+        last = outs[-1]
+        ch.num_output = last.num_output_tokens
+        fin = None
+        if last.finished:
+            fin = ch.finish = _finish(last)
+            ch.stop_reason = last.stop_reason
+        ch.text.append(text)
+        return ch, outs[0].index, text, lps, fin
+
+    def usage() -> dict:
+        return _usage(len(ids), sum(ch.num_output for ch in choices))
+
+    if not c.stream:
+        async def collect():
+            batch = first
+            while batch is not None:
+                for group in _merge(batch[1]).values():
+                    apply(group)
+                batch = await gen.next()
+
+        try:
+            await guarded(request.receive, collect(), gen.abort)
+        except ClientGone:
+            return Response(status_code=499)
+        except Exception as e:
+            gen.abort()
+            raise map_error(e) from None
+        gen.abort()
+        body = {
+            "id": rid, "object": "chat.completion", "created": created, "model": st.model_name,
+            "choices": [{"index": i, "message": {"role": "assistant", "content": "".join(ch.text)},
+                         "logprobs": {"content": ch.chat_lp, "refusal": None} if want_lp else None,
+                         "finish_reason": ch.finish, "stop_reason": ch.stop_reason}
+                        for i, ch in enumerate(choices)],
+            "usage": usage(), "system_fingerprint": None,
+        }
+        return Response(_dumps(body), media_type="application/json")
+
+    include_usage = c.include_usage
+
+    def chunk(index: int, delta: dict, lps, fin, sr=None) -> str:
+        d = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": st.model_name,
+             "choices": [{"index": index, "delta": delta,
+                          "logprobs": {"content": lps, "refusal": None} if lps is not None else None,
+                          "finish_reason": fin, "stop_reason": sr if fin else None}]}
+        if include_usage:
+            d["usage"] = None
+        return _dumps(d)
+
+    async def events():
+        for i in range(n):  # the role first, as OpenAI does
+            yield chunk(i, {"role": "assistant", "content": ""}, None, None)
+        batch = first
+        while batch is not None:
+            for group in _merge(batch[1]).values():
+                ch, idx, text, lps, fin = apply(group)
+                if text or (lps and want_lp):
+                    yield chunk(idx, {"content": text}, lps if want_lp else None, fin, ch.stop_reason)
+                elif fin is not None:
+                    yield chunk(idx, {}, None, fin, ch.stop_reason)
+            batch = await gen.next()
+        if include_usage:
+            yield _dumps({"id": rid, "object": "chat.completion.chunk", "created": created, "model": st.model_name,
+                          "choices": [], "usage": usage()})
+        yield "[DONE]"
+
+    return _sse(gen, events())
+
+
+# --- models, health, stats --------------------------------------------------------------------
+
+
+def _model_card(st: ServerState) -> dict:
+    return {"id": st.model_name, "object": "model", "created": st.created, "owned_by": "llmserve",
+            "root": st.config.model.model, "parent": None,
+            "max_model_len": st.engine.max_model_len if st.engine is not None else None}
+
+
+async def list_models(request: Request) -> Response:
+    """GET /v1/models."""
+    st = _state(request)
+    return JSONResponse({"object": "list", "data": [_model_card(st)]})
+
+
+async def get_model(request: Request) -> Response:
+    """GET /v1/models/{model}."""
+    st = _state(request)
+    model = request.path_params["model"]
+    if model not in (st.model_name, st.config.model.model):
+        raise ApiError(404, f"the model {model!r} does not exist; this server serves {st.model_name!r}",
+                       param="model", code="model_not_found")
+    return JSONResponse(_model_card(st))
+
+
+async def health(request: Request) -> Response:
+    """GET /health: 200 when ready, 503 while loading, draining or after the engine stopped."""
+    st = _state(request)
+    if st.draining:
+        return JSONResponse({"status": "draining"}, status_code=503)
+    if not st.ready:
+        body = {"status": "error" if st.load_error else "loading"}
+        if st.load_error:
+            body["error"] = st.load_error
+        return JSONResponse(body, status_code=503)
+    if st.aengine is None or not st.aengine.running:
+        return JSONResponse({"status": "stopped"}, status_code=503)
+    return JSONResponse({"status": "ok"})
+
+
+async def stats(request: Request) -> Response:
+    """GET /stats: the engine's snapshot (queue, running, cache, prefix cache, latencies)."""
+    st = _state(request)
+    if st.aengine is None:
+        return Response(_dumps(error_body("the engine is not ready", "service_unavailable", None, "not_ready")),
+                        status_code=503, media_type="application/json")
+    snap = await st.aengine.call(lambda e: e.stats())
+    snap["server"] = {"ready": st.ready, "draining": st.draining, "active_requests": st.aengine.num_active,
+                      "steps": st.aengine.num_steps}
+    return Response(_dumps(snap), media_type="application/json")

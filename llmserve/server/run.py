@@ -1,0 +1,48 @@
+"""serve(config): build the engine, run uvicorn, drain gracefully on SIGTERM and exit 0."""
+
+from __future__ import annotations
+
+import logging
+import signal
+
+log = logging.getLogger("llmserve.server")
+
+
+def serve(config) -> int:
+    """Run the OpenAI-compatible server until SIGTERM/SIGINT; 0 after a clean drain."""
+    import uvicorn
+
+    from llmserve.engine import Engine
+    from llmserve.server.app import create_app, with_default_sinks
+
+    config = with_default_sinks(config)
+    # built before listening, so a bad config or model fails the command with its message
+    engine = Engine.from_config(config)
+    app = create_app(config, engine)
+    state = app.state.llm
+    sc = config.server
+
+    class DrainingServer(uvicorn.Server):
+        """On SIGTERM: stop admitting (503), let uvicorn drain connections, exit 0 rather than re-raise."""
+
+        def handle_exit(self, sig, frame):
+            state.begin_drain()
+            super().handle_exit(sig, frame)
+            if sig == signal.SIGTERM and getattr(self, "_captured_signals", None):
+                # uvicorn re-raises captured signals after shutdown, which would end the process
+                # with 143; a drained SIGTERM is a clean exit
+                self._captured_signals = [s for s in self._captured_signals if s != signal.SIGTERM]
+
+    try:  # sse-starlette would end open streams at once on shutdown; we drain them instead
+        from sse_starlette.sse import AppStatus
+
+        AppStatus.disable_automatic_graceful_drain()
+    except ImportError:  # pragma: no cover
+        pass
+
+    uv = uvicorn.Config(app, host=sc.host, port=sc.port, log_level=sc.log_level, lifespan="on",
+                        timeout_graceful_shutdown=max(int(sc.drain_timeout), 1), access_log=False)
+    server = DrainingServer(uv)
+    log.info("serving %s on http://%s:%d", config.served_model_name, sc.host, sc.port)
+    server.run()
+    return 0

@@ -1,0 +1,52 @@
+"""Default plugin: a Prometheus metric sink ("prometheus") and the GET /metrics route.
+
+Each sink owns its own CollectorRegistry (never the process-global one), so two engines in
+one process — or one per test — never collide on metric names.
+"""
+
+from __future__ import annotations
+
+from llmserve.hookspecs import hookimpl
+
+
+def _build(config, options):
+    from llmserve.config import check_options
+    from llmserve_prometheus.sink import PrometheusSink
+
+    o = check_options(options, {"model_name": None}, "metrics.sinks[prometheus].options")
+    return PrometheusSink(model_name=o["model_name"] or config.served_model_name)
+
+
+def find_sink(engine):
+    """The engine's PrometheusSink, or None when the engine was built without one."""
+    from llmserve_prometheus.sink import PrometheusSink
+
+    for s in getattr(engine, "metric_sinks", []):
+        if isinstance(s, PrometheusSink):
+            return s
+    return None
+
+
+@hookimpl
+def register_metric_sinks(register):
+    """Register the Prometheus sink as "prometheus"."""
+    register("prometheus", _build)
+
+
+@hookimpl
+def register_routes(register, engine):
+    """Serve the engine's Prometheus registry at GET /metrics (404-free even without the sink)."""
+    from starlette.responses import Response
+
+    from llmserve_prometheus.sink import CONTENT_TYPE, PrometheusSink
+
+    sink = find_sink(engine)
+    if sink is None:
+        # the engine was built without the sink: add one so /metrics is never empty-handed
+        sink = PrometheusSink(model_name=engine.config.served_model_name)
+        engine.metric_sinks.append(sink)
+
+    async def metrics(request):
+        return Response(sink.render(), media_type=CONTENT_TYPE)
+
+    register("/metrics", metrics, methods=("GET",))
