@@ -139,8 +139,10 @@ class ContinuousScheduler(Scheduler):
         prefill = decode = 0
 
         # 1. running sequences, best first: a decode token each, or the next prefill chunk
+        #    (forked children can make the running set larger than a batch: the rest wait a step)
         i = 0
-        while i < len(self._running) and budget > 0:
+        max_seqs = self.max_num_seqs
+        while i < len(self._running) and budget > 0 and len(out) < max_seqs:
             req = self._running[i]
             remaining = len(req.token_ids) - req.num_computed_tokens
             n = min(remaining, budget)
@@ -168,7 +170,7 @@ class ContinuousScheduler(Scheduler):
         # 2. admit waiting sequences in policy order while budget, seats and blocks last
         if not batch.preempted_request_ids:
             waiting = self._waiting
-            while waiting and budget > 0 and len(self._running) < self.max_num_seqs:
+            while waiting and budget > 0 and len(self._running) < max_seqs:
                 _, req = waiting[0]
                 if req.status is not RequestStatus.WAITING or req.request_id not in self._by_id:
                     heapq.heappop(waiting)  # aborted while waiting
