@@ -141,6 +141,9 @@ def load_plugins(
             try:
                 plugin = ep.load()
                 pm.register(plugin, name=ep.name)
+            except pluggy.PluginValidationError as e:
+                # it loaded, but a hookimpl does not match its spec: a bug to fix, never skipped
+                raise PluginError(f"plugin {ep.name!r} ({ep.value}): {e}") from e
             except Exception as e:
                 msg = f"plugin {ep.name!r} ({ep.value}) failed to load: {type(e).__name__}: {e}"
                 if _strict():
@@ -150,8 +153,13 @@ def load_plugins(
                           msg, traceback.format_exc(limit=3))
 
     for plugin in extra_plugins or []:
+        if pm.is_registered(plugin):
+            continue  # already loaded through its entry point (a plugin's own tests do this)
         name = getattr(plugin, "__name__", None) or type(plugin).__name__
-        pm.register(plugin, name=name)
+        try:
+            pm.register(plugin, name=name)
+        except pluggy.PluginValidationError as e:
+            raise PluginError(f"plugin {name!r}: {e}") from e
         ps.sources[name] = "registered"
 
     try:

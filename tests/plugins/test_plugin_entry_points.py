@@ -264,9 +264,6 @@ def test_unknown_hook_argument_is_fatal_when_strict(site, monkeypatch):
         load_plugins()
 
 
-@pytest.mark.xfail(strict=True, reason="llmserve/plugins.py treats pluggy's PluginValidationError from "
-                                       "pm.register like an import failure (skipped); the issue asks for a "
-                                       "start-up failure. Change requested from the lead.")
 def test_unknown_hook_argument_fails_at_startup_with_pluggys_message(site):
     site.add("extra_arg", UNKNOWN_ARG)
     with pytest.raises(PluginError, match=r"(?s)plugin 'extra_arg'.*Argument\(s\) \{'config'\} are declared in "
@@ -274,10 +271,6 @@ def test_unknown_hook_argument_fails_at_startup_with_pluggys_message(site):
         load_plugins()
 
 
-@pytest.mark.xfail(strict=True, raises=ValueError,
-                   reason="llmserve/plugins.py registers extra_plugins without checking pm.is_registered: a plugin "
-                          "that is installed AND passed as extra_plugins (a plugin author's own tests) dies with "
-                          "pluggy's 'Plugin already registered under a different name'. Change requested from the lead.")
 def test_installed_plugin_also_passed_as_extra_plugin_loads_once(installed_example):
     import llmserve_example_plugin
 
