@@ -170,31 +170,33 @@ def test_hook_register_metric_sinks():
 
 
 def test_hook_register_routes():
-    from starlette.applications import Starlette
-    from starlette.responses import JSONResponse
-    from starlette.routing import Route
     from starlette.testclient import TestClient
 
+    from llmserve.server import create_app
+
+    seen = {}
+
     def register_routes(register, engine):
+        from starlette.responses import JSONResponse
+
+        seen["engine"] = engine
+
         async def queue(request):
-            return JSONResponse({"waiting": engine.num_waiting, "running": engine.num_running})
+            return JSONResponse({"waiting": engine.num_waiting, "running": engine.num_running,
+                                 "scheduler": engine.config.scheduler.name})
 
         register("/example/queue", queue, methods=("GET",))
+        register("/stats", queue)  # clashes with a built-in route: skipped with a warning, not an override
 
     p = plugin("queue_plugin", register_routes=register_routes)
     engine = Engine.from_config(FAKE, extra_plugins=[p])
-    routes = []
-
-    def register(path, endpoint, methods=("GET",)):
-        routes.append(Route(path, endpoint, methods=list(methods)))
-
-    # the server calls the hook the same way: every plugin's routes, with the running engine
-    engine.plugins.pm.hook.register_routes(register=register, engine=engine)
-    assert "/example/queue" in [r.path for r in routes]
-    engine.add_request([1, 2, 3], SamplingParams(max_tokens=2))
-    with TestClient(Starlette(routes=routes)) as client:
+    with TestClient(create_app(engine.config, engine)) as client:  # the lifespan attaches plugin routes
+        assert seen["engine"] is engine
         r = client.get("/example/queue")
-    assert r.status_code == 200 and r.json() == {"waiting": 1, "running": 0}
+        assert r.status_code == 200 and r.json() == {"waiting": 0, "running": 0, "scheduler": "continuous"}
+        assert client.post("/example/queue").status_code == 405  # only the methods it registered
+        assert "scheduler" in client.get("/stats").json()  # the built-in /stats still answers
+        assert client.get("/metrics").status_code == 200  # the default plugin's route is there too
 
 
 def test_hook_register_commands(site, capsys):
