@@ -1,0 +1,97 @@
+"""A real uvicorn server on 127.0.0.1 (random free port) in a background thread, one per test module."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+import pytest
+import uvicorn
+
+from llmserve.config import config_from_dict
+from llmserve.engine import Engine
+from llmserve.server import create_app
+from llmserve.server.app import with_default_sinks
+
+# the fake backend with the byte tokenizer: deterministic and instant
+FAKE = {"backend": {"name": "fake"}, "model": {"max_model_len": 512},
+        "cache": {"num_blocks": 256, "block_size": 16}}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class LiveServer:
+    """A running server: its base URL, app, engine and uvicorn handle."""
+
+    url: str
+    app: Any
+    engine: Any
+    server: uvicorn.Server
+    thread: threading.Thread
+
+    @property
+    def state(self):
+        return self.app.state.llm
+
+    def client(self, **kw):
+        """An openai SDK client for this server (no retries, so each error surfaces once)."""
+        import openai
+
+        kw.setdefault("api_key", "unused")
+        kw.setdefault("max_retries", 0)
+        kw.setdefault("timeout", 30)
+        return openai.OpenAI(base_url=self.url + "/v1", **kw)
+
+    def stats(self) -> dict:
+        return httpx.get(self.url + "/stats", timeout=10).json()
+
+    def wait_idle(self, timeout: float = 5.0) -> dict:
+        """Poll /stats until nothing runs or waits and every KV block is free; return the last stats."""
+        deadline = time.monotonic() + timeout
+        while True:
+            s = self.stats()
+            c = s["cache"]
+            if s["running"] == 0 and s["waiting"] == 0 and c["used_blocks"] == 0 and s["server"]["active_requests"] == 0:
+                return s
+            if time.monotonic() > deadline:
+                return s
+            time.sleep(0.05)
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=30)
+
+
+def start_server(config: dict, extra_plugins: list | None = None, build_engine: bool = True) -> LiveServer:
+    """Build the engine (or let the app build it), start uvicorn in a thread, wait until it listens."""
+    cfg = with_default_sinks(config_from_dict(config, source="<test>"))
+    engine = Engine.from_config(cfg, extra_plugins=extra_plugins) if build_engine else None
+    app = create_app(cfg, engine)
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
+                                           lifespan="on", timeout_graceful_shutdown=5))
+    t = threading.Thread(target=server.run, name="uvicorn-test", daemon=True)
+    t.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        if not t.is_alive() or time.monotonic() > deadline:
+            raise RuntimeError("the test server did not start")
+        time.sleep(0.02)
+    return LiveServer(f"http://127.0.0.1:{port}", app, engine, server, t)
+
+
+@pytest.fixture(scope="module")
+def fake_server():
+    """The default test server: fake backend, byte tokenizer."""
+    s = start_server(FAKE)
+    yield s
+    s.stop()

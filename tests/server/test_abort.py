@@ -1,0 +1,109 @@
+"""Clients that go away — streaming or not — abort their requests and free every KV block."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import httpx
+import openai
+import pytest
+
+from tests.server.conftest import start_server
+
+# 5 ms per step, no request timeout: only a disconnect can end these requests early
+SLOW = {
+    "backend": {"name": "fake", "options": {"step_cost_s": 0.005}},
+    "model": {"max_model_len": 1024},
+    "cache": {"num_blocks": 1024, "block_size": 16},
+    "scheduler": {"max_num_seqs": 32, "max_num_batched_tokens": 1024},
+    "server": {"request_timeout": None},
+}
+
+
+@pytest.fixture(scope="module")
+def srv():
+    s = start_server(SLOW)
+    yield s
+    s.stop()
+
+
+def _aborted(stats: dict) -> int:
+    return stats["metrics"]["requests_finished"].get("abort", 0)
+
+
+def test_twenty_streaming_clients_dropped_mid_stream_free_every_block(srv):
+    before = _aborted(srv.stats())
+
+    async def one(i: int, client: httpx.AsyncClient) -> int:
+        body = {"prompt": f"client {i} says hello " * 3, "max_tokens": 800, "stream": True, "ignore_eos": True}
+        got = 0
+        async with client.stream("POST", srv.url + "/v1/completions", json=body) as r:
+            assert r.status_code == 200
+            async for line in r.aiter_lines():
+                if line.startswith("data: {"):
+                    got += 1
+                    if got == 3:
+                        break  # leave mid-stream: closing the response drops the connection
+        return got
+
+    async def main():
+        # one connection per client, so leaving closes a socket the server sees
+        clients = [httpx.AsyncClient(timeout=30) for _ in range(20)]
+        try:
+            return await asyncio.gather(*(one(i, c) for i, c in enumerate(clients)))
+        finally:
+            for c in clients:
+                await c.aclose()
+
+    got = asyncio.run(main())
+    assert got == [3] * 20
+    s = srv.wait_idle(5.0)
+    assert s["running"] == 0 and s["waiting"] == 0 and s["server"]["active_requests"] == 0
+    cache = s["cache"]
+    assert cache["used_blocks"] == 0 and cache["num_sequences"] == 0
+    assert cache["free_blocks"] + cache["cached_free_blocks"] == cache["num_blocks"]
+    assert _aborted(s) == before + 20
+    # 20 × 800 tokens at 5 ms a step would take seconds more: they were not run to the end
+    assert s["metrics"]["requests_finished"].get("length", 0) == 0
+    r = srv.client().completions.create(model="embedded", prompt="still here?", max_tokens=4)
+    assert r.usage.completion_tokens == 4
+
+
+def test_client_timeout_aborts_a_non_streaming_request(srv):
+    before = _aborted(srv.stats())
+    t0 = time.monotonic()
+    with pytest.raises(openai.APITimeoutError):
+        srv.client(timeout=0.3).completions.create(model="embedded", prompt="bye", max_tokens=800,
+                                                   extra_body={"ignore_eos": True})
+    s = srv.wait_idle(5.0)
+    assert time.monotonic() - t0 < 3.0  # the whole generation would take about 4 s
+    assert s["running"] == 0 and s["cache"]["used_blocks"] == 0
+    assert _aborted(s) == before + 1
+
+
+def test_disconnect_while_waiting_in_the_queue_aborts(srv):
+    """Requests that never got a slot are dropped from the waiting queue too."""
+    before = _aborted(srv.stats())
+
+    async def main():
+        clients = [httpx.AsyncClient(timeout=0.4) for _ in range(40)]  # 40 > max_num_seqs 32
+
+        async def one(c):
+            try:
+                await c.post(srv.url + "/v1/completions",
+                             json={"prompt": "wait", "max_tokens": 800, "ignore_eos": True})
+            except httpx.TimeoutException:
+                return "timeout"
+            return "done"
+
+        try:
+            return await asyncio.gather(*(one(c) for c in clients))
+        finally:
+            for c in clients:
+                await c.aclose()
+
+    assert asyncio.run(main()) == ["timeout"] * 40
+    s = srv.wait_idle(5.0)
+    assert s["waiting"] == 0 and s["running"] == 0 and s["cache"]["used_blocks"] == 0
+    assert _aborted(s) == before + 40
