@@ -1,0 +1,37 @@
+# Each target does all of its own set-up on a fresh machine: a local virtualenv, installed
+# with the pins in constraints.txt (torch 2.13.0 CPU build, not gigabytes of CUDA wheels).
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+HOST ?= 127.0.0.1
+PORT ?= 8000
+PYTEST_ARGS ?=
+
+.PHONY: install test serve bench bench-torch plugins clean
+
+$(STAMP): pyproject.toml constraints.txt
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --disable-pip-version-check -q -c constraints.txt -e ".[dev]"
+	touch $(STAMP)
+
+install: $(STAMP)
+
+test: $(STAMP)
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+# serves the embedded default model (no download) on http://$(HOST):$(PORT)/v1
+serve: $(STAMP)
+	$(VENV)/bin/llmserve serve --config configs/default.yaml --host $(HOST) --port $(PORT)
+
+bench: $(STAMP)
+	$(VENV)/bin/llmserve bench offline --requests 1000
+
+bench-torch: $(STAMP)
+	$(PY) benchmarks/vs_hf.py
+
+plugins: $(STAMP)
+	$(VENV)/bin/llmserve plugins
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis

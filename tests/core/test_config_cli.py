@@ -1,0 +1,98 @@
+"""Config loading and validation, and the command line (run as a real subprocess)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from llmserve.config import config_from_dict, load_config, parse_bytes
+from llmserve.errors import ConfigError
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def run_cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{ROOT / 'plugins'}")
+    return subprocess.run([sys.executable, "-m", "llmserve", *args], capture_output=True, text=True,
+                          timeout=timeout, env=env, cwd=ROOT)
+
+
+def test_unknown_key_names_the_key_and_the_file(tmp_path):
+    f = tmp_path / "bad.yaml"
+    f.write_text("scheduler:\n  max_num_seq: 8\n")
+    with pytest.raises(ConfigError, match=r"bad\.yaml: unknown key 'scheduler\.max_num_seq'"):
+        load_config(f)
+
+
+def test_bad_value_names_the_key(tmp_path):
+    f = tmp_path / "bad.yaml"
+    f.write_text("cache:\n  block_size: twelve\n")
+    with pytest.raises(ConfigError, match=r"bad\.yaml: cache\.block_size: expected an integer"):
+        load_config(f)
+    f.write_text("cache:\n  block_size: 12\n")
+    with pytest.raises(ConfigError, match=r"cache\.block_size: must be a power of two"):
+        load_config(f)
+    f.write_text("scheduler:\n  policy: lifo\n")
+    with pytest.raises(ConfigError, match=r"scheduler\.policy"):
+        load_config(f)
+
+
+def test_overrides_beat_the_file(tmp_path):
+    f = tmp_path / "c.yaml"
+    f.write_text("scheduler:\n  max_num_seqs: 8\n  max_num_batched_tokens: 64\n")
+    cfg = load_config(f, {"scheduler.max_num_seqs": 16})
+    assert cfg.scheduler.max_num_seqs == 16 and cfg.scheduler.max_num_batched_tokens == 64
+
+
+def test_every_shipped_config_is_valid():
+    for f in (ROOT / "configs").glob("*.yaml"):
+        load_config(f)
+
+
+def test_parse_bytes():
+    assert parse_bytes("512MiB") == 512 * 2**20
+    assert parse_bytes("2G") == 2 * 2**30
+    assert parse_bytes(1000) == 1000
+    with pytest.raises(ConfigError):
+        parse_bytes("lots")
+
+
+def test_sinks_accept_plain_names():
+    cfg = config_from_dict({"metrics": {"sinks": ["jsonl", {"name": "x", "options": {"a": 1}}]}})
+    assert [s.name for s in cfg.metrics.sinks] == ["jsonl", "x"]
+
+
+def test_cli_config_error_is_reported_not_a_traceback(tmp_path):
+    f = tmp_path / "bad.yaml"
+    f.write_text("model:\n  dtype: float64\n")
+    r = run_cli("config", "--config", str(f))
+    assert r.returncode == 2
+    assert "model.dtype" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_cli_plugins_json_lists_the_defaults():
+    r = run_cli("plugins", "--json")
+    assert r.returncode == 0, r.stderr
+    plugins = {p["name"]: p for p in json.loads(r.stdout)["plugins"]}
+    assert plugins["llmserve_scheduler"]["components"]["scheduler"] == ["continuous"]
+    assert plugins["llmserve_paged_cache"]["components"]["cache"] == ["paged"]
+    assert "fake" in plugins["llmserve_fake"]["components"]["backend"]
+    assert "register_backends" in plugins["llmserve_fake"]["hooks"]
+
+
+def test_bench_offline_json_completes_everything_and_frees_every_block():
+    r = run_cli("bench", "offline", "--requests", "200", "--json", "--shared-prefix", "64",
+                "--prompt-len", "8", "64", "--output-len", "4", "32", "--num-blocks", "400")
+    assert r.returncode == 0, r.stderr
+    rep = json.loads(r.stdout)
+    assert rep["completed"] == 200 and rep["failed"] == 0
+    assert rep["kv_cache"]["all_blocks_free_at_end"]
+    assert rep["batch_size"]["max"] == 64
+    assert rep["prefix_cache"]["hit_rate"] > 0.3
+    assert rep["prefix_cache"]["prefill_tokens_computed"] < rep["prefix_cache"]["prompt_tokens_total"]
+    assert rep["engine_overhead_ms"]["all_steps"]["p50"] is not None

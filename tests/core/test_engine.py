@@ -1,0 +1,282 @@
+"""Engine lifecycle through the fake backend: stops, limits, n>1, aborts, failures, detokenization."""
+
+from __future__ import annotations
+
+import pytest
+
+from llmserve.engine import Engine
+from llmserve.errors import InvalidRequestError
+from llmserve.hookspecs import hookimpl
+from llmserve.interfaces import Tokenizer
+from llmserve.request import FinishReason, SamplingParams
+from llmserve_fake import next_token
+
+
+class BytesTokenizer(Tokenizer):
+    """ids 0..255 are bytes, 256 is EOS: multi-byte characters span several tokens."""
+
+    eos_token_id = 256
+    vocab_size = 257
+
+    def encode(self, text, add_special_tokens=True):
+        return list(text.encode())
+
+    def decode(self, token_ids, skip_special_tokens=True):
+        return bytes(t for t in token_ids if t < 256).decode("utf-8", errors="replace")
+
+
+class TokPlugin:
+    __name__ = "test-tokenizer"
+
+    @hookimpl
+    def register_tokenizers(self, register):
+        register("test-bytes", lambda config: BytesTokenizer())
+
+
+def engine(num_blocks=256, budget=64, max_seqs=8, tokenizer="none", max_model_len=None, **backend_opts):
+    cfg = {
+        "backend": {"name": "fake", "options": backend_opts},
+        "tokenizer": {"name": tokenizer},
+        "cache": {"num_blocks": num_blocks, "block_size": 4},
+        "scheduler": {"max_num_batched_tokens": budget, "max_num_seqs": max_seqs},
+    }
+    if max_model_len:
+        cfg["model"] = {"max_model_len": max_model_len}
+    return Engine.from_config(cfg, extra_plugins=[TokPlugin()])
+
+
+def drain(eng):
+    got: dict[tuple[str, int], list] = {}
+    final = {}
+    while eng.has_unfinished:
+        for o in eng.step().outputs:
+            got.setdefault((o.request_id, o.index), []).append(o)
+            if o.finished:
+                final[(o.request_id, o.index)] = o
+    return got, final
+
+
+def expected_tokens(prompt, n, vocab=257):
+    toks = list(prompt)
+    for _ in range(n):
+        toks.append(next_token(toks, len(toks), vocab, 256))
+    return toks[len(prompt):]
+
+
+def test_max_tokens_gives_length_and_exact_tokens():
+    eng = engine()
+    rid = eng.add_request([5, 6, 7], SamplingParams(max_tokens=9, ignore_eos=True))
+    got, final = drain(eng)
+    toks = [t for o in got[(rid, 0)] for t in o.new_token_ids]
+    assert toks == expected_tokens([5, 6, 7], 9)
+    assert final[(rid, 0)].finish_reason is FinishReason.LENGTH
+    assert final[(rid, 0)].num_output_tokens == 9
+
+
+def test_stop_token_id_stops_and_is_reported():
+    prompt = [1, 2, 3]
+    stream = expected_tokens(prompt, 6)
+    eng = engine()
+    rid = eng.add_request(prompt, SamplingParams(max_tokens=50, stop_token_ids=[stream[3]], ignore_eos=True))
+    _, final = drain(eng)
+    o = final[(rid, 0)]
+    assert o.finish_reason is FinishReason.STOP and o.stop_reason == stream[3]
+    assert o.num_output_tokens == 4
+
+
+def test_min_tokens_defers_a_stop_token():
+    prompt = [1, 2, 3]
+    stream = expected_tokens(prompt, 6)
+    eng = engine()
+    rid = eng.add_request(prompt, SamplingParams(max_tokens=6, stop_token_ids=[stream[0]], min_tokens=3,
+                                                 ignore_eos=True))
+    _, final = drain(eng)
+    assert final[(rid, 0)].num_output_tokens >= 3
+
+
+def test_max_model_len_caps_generation():
+    eng = engine(max_model_len=12)
+    rid = eng.add_request(list(range(10)), SamplingParams(max_tokens=100, ignore_eos=True))
+    _, final = drain(eng)
+    assert final[(rid, 0)].finish_reason is FinishReason.LENGTH
+    assert final[(rid, 0)].num_output_tokens == 2
+
+
+def test_prompt_that_can_never_fit_fails_at_once_with_a_message():
+    eng = engine(num_blocks=4)  # 16 slots
+    rid = eng.add_request(list(range(20)), SamplingParams(max_tokens=4))
+    out = eng.step().outputs
+    assert len(out) == 1 and out[0].request_id == rid
+    assert out[0].finish_reason is FinishReason.ERROR
+    assert "20 tokens" in out[0].error and "16" in out[0].error
+    assert not eng.has_unfinished
+    assert eng.allocator.stats()["used_blocks"] == 0
+
+
+def test_bad_input_raises_and_queues_nothing():
+    eng = engine()
+    with pytest.raises(InvalidRequestError) as e:
+        eng.add_request([1, 999], SamplingParams())
+    assert e.value.param == "prompt"
+    with pytest.raises(InvalidRequestError) as e:
+        eng.add_request([], SamplingParams())
+    assert e.value.param == "prompt"
+    with pytest.raises(InvalidRequestError) as e:
+        eng.add_request([1], SamplingParams(temperature=-1))
+    assert e.value.param == "temperature"
+    eng.add_request([1], SamplingParams(), request_id="dup")
+    with pytest.raises(InvalidRequestError):
+        eng.add_request([1], SamplingParams(), request_id="dup")
+    assert eng.num_waiting == 1
+
+
+def test_abort_frees_blocks_within_the_step():
+    eng = engine()
+    a = eng.add_request(list(range(30)), SamplingParams(max_tokens=100, ignore_eos=True))
+    b = eng.add_request(list(range(10)), SamplingParams(max_tokens=5, ignore_eos=True))
+    eng.step()
+    eng.step()
+    used_before = eng.allocator.stats()["used_blocks"]
+    assert eng.abort(a)
+    assert eng.allocator.stats()["used_blocks"] < used_before
+    got, final = drain(eng)
+    assert final[(a, 0)].finish_reason is FinishReason.ABORT
+    assert final[(b, 0)].finish_reason is FinishReason.LENGTH
+    assert eng.allocator.stats()["used_blocks"] == 0
+    assert not eng.abort(a)  # gone
+
+
+def test_n_completions_fork_the_prompt_blocks():
+    eng = engine()
+    prompt = list(range(1, 11))  # 10 tokens: 2 full blocks + a partial one shared by the children
+    rid = eng.add_request(prompt, SamplingParams(max_tokens=5, n=3, ignore_eos=True))
+    got, final = drain(eng)
+    assert sorted(k[1] for k in final) == [0, 1, 2]
+    exp = expected_tokens(prompt, 5)
+    for i in range(3):
+        assert [t for o in got[(rid, i)] for t in o.new_token_ids] == exp
+    # every child wrote its last prompt token into its own copy of the shared partial block
+    assert len(eng.backend.block_copies_done) == 2
+    assert eng.allocator.stats()["used_blocks"] == 0
+
+
+def test_backend_failure_fails_that_batch_only_and_engine_continues():
+    eng = engine()
+    a = eng.add_request([1, 2, 3], SamplingParams(max_tokens=3, ignore_eos=True))
+    eng.backend.fail_next = RuntimeError("boom")
+    out = eng.step().outputs
+    assert out and out[0].finish_reason is FinishReason.ERROR and "boom" in out[0].error
+    assert eng.allocator.stats()["used_blocks"] == 0
+    b = eng.add_request([1, 2, 3], SamplingParams(max_tokens=3, ignore_eos=True))
+    _, final = drain(eng)
+    assert final[(b, 0)].finish_reason is FinishReason.LENGTH
+    assert a != b
+
+
+def test_priority_policy_runs_urgent_requests_first():
+    cfg = {"backend": {"name": "fake"}, "tokenizer": {"name": "none"}, "cache": {"num_blocks": 64},
+           "scheduler": {"max_num_seqs": 1, "max_num_batched_tokens": 64, "policy": "priority"}}
+    eng = Engine.from_config(cfg)
+    order = []
+    for i, prio in enumerate([5, 1, 3]):
+        eng.add_request([i + 1] * 4, SamplingParams(max_tokens=2, ignore_eos=True), request_id=f"p{prio}", priority=prio)
+    while eng.has_unfinished:
+        for o in eng.step().outputs:
+            if o.finished:
+                order.append(o.request_id)
+    assert order == ["p1", "p3", "p5"]
+
+
+def test_prefix_cache_hits_skip_prefill_work():
+    eng = engine(budget=512)
+    system = list(range(40))
+    eng.add_request(system + [100], SamplingParams(max_tokens=2, ignore_eos=True))
+    drain(eng)
+    eng.add_request(system + [101, 102], SamplingParams(max_tokens=2, ignore_eos=True))
+    m = eng.step().metrics
+    assert m.prefix_cache_hits == 40 and m.num_prefill_tokens == 2
+    drain(eng)
+
+
+def test_detokenized_text_streams_and_never_splits_a_character():
+    eng = engine(tokenizer="test-bytes")
+    text = "héllo wörld ✓"
+    # a fake stream: the "model" repeats what we feed through stop_token_ids-free decoding
+    from llmserve.detokenize import IncrementalDetokenizer
+
+    d = IncrementalDetokenizer(BytesTokenizer(), [], stop=[])
+    pieces = [d.add(t)[0] for t in text.encode()] + [d.flush()]
+    assert "".join(pieces) == text
+    assert all("\ufffd" not in p for p in pieces)
+    # through the engine: the concatenated deltas equal decoding all tokens at once
+    rid = eng.add_request(list("abc".encode()), SamplingParams(max_tokens=40, ignore_eos=True))
+    got, _ = drain(eng)
+    toks = [t for o in got[(rid, 0)] for t in o.new_token_ids]
+    assert "".join(o.new_text for o in got[(rid, 0)]) == BytesTokenizer().decode(toks)
+
+
+def test_stop_strings_spanning_tokens_are_never_emitted():
+    from llmserve.detokenize import IncrementalDetokenizer
+
+    tok = BytesTokenizer()
+    d = IncrementalDetokenizer(tok, [], stop=["STOP", "xyz"])
+    out, hit = [], None
+    for t in "hello wSTOPorld".encode():
+        piece, hit = d.add(t)
+        out.append(piece)
+        if hit:
+            break
+    assert "".join(out) == "hello w" and hit == "STOP"
+    d = IncrementalDetokenizer(tok, [], stop=["STOP"], include_stop_str_in_output=True)
+    pieces = []
+    for t in "ab STOP cd".encode():
+        p, hit = d.add(t)
+        pieces.append(p)
+        if hit:
+            break
+    assert "".join(pieces) == "ab STOP"
+
+
+def test_stop_string_through_the_engine():
+    eng = engine(tokenizer="test-bytes")
+    prompt = list("abc".encode())
+    full = BytesTokenizer().decode(expected_tokens(prompt, 40))
+    # the fake "model" writes random bytes: stop on the first plain two-letter run past the start
+    at = next(i for i in range(4, len(full) - 1) if full[i:i + 2].isascii() and full[i:i + 2].isprintable())
+    stop = full[at:at + 2]
+    rid = eng.add_request(prompt, SamplingParams(max_tokens=40, ignore_eos=True, stop=[stop]))
+    got, final = drain(eng)
+    text = "".join(o.new_text for o in got[(rid, 0)])
+    assert final[(rid, 0)].stop_reason == stop
+    assert stop not in text and full.startswith(text)
+
+
+def test_metrics_snapshot_and_sinks_report_latencies():
+    eng = engine(step_cost_s=0.001)
+    for i in range(5):
+        eng.add_request([i + 1] * 6, SamplingParams(max_tokens=4, ignore_eos=True))
+    drain(eng)
+    snap = eng.metrics_snapshot()
+    assert snap["requests_finished"] == {"length": 5}
+    assert snap["generation_tokens"] == 20 and snap["prompt_tokens"] == 30
+    lat = snap["latency_seconds"]
+    assert lat["ttft"]["count"] == 5 and lat["ttft"]["p50"] >= 0.001
+    assert lat["itl"]["count"] == 15 and lat["itl"]["p99"] >= lat["itl"]["p50"] > 0
+    assert snap["step_seconds"]["backend"]["p50"] >= 0.001
+    st = eng.stats()
+    assert st["cache"]["used_blocks"] == 0 and st["waiting"] == 0
+
+
+def test_jsonl_sink_writes_steps_and_requests(tmp_path):
+    import json
+
+    path = tmp_path / "m.jsonl"
+    cfg = {"backend": {"name": "fake"}, "tokenizer": {"name": "none"},
+           "metrics": {"sinks": [{"name": "jsonl", "options": {"path": str(path), "flush_every": 1}}]}}
+    eng = Engine.from_config(cfg)
+    eng.generate([[1, 2, 3]], SamplingParams(max_tokens=3, ignore_eos=True))
+    eng.shutdown()
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    assert {r["event"] for r in rows} == {"step", "request"}
+    req = [r for r in rows if r["event"] == "request"][0]
+    assert req["num_output_tokens"] == 3 and req["finish_reason"] == "length"
