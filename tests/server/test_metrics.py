@@ -1,0 +1,82 @@
+"""/metrics (Prometheus plugin, mounted through register_routes) and /stats on a live server."""
+
+from __future__ import annotations
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+from llmserve.config import config_from_dict
+from llmserve.server.app import with_default_sinks
+
+NAMES = [
+    "llmserve_time_to_first_token_seconds", "llmserve_inter_token_latency_seconds",
+    "llmserve_e2e_request_latency_seconds", "llmserve_request_queue_time_seconds", "llmserve_batch_size",
+    "llmserve_num_requests_running", "llmserve_num_requests_waiting", "llmserve_kv_cache_usage_ratio",
+    "llmserve_prompt_tokens", "llmserve_generation_tokens", "llmserve_request_success",
+    "llmserve_prefix_cache_queries", "llmserve_prefix_cache_hits", "llmserve_preemptions",
+]
+
+
+def _samples(text: str) -> dict[tuple[str, tuple], float]:
+    out = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out
+
+
+def test_prometheus_sink_is_on_by_default_and_counts_requests(fake_server):
+    assert any(s.name == "prometheus" for s in fake_server.engine.config.metrics.sinks)
+    client = fake_server.client()
+    shared = "a shared system prompt that is long enough to fill two blocks. "
+    for i in range(3):
+        client.completions.create(model="embedded", prompt=shared + str(i), max_tokens=5,
+                                  extra_body={"ignore_eos": True})
+    r = httpx.get(fake_server.url + "/metrics")
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
+    families = {f.name for f in text_string_to_metric_families(r.text)}
+    assert set(NAMES) <= families
+    s = _samples(r.text)
+    m = (("model_name", "embedded"),)
+    assert s[("llmserve_generation_tokens_total", m)] == 15
+    assert s[("llmserve_prompt_tokens_total", m)] == 3 * (len(shared) + 1)
+    assert s[("llmserve_request_success_total", (("finished_reason", "length"), ("model_name", "embedded")))] == 3
+    assert s[("llmserve_time_to_first_token_seconds_count", m)] == 3
+    assert s[("llmserve_inter_token_latency_seconds_count", m)] == 3 * 4
+    assert s[("llmserve_prefix_cache_hits_total", m)] > 0  # the 2nd and 3rd prompts reuse the prefix
+    assert s[("llmserve_batch_size_count", m)] >= 5
+    # every series carries the model_name label
+    for fam in text_string_to_metric_families(r.text):
+        for sample in fam.samples:
+            assert sample.labels.get("model_name") == "embedded", sample
+
+
+def test_each_engine_has_its_own_registry():
+    from llmserve_prometheus.sink import PrometheusSink
+
+    from llmserve.metrics import RequestMetrics
+
+    a, b = PrometheusSink("a"), PrometheusSink("b")
+    a.on_request_finished(RequestMetrics("r", 0, "stop", None, 3, 4, 0, 0, 0.1, 0.2, 0.3, [0.05]))
+    assert 'llmserve_generation_tokens_total{model_name="a"} 4.0' in a.render().decode()
+    assert 'llmserve_generation_tokens_total{model_name="b"} 0.0' in b.render().decode()
+    # the failure counter, not the success one, takes errors
+    b.on_request_finished(RequestMetrics("r", 0, "error", "boom", 3, 0, 0, 0, None, None, 0.3, []))
+    assert 'llmserve_request_failure_total{model_name="b"} 1.0' in b.render().decode()
+
+
+def test_default_sinks_are_added_once():
+    cfg = config_from_dict({"metrics": {"sinks": ["jsonl"]}})
+    out = with_default_sinks(cfg)
+    assert [s.name for s in out.metrics.sinks] == ["jsonl", "prometheus"]
+    assert [s.name for s in cfg.metrics.sinks] == ["jsonl"]  # the caller's config is untouched
+    assert with_default_sinks(out) is out
+
+
+def test_stats_reports_queue_cache_and_latencies(fake_server):
+    fake_server.client().completions.create(model="embedded", prompt="stats", max_tokens=3)
+    s = fake_server.wait_idle()
+    assert {"waiting", "running", "cache", "metrics", "max_model_len", "server"} <= set(s)
+    assert s["cache"]["num_blocks"] == 256 and s["cache"]["used_blocks"] == 0
+    assert s["metrics"]["latency_seconds"]["ttft"]["count"] >= 1
+    assert s["server"] == {"ready": True, "draining": False, "active_requests": 0, "steps": s["server"]["steps"]}
