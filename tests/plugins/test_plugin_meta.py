@@ -82,3 +82,71 @@ def test_every_hook_is_exercised_by_a_test(name):
     # the test must involve the hook itself, not just carry its name
     assert any(name in source.split(":", 1)[1] for _, source in tests), (
         f"test_hook_{name} does not mention {name} in its body")
+
+
+# --- docs/configuration.md ---------------------------------------------------------------------
+
+CONFIG_DOCS = ROOT / "docs" / "configuration.md"
+
+
+def _yaml_default(value) -> str:
+    """A default as the docs write it (YAML spelling)."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (list, dict)):
+        return "[]" if isinstance(value, list) else "{}"
+    return str(value)
+
+
+def _documented_rows(text: str) -> dict[str, str]:
+    """`key` → `default` of every two-backtick-cell table row."""
+    return dict(re.findall(r"^\| `([^`]+)` \| (?:`([^`]*)`|—[^|]*) \|", text, flags=re.M))
+
+
+def config_keys() -> dict[str, str]:
+    """Every dotted key of every section of EngineConfig → its default, as the docs should spell it."""
+    import dataclasses
+
+    from llmserve.config import EngineConfig, SinkConfig
+
+    keys = {}
+    for section in dataclasses.fields(EngineConfig):
+        if section.name == "source":
+            continue
+        for f in dataclasses.fields(section.default_factory()):
+            default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+            keys[f"{section.name}.{f.name}"] = _yaml_default(default)
+    for f in dataclasses.fields(SinkConfig):
+        if f.default_factory is not dataclasses.MISSING:
+            keys[f"metrics.sinks[].{f.name}"] = _yaml_default(f.default_factory())
+        elif f.default is dataclasses.MISSING:
+            keys[f"metrics.sinks[].{f.name}"] = ""  # required: documented with a dash
+    return keys
+
+
+def test_every_config_key_is_documented_with_its_default():
+    rows = _documented_rows(CONFIG_DOCS.read_text())
+    missing = sorted(k for k in config_keys() if k not in rows)
+    assert not missing, f"docs/configuration.md has no row for: {missing}"
+    wrong = {k: (rows[k], d) for k, d in config_keys().items() if rows[k] != d}
+    assert not wrong, f"docs/configuration.md defaults differ from llmserve/config.py (docs, code): {wrong}"
+
+
+def _option_table(heading: str) -> dict[str, str]:
+    text = CONFIG_DOCS.read_text()
+    m = re.search(rf"^### {re.escape(heading)}\n(.*?)(?=^### |\Z)", text, flags=re.M | re.S)
+    assert m, f"docs/configuration.md has no section '### {heading}'"
+    return _documented_rows(m.group(1))
+
+
+def test_fake_backend_options_are_documented():
+    import llmserve_fake
+
+    assert _option_table("backend: fake") == {k: _yaml_default(v) for k, v in llmserve_fake._OPTIONS.items()}
+
+
+def test_torch_backend_options_are_documented():
+    backend = pytest.importorskip("llmserve_torch.backend")  # the torch plugin needs torch
+    assert _option_table("backend: torch") == {k: _yaml_default(v) for k, v in backend.OPTIONS.items()}
