@@ -208,8 +208,8 @@ async def completions(request: Request) -> Response:
             pi, outs = batch
             for group in _merge(outs).values():
                 idx, text, lp, fin, sr = apply(pi, group)
-                if not text and fin is None and not (lp and lp["tokens"]):
-                    continue
+                if not text and fin is None and not (lp and lp["tokens"]) and tok is not None:
+                    continue  # text held back (a stop string may be forming, a character is cut)
                 chunk = {"id": rid, "object": "text_completion", "created": created, "model": st.model_name,
                          "choices": [{"index": idx, "text": text, "logprobs": lp, "finish_reason": fin,
                                       "stop_reason": sr if fin else None}]}
