@@ -293,9 +293,12 @@ def test_body_over_the_limit_is_413(fake_server):
 
 
 def test_backend_failure_is_500_for_that_request_only(client, fake_server):
-    fake_server.engine.backend.fail_next = RuntimeError("injected fault")
-    with pytest.raises(openai.InternalServerError) as e:
-        client.completions.create(model="embedded", prompt="doomed", max_tokens=5)
+    fake_server.engine.backend.fail_next = RuntimeError("injected fault")  # the next step fails
+    try:
+        with pytest.raises(openai.InternalServerError) as e:
+            client.completions.create(model="embedded", prompt="doomed", max_tokens=5)
+    finally:
+        fake_server.engine.backend.fail_next = None
     assert e.value.status_code == 500 and "injected fault" in e.value.body["message"]
     # the server keeps serving
     r = client.completions.create(model="embedded", prompt="fine", max_tokens=5)
@@ -303,14 +306,28 @@ def test_backend_failure_is_500_for_that_request_only(client, fake_server):
     assert httpx.get(fake_server.url + "/health").status_code == 200
 
 
-def test_backend_failure_mid_stream_is_an_error_event(fake_server):
+def test_backend_failure_mid_stream_is_an_error_event(fake_server, monkeypatch):
+    backend = fake_server.engine.backend
+    real_execute = backend.execute
+    armed = {"on": False, "failed": False}
+
+    def failing_once_armed(batch):
+        if armed["on"] and not armed["failed"]:
+            armed["failed"] = True
+            raise RuntimeError("injected mid-stream")
+        return real_execute(batch)
+
+    monkeypatch.setattr(backend, "execute", failing_once_armed)
+    # a slow step, so the stream is still running when the client arms the failure
+    monkeypatch.setattr(backend, "step_cost_s", 0.005)
     client = fake_server.client()
-    stream = client.completions.create(model="embedded", prompt="s", max_tokens=200, stream=True,
-                                       extra_body={"ignore_eos": True})
-    with pytest.raises(openai.APIError, match="injected"):
-        for i, _ in enumerate(stream):
-            if i == 0:
-                fake_server.engine.backend.fail_next = RuntimeError("injected mid-stream")
+    got = []
+    with pytest.raises(openai.APIError, match="injected mid-stream"):
+        for chunk in client.completions.create(model="embedded", prompt="s", max_tokens=400, stream=True,
+                                               extra_body={"ignore_eos": True}):
+            got.append(chunk)
+            armed["on"] = True
+    assert got and armed["failed"]
     assert fake_server.wait_idle()["cache"]["used_blocks"] == 0
 
 
