@@ -27,23 +27,86 @@ def _plugin_env(monkeypatch):
     monkeypatch.delenv("LLMSERVE_STRICT_PLUGINS", raising=False)
 
 
-@pytest.fixture(scope="session")
-def example_site(tmp_path_factory) -> Path:
-    """The example plugin pip-installed (a real wheel build, offline) into a folder of its own.
+def _can_build_wheels_offline() -> bool:
+    """True when pip can build a setuptools project here without fetching anything.
 
-    The source is copied first so the build leaves no build/ or egg-info in the repository.
+    That needs setuptools >= 70.1 (bdist_wheel built in) or the `wheel` package; a fresh
+    Python 3.11 venv has neither, so there the distribution is written by hand instead.
     """
-    src = tmp_path_factory.mktemp("example-src") / "llmserve-example-plugin"
-    shutil.copytree(EXAMPLE, src, ignore=shutil.ignore_patterns("build", "*.egg-info", "__pycache__"))
-    site = tmp_path_factory.mktemp("example-site")
+    from importlib import metadata
+
+    try:
+        major, minor = (int(x) for x in metadata.version("setuptools").split(".")[:2])
+    except (metadata.PackageNotFoundError, ValueError):
+        return False
+    if (major, minor) >= (70, 1):
+        return True
+    try:
+        metadata.version("wheel")
+        return True
+    except metadata.PackageNotFoundError:
+        return False
+
+
+def _write_dist_by_hand(project: Path, site: Path) -> None:
+    """What pip would leave for `project` (its packages plus a dist-info), read from its pyproject.toml."""
+    try:
+        import tomllib
+    except ImportError:  # Python 3.10
+        tomllib = pytest.importorskip("tomli")
+    meta = tomllib.loads((project / "pyproject.toml").read_text())
+    proj = meta["project"]
+    for pkg in meta["tool"]["setuptools"]["packages"]:
+        shutil.copytree(project / pkg, site / pkg, ignore=shutil.ignore_patterns("__pycache__"))
+    info = site / f"{proj['name'].replace('-', '_')}-{proj['version']}.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {proj['name']}\nVersion: {proj['version']}\n")
+    lines = []
+    for group, eps in proj.get("entry-points", {}).items():
+        lines.append(f"[{group}]")
+        lines += [f"{name} = {value}" for name, value in eps.items()]
+    (info / "entry_points.txt").write_text("\n".join(lines) + "\n")
+
+
+def install_project(project: Path, site: Path) -> str:
+    """Install the project at `project` into the folder `site`, offline; return "pip" or "by hand".
+
+    With pip the real build runs (a broken pyproject.toml fails here); the source is copied
+    first so the build leaves no build/ or egg-info behind in the repository.
+    """
+    if not _can_build_wheels_offline():
+        _write_dist_by_hand(project, site)
+        return "by hand"
+    src = site.parent / f"{site.name}-src"
+    shutil.copytree(project, src, ignore=shutil.ignore_patterns("build", "*.egg-info", "__pycache__"))
     proc = subprocess.run(
         [sys.executable, "-m", "pip", "install", "--quiet", "--no-build-isolation", "--no-deps",
          "--no-index", "--disable-pip-version-check", "--target", str(site), str(src)],
         capture_output=True, text=True, timeout=300,
     )
-    assert proc.returncode == 0, f"pip install of the example plugin failed:\n{proc.stdout}\n{proc.stderr}"
+    assert proc.returncode == 0, f"pip install of {project.name} failed:\n{proc.stdout}\n{proc.stderr}"
+    return "pip"
+
+
+@pytest.fixture(scope="session")
+def example_site(tmp_path_factory) -> Path:
+    """The example plugin installed into a folder of its own (see install_project)."""
+    site = tmp_path_factory.mktemp("example-site")
+    install_project(EXAMPLE, site)
     assert list(site.glob("llmserve_example_plugin-*.dist-info/entry_points.txt"))
     return site
+
+
+@pytest.fixture(scope="session")
+def installer():
+    """install_project, for tests that install a project of their own."""
+    return install_project
+
+
+@pytest.fixture(scope="session")
+def write_dist_by_hand():
+    """The by-hand installer (used where pip cannot build offline), for the test that compares it with pip."""
+    return _write_dist_by_hand
 
 
 def _forget_modules(names: set[str]) -> None:

@@ -281,3 +281,24 @@ def test_installed_plugin_also_passed_as_extra_plugin_loads_once(installed_examp
 
     ps = load_plugins(extra_plugins=[llmserve_example_plugin])
     assert ps.get("scheduler", "sjf").plugin == "example"
+
+
+def test_hand_written_distribution_matches_what_pip_installs(tmp_path, example_site, write_dist_by_hand):
+    # where pip cannot build offline (an old setuptools without wheel), the fixtures write the
+    # dist-info by hand; it must look to importlib.metadata exactly like pip's
+    from importlib import metadata
+
+    by_hand = tmp_path / "by-hand"
+    by_hand.mkdir()
+    write_dist_by_hand(ROOT / "examples" / "llmserve-example-plugin", by_hand)
+
+    def seen(site):
+        (dist,) = metadata.distributions(path=[str(site)])
+        return (dist.metadata["Name"], dist.version,
+                sorted((ep.group, ep.name, ep.value) for ep in dist.entry_points))
+
+    assert seen(by_hand) == seen(example_site)
+    assert seen(by_hand) == ("llmserve-example-plugin", "0.1.0",
+                             [("llmserve", "example", "llmserve_example_plugin")])
+    assert sorted(p.name for p in (by_hand / "llmserve_example_plugin").glob("*.py")) == \
+        sorted(p.name for p in (example_site / "llmserve_example_plugin").glob("*.py"))

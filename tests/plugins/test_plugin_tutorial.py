@@ -29,18 +29,14 @@ def tutorial_files() -> dict[str, str]:
 
 
 @pytest.fixture(scope="module")
-def tutorial(tmp_path_factory):
-    """The tutorial's folder written out, and the plugin pip-installed into a site folder of its own."""
+def tutorial(tmp_path_factory, installer):
+    """The tutorial's folder written out, and the plugin installed into a site folder of its own."""
     work = tmp_path_factory.mktemp("tutorial")
     for rel, content in tutorial_files().items():
         (work / rel).parent.mkdir(parents=True, exist_ok=True)
         (work / rel).write_text(content)
     site = tmp_path_factory.mktemp("tutorial-site")
-    proc = subprocess.run(
-        [sys.executable, "-m", "pip", "install", "--quiet", "--no-build-isolation", "--no-deps", "--no-index",
-         "--disable-pip-version-check", "--target", str(site), str(work / "llmserve-slowlog")],
-        capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    installer(work / "llmserve-slowlog", site)
     env = dict(os.environ)
     for k in ("LLMSERVE_PLUGINS", "LLMSERVE_STRICT_PLUGINS"):
         env.pop(k, None)
