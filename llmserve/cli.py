@@ -47,7 +47,8 @@ def add_config_arguments(p: argparse.ArgumentParser) -> None:
                    help="override any config key, e.g. --set scheduler.enable_chunked_prefill=false")
     g = p.add_argument_group("config overrides")
     for flag, (key, tp, help_) in CONFIG_FLAGS.items():
-        g.add_argument(flag, dest="cfg_" + key.replace(".", "__"), type=tp, default=None, help=f"{help_} [{key}]")
+        g.add_argument(flag, dest="cfg_" + key.replace(".", "__"), type=tp, default=None,
+                       metavar=key.rsplit(".", 1)[-1].upper(), help=f"{help_} [{key}]")
     g.add_argument("--no-prefix-caching", dest="cfg_cache__enable_prefix_caching", action="store_const",
                    const=False, default=None, help="disable automatic prefix caching")
     g.add_argument("--no-chunked-prefill", dest="cfg_scheduler__enable_chunked_prefill", action="store_const",
