@@ -206,7 +206,7 @@ class Engine:
             request_id=r.group_id, index=r.index,
             finish_reason=r.finish_reason.value if r.finish_reason else None, error=r.error,
             num_prompt_tokens=r.num_prompt_tokens, num_output_tokens=max(r.num_output_tokens, 0),
-            num_cached_tokens=0, num_preemptions=r.num_preemptions,
+            num_cached_tokens=r.num_cached_tokens, num_preemptions=r.num_preemptions,
             queue_seconds=(r.first_scheduled_time - r.arrival_time) if r.first_scheduled_time else None,
             ttft_seconds=(r.first_token_time - r.arrival_time) if r.first_token_time else None,
             e2e_seconds=now - r.arrival_time, inter_token_latencies=r.inter_token_latencies,
@@ -246,6 +246,7 @@ class Engine:
             stop_reason=r.stop_reason if finished else None, error=r.error,
             logprobs=r.pending_logprobs or None,
             num_prompt_tokens=r.num_prompt_tokens, num_output_tokens=max(r.num_output_tokens, 0),
+            num_cached_tokens=r.num_cached_tokens,
         )
         if r.prompt_logprobs is not None and len(r.prompt_logprobs) >= r.num_prompt_tokens:
             o.prompt_logprobs, r.prompt_logprobs = r.prompt_logprobs, []
@@ -355,6 +356,7 @@ class Engine:
                             priority=parent.priority, group_id=parent.group_id, index=i,
                             max_total_tokens=parent.max_total_tokens, arrival_seq=parent.arrival_seq)
             child.num_computed_tokens = parent.num_computed_tokens
+            child.num_cached_tokens = parent.num_cached_tokens
             child.first_scheduled_time = parent.first_scheduled_time
             child.status = RequestStatus.PREFILL
             if sp.seed is not None:

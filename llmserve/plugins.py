@@ -176,7 +176,7 @@ def _collect(pm: pluggy.PluginManager, kind: str, hook_name: str) -> dict[str, R
     """Call one register_* hook on every plugin, remembering which plugin registered what."""
     registry: dict[str, Registration] = {}
     hook = getattr(pm.hook, hook_name)
-    for impl in reversed(hook.get_hookimpls()):  # registration order: defaults first
+    for impl in hook.get_hookimpls():  # registration order: defaults first, then entry points
         plugin_name = pm.get_name(impl.plugin) or repr(impl.plugin)
 
         def register(name: str, factory: Callable[..., Any], _plugin: str = plugin_name) -> None:

@@ -119,6 +119,7 @@ class Request:
     # a fork parent only computes the prompt's KV, then the engine forks it into n children
     is_fork_parent: bool = False
     num_preemptions: int = 0
+    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at first admission
     arrival_seq: int = field(default_factory=lambda: next(_seq_counter))  # FCFS tie-breaker
     # timing, for metrics (perf_counter seconds)
     first_scheduled_time: float | None = None

@@ -193,6 +193,8 @@ class ContinuousScheduler(Scheduler):
                 heapq.heappop(waiting)
                 self._num_waiting -= 1
                 req.num_computed_tokens = got
+                if req.num_preemptions == 0:
+                    req.num_cached_tokens = got
                 req.status = RequestStatus.PREFILL
                 self._insert_running(req)
                 out.append(self._entry(req, n))

@@ -195,7 +195,8 @@ def test_prefix_cache_hits_skip_prefill_work():
     eng.add_request(system + [101, 102], SamplingParams(max_tokens=2, ignore_eos=True))
     m = eng.step().metrics
     assert m.prefix_cache_hits == 40 and m.num_prefill_tokens == 2
-    drain(eng)
+    _, final = drain(eng)
+    assert [o.num_cached_tokens for o in final.values()] == [40]
 
 
 def test_detokenized_text_streams_and_never_splits_a_character():
