@@ -18,7 +18,9 @@ from llmserve.server.logprobs import CompletionLogprobs, TokenText, chat_logprob
 from llmserve.server.protocol import parse_chat, parse_completion, parse_json
 from llmserve.server.state import ServerState
 
-_dumps = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode
+# ASCII-only JSON: raw U+0085 / U+2028 / U+2029 in a chunk would split it for clients that break lines
+# the way str.splitlines() does
+_dumps = json.JSONEncoder(ensure_ascii=True, separators=(",", ":")).encode
 
 
 def _state(request: Request) -> ServerState:

@@ -352,3 +352,15 @@ def test_sse_framing(fake_server):
     events = raw.split("\n\n")
     assert events[-1] == "" and events[-2] == "data: [DONE]"
     assert all(e.startswith("data: {") for e in events[:-2])
+
+
+
+def test_sse_chunks_are_ascii_so_no_client_splits_them(fake_server):
+    # the fake model writes arbitrary bytes; U+0085 or U+2028 left raw would be a line break to
+    # clients that split lines like str.splitlines()
+    with httpx.stream("POST", fake_server.url + "/v1/completions",
+                      json={"prompt": "bytes", "max_tokens": 300, "stream": True, "ignore_eos": True}) as r:
+        raw = r.read()
+    assert raw.isascii() and b"\\u" in raw
+    text = raw.decode()
+    assert all(line.startswith("data: ") for line in text.splitlines() if line)
