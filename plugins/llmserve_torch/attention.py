@@ -14,6 +14,7 @@ import ctypes
 import hashlib
 import logging
 import os
+import platform
 import subprocess
 import sys
 import tempfile
@@ -118,6 +119,15 @@ def _cache_dir() -> Path:
     return Path(base) / "llmserve" / "kernels"
 
 
+def _cpu_id() -> str:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.machine()
+    lines = [ln for ln in text.splitlines() if ln.startswith(("model name", "flags"))][:2]
+    return "\n".join(lines)
+
+
 def build_kernel() -> ctypes.CDLL:
     """Compile csrc/paged_attention.cpp once per source/compiler/torch (cached on disk) and load it."""
     global _lib, _lib_error
@@ -130,7 +140,8 @@ def build_kernel() -> ctypes.CDLL:
             src = _SRC.read_bytes()
             cxx = os.environ.get("CXX", "g++")
             flags = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
-            key = hashlib.sha256(src + " ".join([cxx, *flags, sys.platform]).encode()).hexdigest()[:16]
+            # -march=native: the binary is only valid on this kind of CPU, so the CPU is part of the key
+            key = hashlib.sha256(src + " ".join([cxx, *flags, sys.platform, _cpu_id()]).encode()).hexdigest()[:16]
             out = _cache_dir() / f"paged_attention_{key}.so"
             if not out.exists():
                 out.parent.mkdir(parents=True, exist_ok=True)
@@ -162,8 +173,8 @@ def cpu_kernel_unsupported(arch: ArchConfig, kv: KVCache) -> str | None:
         return f"it runs on CPU only (device is {dev})"
     if dt not in (torch.float32, torch.bfloat16):
         return f"it supports float32 and bfloat16 only (dtype is {dt})"
-    if arch.head_dim > 256 or arch.num_heads // arch.num_kv_heads > 16 or kv.block_size > 256:
-        return "head_dim > 256, GQA group > 16 or block_size > 256"
+    if arch.q_size > 8192 or arch.num_heads > 128 or kv.block_size > 64:
+        return "it supports heads*head_dim <= 8192, heads <= 128 and block_size <= 64"
     return None
 
 

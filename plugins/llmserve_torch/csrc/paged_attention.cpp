@@ -2,133 +2,139 @@
 //
 // Each query token t belongs to request tok_req[t] and sits at position tok_pos[t]; it attends to
 // positions 0..tok_pos[t] of its request, read in place from the paged cache through the request's
-// block table (no gather into a temporary buffer). One online-softmax pass per (token, kv head);
-// the query heads of a GQA group share each K/V row while it is in L1.
+// block table (no gather into a temporary buffer, no padding). One work item per query token computes
+// every head, so each K/V block is streamed once, front to back (48 KiB contiguous for GPT-2 fp32),
+// rather than once per head with a 3 KiB stride (measured 2x slower: TLB and prefetch misses).
+// Softmax is online, one rescale per block.
 //
 // Cache layout: [num_blocks, block_size, kv_heads, head_dim] for one layer (contiguous).
-// Built with -O3 -march=native -ffast-math -fopenmp; plain C ABI, loaded with ctypes.
+// Built with -O3 -march=native -ffast-math -fopenmp (expf vectorizes through libmvec); plain C ABI,
+// loaded with ctypes. libgomp is the one torch already loaded, so both share one thread pool.
 
-#include <cmath>
+#include <math.h>
+
 #include <cstdint>
 #include <cstring>
 
 namespace {
 
-constexpr int kMaxHeadDim = 256;
-constexpr int kMaxGroup = 16;
-constexpr int kMaxBlock = 256;
+constexpr int kMaxQ = 8192;  // heads * head_dim
+constexpr int kMaxHeads = 128;
+constexpr int kMaxBlock = 64;
 
 inline float load(float x) { return x; }
-inline float load(uint16_t x) {  // bfloat16 → float
+inline float load(uint16_t x) {  // bfloat16 -> float
   uint32_t u = static_cast<uint32_t>(x) << 16;
   float f;
   std::memcpy(&f, &u, 4);
   return f;
 }
 inline void store(float* p, float x) { *p = x; }
-inline void store(uint16_t* p, float x) {  // float → bfloat16, round to nearest even
+inline void store(uint16_t* p, float x) {  // float -> bfloat16, round to nearest even
   uint32_t u;
   std::memcpy(&u, &x, 4);
   u += 0x7fffu + ((u >> 16) & 1u);
   *p = static_cast<uint16_t>(u >> 16);
 }
 
-template <typename T>
+// DC: head_dim fixed at compile time (64, 128) so the inner loops unroll; 0 = runtime head_dim.
+template <typename T, int DC>
 void paged_attention(const T* q, int64_t q_stride, const T* kc, const T* vc, const int32_t* block_tables,
                      int max_blocks, const int32_t* tok_req, const int32_t* tok_pos, T* out, int64_t out_stride,
                      int num_tokens, int num_heads, int num_kv_heads, int head_dim, int block_size, float scale,
                      int num_threads) {
   const int G = num_heads / num_kv_heads;
-  const int D = head_dim;
-  const int64_t row = static_cast<int64_t>(num_kv_heads) * D;  // between consecutive tokens in a block
-  const int64_t blk = row * block_size;                          // between blocks
-
-#pragma omp parallel for collapse(2) schedule(dynamic, 1) num_threads(num_threads)
+  const int D = DC > 0 ? DC : head_dim;
+  const int H = num_heads;
+  const int64_t row = static_cast<int64_t>(num_kv_heads) * D;
+  const int64_t blk = row * block_size;
+#pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
   for (int t = 0; t < num_tokens; ++t) {
-    for (int g = 0; g < num_kv_heads; ++g) {
-      alignas(64) float qf[kMaxGroup][kMaxHeadDim];
-      alignas(64) float acc[kMaxGroup][kMaxHeadDim];
-      alignas(64) float s[kMaxGroup][kMaxBlock];
-      float m[kMaxGroup], l[kMaxGroup];
-      for (int h = 0; h < G; ++h) {
-        const T* qh = q + t * q_stride + static_cast<int64_t>(g * G + h) * D;
-#pragma omp simd
-        for (int d = 0; d < D; ++d) {
-          qf[h][d] = load(qh[d]) * scale;
-          acc[h][d] = 0.f;
+    alignas(64) float qf[kMaxQ];
+    alignas(64) float acc[kMaxQ];
+    alignas(64) float s[kMaxHeads * kMaxBlock];
+    float m[kMaxHeads], l[kMaxHeads];  // running max and sum per head
+    const T* qt = q + t * q_stride;
+    for (int i = 0; i < H * D; ++i) { qf[i] = load(qt[i]) * scale; acc[i] = 0.f; }
+    for (int h = 0; h < H; ++h) { m[h] = -1e30f;  /* finite: built with -ffast-math */ l[h] = 0.f; }
+    const int ctx = tok_pos[t] + 1;
+    const int32_t* bt = block_tables + static_cast<int64_t>(tok_req[t]) * max_blocks;
+    const int nb = (ctx + block_size - 1) / block_size;
+    for (int b = 0; b < nb; ++b) {
+      const int n = (b == nb - 1) ? ctx - b * block_size : block_size;
+      const T* kb = kc + bt[b] * blk;
+      const T* vb = vc + bt[b] * blk;
+      for (int j = 0; j < n; ++j) {
+        const T* kj = kb + j * row;
+        for (int h = 0; h < H; ++h) {
+          const T* kh = kj + (h / G) * D;
+          const float* qh = qf + h * D;
+          float dot = 0.f;
+          for (int d = 0; d < D; ++d) dot += qh[d] * load(kh[d]);
+          s[h * kMaxBlock + j] = dot;
         }
-        m[h] = -1e30f;  // finite: the code is built with -ffast-math
-        l[h] = 0.f;
       }
-      const int ctx = tok_pos[t] + 1;
-      const int32_t* bt = block_tables + static_cast<int64_t>(tok_req[t]) * max_blocks;
-      const int nb = (ctx + block_size - 1) / block_size;
-      for (int b = 0; b < nb; ++b) {
-        const int n = (b == nb - 1) ? ctx - b * block_size : block_size;
-        const T* kb = kc + bt[b] * blk + g * D;
-        const T* vb = vc + bt[b] * blk + g * D;
-        for (int h = 0; h < G; ++h) {
-          float mx = m[h];
-          for (int j = 0; j < n; ++j) {
-            const T* kj = kb + j * row;
-            float dot = 0.f;
-#pragma omp simd reduction(+ : dot)
-            for (int d = 0; d < D; ++d) dot += qf[h][d] * load(kj[d]);
-            s[h][j] = dot;
-            mx = dot > mx ? dot : mx;
-          }
-          const float corr = std::exp(m[h] - mx);
-          float sum = 0.f;
+      for (int h = 0; h < H; ++h) {
+        float* sh = s + h * kMaxBlock;
+        float mx = m[h];
+        for (int j = 0; j < n; ++j) mx = sh[j] > mx ? sh[j] : mx;
+        const float corr = expf(m[h] - mx);
+        float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
-          for (int j = 0; j < n; ++j) {
-            const float p = std::exp(s[h][j] - mx);
-            s[h][j] = p;
-            sum += p;
-          }
-          l[h] = l[h] * corr + sum;
-          m[h] = mx;
-#pragma omp simd
-          for (int d = 0; d < D; ++d) acc[h][d] *= corr;
-          for (int j = 0; j < n; ++j) {
-            const T* vj = vb + j * row;
-            const float p = s[h][j];
-#pragma omp simd
-            for (int d = 0; d < D; ++d) acc[h][d] += p * load(vj[d]);
-          }
+        for (int j = 0; j < n; ++j) { const float p = expf(sh[j] - mx); sh[j] = p; sum += p; }
+        l[h] = l[h] * corr + sum;
+        m[h] = mx;
+        float* ah = acc + h * D;
+        for (int d = 0; d < D; ++d) ah[d] *= corr;
+      }
+      for (int j = 0; j < n; ++j) {
+        const T* vj = vb + j * row;
+        for (int h = 0; h < H; ++h) {
+          const T* vh = vj + (h / G) * D;
+          const float p = s[h * kMaxBlock + j];
+          float* ah = acc + h * D;
+          for (int d = 0; d < D; ++d) ah[d] += p * load(vh[d]);
         }
       }
-      for (int h = 0; h < G; ++h) {
-        T* oh = out + t * out_stride + static_cast<int64_t>(g * G + h) * D;
-        const float inv = 1.f / l[h];
-        for (int d = 0; d < D; ++d) store(oh + d, acc[h][d] * inv);
-      }
+    }
+    T* ot = out + t * out_stride;
+    for (int h = 0; h < H; ++h) {
+      const float inv = 1.f / l[h];
+      for (int d = 0; d < D; ++d) store(ot + h * D + d, acc[h * D + d] * inv);
     }
   }
 }
 
+template <typename T>
+void dispatch(const T* q, int64_t qs, const T* kc, const T* vc, const int32_t* bt, int mb, const int32_t* tr,
+              const int32_t* tp, T* out, int64_t os, int nt, int H, int KVH, int D, int BS, float sc, int th) {
+  if (D == 64) paged_attention<T, 64>(q, qs, kc, vc, bt, mb, tr, tp, out, os, nt, H, KVH, D, BS, sc, th);
+  else if (D == 128) paged_attention<T, 128>(q, qs, kc, vc, bt, mb, tr, tp, out, os, nt, H, KVH, D, BS, sc, th);
+  else paged_attention<T, 0>(q, qs, kc, vc, bt, mb, tr, tp, out, os, nt, H, KVH, D, BS, sc, th);
+}
 }  // namespace
 
 extern "C" {
 
-int llmserve_attn_limits(int* max_head_dim, int* max_group, int* max_block) {
-  *max_head_dim = kMaxHeadDim;
-  *max_group = kMaxGroup;
+void llmserve_attn_limits(int* max_q, int* max_heads, int* max_block) {
+  *max_q = kMaxQ;
+  *max_heads = kMaxHeads;
   *max_block = kMaxBlock;
-  return 1;
 }
 
-#define LLMSERVE_ATTN_ENTRY(NAME, T)                                                                          \
-  void NAME(const void* q, int64_t q_stride, const void* kc, const void* vc, const int32_t* block_tables,      \
-            int max_blocks, const int32_t* tok_req, const int32_t* tok_pos, void* out, int64_t out_stride,     \
-            int num_tokens, int num_heads, int num_kv_heads, int head_dim, int block_size, float scale,       \
-            int num_threads) {                                                                                 \
-    paged_attention<T>(static_cast<const T*>(q), q_stride, static_cast<const T*>(kc),                          \
-                       static_cast<const T*>(vc), block_tables, max_blocks, tok_req, tok_pos,                  \
-                       static_cast<T*>(out), out_stride, num_tokens, num_heads, num_kv_heads, head_dim,        \
-                       block_size, scale, num_threads);                                                        \
-  }
+void llmserve_paged_attention_f32(const void* q, int64_t qs, const void* kc, const void* vc, const int32_t* bt,
+                                  int mb, const int32_t* tr, const int32_t* tp, void* out, int64_t os, int nt, int H,
+                                  int KVH, int D, int BS, float sc, int th) {
+  dispatch<float>(static_cast<const float*>(q), qs, static_cast<const float*>(kc), static_cast<const float*>(vc), bt,
+                  mb, tr, tp, static_cast<float*>(out), os, nt, H, KVH, D, BS, sc, th);
+}
 
-LLMSERVE_ATTN_ENTRY(llmserve_paged_attention_f32, float)
-LLMSERVE_ATTN_ENTRY(llmserve_paged_attention_bf16, uint16_t)
+void llmserve_paged_attention_bf16(const void* q, int64_t qs, const void* kc, const void* vc, const int32_t* bt,
+                                   int mb, const int32_t* tr, const int32_t* tp, void* out, int64_t os, int nt, int H,
+                                   int KVH, int D, int BS, float sc, int th) {
+  dispatch<uint16_t>(static_cast<const uint16_t*>(q), qs, static_cast<const uint16_t*>(kc),
+                     static_cast<const uint16_t*>(vc), bt, mb, tr, tp, static_cast<uint16_t*>(out), os, nt, H, KVH,
+                     D, BS, sc, th);
+}
 
 }  // extern "C"

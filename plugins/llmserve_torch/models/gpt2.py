@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from llmserve_torch.arch import ArchConfig
+from llmserve_torch.models.common import lm_head
 
 _ACTS = {
     "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
@@ -99,4 +100,4 @@ class GPT2Model:
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final norm + LM head on the selected rows, as float32."""
         h = F.layer_norm(hidden, (self.arch.hidden_size,), self.lnf_w, self.lnf_b, self.arch.norm_eps)
-        return F.linear(h, self.lm_head).float()
+        return lm_head(h, self.lm_head).float()

@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from llmserve_torch.arch import ArchConfig
+from llmserve_torch.models.common import lm_head
 
 
 def hf_shapes(a: ArchConfig) -> dict[str, tuple[int, ...]]:
@@ -128,4 +129,4 @@ class Qwen2Model:
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final norm + LM head on the selected rows, as float32."""
-        return F.linear(self._rms(hidden, self.norm), self.lm_head).float()
+        return lm_head(self._rms(hidden, self.norm), self.lm_head).float()

@@ -1,0 +1,408 @@
+#!/usr/bin/env python
+"""Offline throughput of llmserve's torch backend against HF transformers on the same weights and prompts.
+
+Workload (defaults): 64 requests, prompt lengths uniform in [16, 128] (seeded random token ids),
+128 new tokens each, greedy, EOS ignored. Models: GPT-2 124M and Qwen2.5-0.5B shapes with seeded
+random ("dummy") weights; dtypes float32 and bfloat16. Peers, in the same process:
+  hf-seq     HF generate() one request at a time (on the first --seq-requests requests: it is slow)
+  hf-static  HF generate() on all requests as one left-padded batch
+  hf-cb      HF generate_batch() (continuous batching; run outside inference_mode)
+The machine's limit for the workload is computed from GEMM times measured now at the workload's
+shapes and the measured memory bandwidth: each step costs max(compute, weights + KV traffic).
+
+    .venv/bin/python benchmarks/vs_hf.py                      # the full workload (minutes)
+    .venv/bin/python benchmarks/vs_hf.py --requests 16 --max-new-tokens 32 --models gpt2 --dtypes float32
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+for p in (ROOT, ROOT / "plugins"):
+    if str(p) not in sys.path:
+        sys.path.insert(0, str(p))
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from tqdm import tqdm  # noqa: E402
+
+MODELS = {
+    "gpt2": dict(model_type="gpt2", vocab_size=50257, n_positions=1024, n_embd=768, n_layer=12, n_head=12,
+                 eos_token_id=50256, bos_token_id=50256),
+    "qwen2.5-0.5b": dict(model_type="qwen2", vocab_size=151936, hidden_size=896, intermediate_size=4864,
+                         num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
+                         max_position_embeddings=32768, rope_theta=1000000.0, rms_norm_eps=1e-6,
+                         tie_word_embeddings=True, eos_token_id=151643, bos_token_id=151643),
+}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+PEERS = ("hf-seq", "hf-static", "hf-cb")
+
+
+# --- the machine ------------------------------------------------------------------------------------
+
+
+def machine_facts() -> dict:
+    """Cores, CPU model and flags that matter for GEMMs, torch version and threads."""
+    flags, model = set(), platform.processor()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags") and not flags:
+                flags = set(line.split(":", 1)[1].split())
+            elif line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    wanted = ["avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "amx_tile", "amx_bf16", "avx512_fp16"]
+    return {"cpu": model, "cores": os.cpu_count(), "flags": [f for f in wanted if f in flags],
+            "torch": torch.__version__, "threads": torch.get_num_threads(), "python": platform.python_version()}
+
+
+def _best_time(fn, reps: int) -> float:
+    fn()
+    best = math.inf
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
+def measure_bandwidth(nbytes: int = 512 * 2**20, reps: int = 5) -> float:
+    """Read bandwidth in bytes/s: the best time of summing a large float32 tensor."""
+    x = torch.ones(nbytes // 4)
+    return nbytes / _best_time(lambda: x.sum(), reps)
+
+
+def linear_time(m: int, k: int, n: int, dtype: torch.dtype, reps: int = 5) -> float:
+    """Seconds for one F.linear of [m, k] by a [n, k] weight (the shape our backend runs)."""
+    x = torch.randn(m, k).to(dtype)
+    w = torch.randn(n, k).to(dtype)
+    return _best_time(lambda: F.linear(x, w), reps)
+
+
+def lm_head_time(m: int, k: int, n: int, dtype: torch.dtype, reps: int = 5) -> float:
+    """The faster of one GEMM and vocabulary-chunked GEMMs for the LM head (the machine's best, not ours)."""
+    from llmserve_torch.models.common import lm_head
+
+    x = torch.randn(m, k).to(dtype)
+    w = torch.randn(n, k).to(dtype)
+    return min(_best_time(lambda: F.linear(x, w), reps), _best_time(lambda: lm_head(x, w), reps))
+
+
+def matmul_shapes(arch) -> list[tuple[int, int]]:
+    """(in, out) of each matmul in one layer, as our backend fuses them."""
+    h, i = arch.hidden_size, arch.intermediate_size
+    if arch.family == "gpt2":
+        return [(h, 3 * h), (h, h), (h, i), (i, h)]
+    return [(h, arch.q_size + 2 * arch.kv_size), (arch.q_size, h), (h, 2 * i), (i, h)]
+
+
+def workload_limit(arch, dtype, prompt_lens: list[int], new_tokens: int, chunk: int, bandwidth: float) -> dict:
+    """Bound on output tok/s: ideal schedule = prompts in full chunks, then decode steps of every sequence.
+
+    Each step costs max(compute at the GEMM rate measured now for its shapes, (weights + KV read) / bandwidth).
+    """
+    elem = torch.empty((), dtype=dtype).element_size()
+    shapes = matmul_shapes(arch)
+    L, H, V = arch.num_layers, arch.hidden_size, arch.vocab_size
+    B = len(prompt_lens)
+    layer_params = sum(k * n for k, n in shapes)
+    weight_bytes = (L * layer_params + V * H) * elem
+    kv_per_token = 2 * L * arch.kv_size * elem
+
+    def step_compute(m: int, lm_rows: int) -> float:
+        t = L * sum(linear_time(m, k, n, dtype) for k, n in shapes)
+        return t + (lm_head_time(lm_rows, H, V, dtype) if lm_rows else 0.0)
+
+    # prefill: full chunks of `chunk` tokens; the LM head runs for the prompts that end in the chunk
+    total_prompt = sum(prompt_lens)
+    rows_per_chunk = max(1, round(chunk / (total_prompt / B)))
+    t_chunk = step_compute(chunk, rows_per_chunk)
+    flops_chunk = 2 * chunk * L * layer_params + 2 * rows_per_chunk * H * V
+    n_chunks = total_prompt / chunk
+    t_prefill = n_chunks * max(t_chunk, weight_bytes / bandwidth)
+    # decode: new_tokens - 1 steps at batch B (the first token comes with the prefill)
+    t_dec_compute = step_compute(B, B)
+    flops_dec = 2 * B * (L * layer_params + H * V)
+    rate_dec = flops_dec / t_dec_compute
+    t_decode = 0.0
+    t_decode_compute_total = t_decode_mem_total = 0.0
+    for i in range(1, new_tokens):
+        ctx = sum(p + i for p in prompt_lens)
+        attn_flops = 4 * ctx * arch.q_size * L  # QK^T and PV for every sequence's context
+        c = t_dec_compute + attn_flops / rate_dec
+        mem = (weight_bytes + ctx * kv_per_token) / bandwidth
+        t_decode += max(c, mem)
+        t_decode_compute_total += c
+        t_decode_mem_total += mem
+    total = t_prefill + t_decode
+    return {
+        "gemm_gflops_decode": rate_dec / 1e9, "gemm_gflops_prefill": flops_chunk / t_chunk / 1e9,
+        "bandwidth_gbs": bandwidth / 1e9, "weight_bytes": weight_bytes,
+        "prefill_s": t_prefill, "decode_s": t_decode,
+        "decode_bound_by": "compute" if t_decode_compute_total >= t_decode_mem_total else "memory",
+        "limit_tok_s": B * new_tokens / total,
+    }
+
+
+# --- models and weights -----------------------------------------------------------------------------
+
+
+def make_model_dir(name: str, tmp: Path) -> Path:
+    """A directory with just config.json for the shape (our engine builds dummy weights from it)."""
+    import transformers
+
+    kw = dict(MODELS[name])
+    mt = kw.pop("model_type")
+    cfg = transformers.GPT2Config(**kw) if mt == "gpt2" else transformers.Qwen2Config(**kw)
+    d = tmp / name
+    cfg.save_pretrained(d)
+    return d
+
+
+def hf_model(model_dir: Path, arch, dtype: torch.dtype, seed: int):
+    """The HF model with exactly the weights our loader invents for (config, seed)."""
+    import transformers
+    from llmserve_torch.loader import dummy_state_dict
+    from llmserve_torch.models import gpt2, qwen2
+
+    cfg = transformers.AutoConfig.from_pretrained(str(model_dir))
+    fam = gpt2 if arch.family == "gpt2" else qwen2
+    sd = dummy_state_dict(fam.hf_shapes(arch), seed)
+    if arch.family == "gpt2":
+        sd = {f"transformer.{k}": v for k, v in sd.items()}
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(cfg)
+    model.load_state_dict(sd, strict=False, assign=True)
+    model.tie_weights()
+    missing = [n for n, p in model.named_parameters() if p.is_meta]
+    if missing:
+        raise RuntimeError(f"HF model parameters left uninitialized: {missing[:3]}")
+    for name, buf in list(model.named_buffers()):
+        if buf.is_meta:
+            raise RuntimeError(f"HF model buffer {name} left on meta; cannot run")
+    model = model.to(dtype).eval()
+    model.generation_config.pad_token_id = cfg.eos_token_id
+    return model
+
+
+# --- the runs ---------------------------------------------------------------------------------------
+
+
+def run_ours(model_dir: Path, dtype: str, prompts, new_tokens: int, args) -> dict:
+    from llmserve.config import config_from_dict
+    from llmserve.engine import Engine
+    from llmserve.request import SamplingParams
+
+    per_seq_blocks = -(-(max(map(len, prompts)) + new_tokens) // args.block_size)
+    engine = Engine.from_config(config_from_dict({
+        "model": {"model": str(model_dir), "dtype": dtype, "load_format": "dummy", "seed": args.seed},
+        "backend": {"name": "torch", "options": {"attention": args.attention},
+                    "kv_cache_memory": args.kv_cache_memory or 0.2},
+        "scheduler": {"max_num_seqs": max(len(prompts), 1), "max_num_batched_tokens": args.max_num_batched_tokens},
+        "cache": {"block_size": args.block_size, "num_blocks": len(prompts) * per_seq_blocks + 1
+                  if args.kv_cache_memory is None else None, "enable_prefix_caching": False},
+        "tokenizer": {"name": "none"},
+    }))
+    sp = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
+    engine.generate([prompts[0][:8]], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))  # warm-up
+    outs: dict[str, list[int]] = {}
+    t0 = time.perf_counter()
+    ids = [engine.add_request(p, sp) for p in prompts]
+    with tqdm(total=len(prompts) * new_tokens, desc=f"ours {dtype}", unit="tok", leave=False,
+              disable=args.json) as bar:
+        while engine.has_unfinished:
+            st = engine.step()
+            for o in st.outputs:
+                outs.setdefault(o.request_id, []).extend(o.new_token_ids)
+                bar.update(len(o.new_token_ids))
+    dt = time.perf_counter() - t0
+    tokens = [outs[i] for i in ids]
+    desc = engine.backend.describe()
+    engine.shutdown()
+    return {"seconds": dt, "output_tokens": sum(map(len, tokens)), "tokens": tokens,
+            "attention": desc.get("attention"), "kv_peak": desc.get("kv_peak"), "kv_blocks": desc.get("kv_blocks")}
+
+
+def run_hf_seq(model, prompts, new_tokens: int, quiet: bool) -> dict:
+    out = []
+    with torch.inference_mode():
+        model.generate(torch.tensor([prompts[0][:8]]), max_new_tokens=2, do_sample=False)  # warm-up
+        t0 = time.perf_counter()
+        for p in tqdm(prompts, desc="hf-seq", leave=False, disable=quiet):
+            g = model.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                               max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
+            out.append(g[0, len(p):].tolist())
+        dt = time.perf_counter() - t0
+    return {"seconds": dt, "output_tokens": sum(map(len, out)), "tokens": out}
+
+
+def run_hf_static(model, prompts, new_tokens: int, pad_id: int, quiet: bool) -> dict:
+    n = max(map(len, prompts))
+    ids = torch.full((len(prompts), n), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(prompts), n), dtype=torch.long)
+    for i, p in enumerate(prompts):  # left padding
+        ids[i, n - len(p):] = torch.tensor(p)
+        mask[i, n - len(p):] = 1
+    with torch.inference_mode():
+        model.generate(ids[:2, -8:], attention_mask=mask[:2, -8:], max_new_tokens=2, do_sample=False)
+        with tqdm(total=1, desc="hf-static", leave=False, disable=quiet) as bar:
+            t0 = time.perf_counter()
+            g = model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                               do_sample=False)
+            dt = time.perf_counter() - t0
+            bar.update(1)
+    out = g[:, n:].tolist()
+    return {"seconds": dt, "output_tokens": sum(map(len, out)), "tokens": out}
+
+
+def run_hf_cb(model, prompts, new_tokens: int, quiet: bool) -> dict:
+    from transformers import GenerationConfig
+
+    gc = GenerationConfig(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
+                          eos_token_id=None, pad_token_id=model.generation_config.pad_token_id)
+    # generate_batch runs a worker thread: it must not be called under torch.inference_mode()
+    model.generate_batch([prompts[0][:8]], generation_config=GenerationConfig(
+        max_new_tokens=2, do_sample=False, eos_token_id=None, pad_token_id=gc.pad_token_id))
+    t0 = time.perf_counter()
+    res = model.generate_batch(prompts, generation_config=gc, progress_bar=not quiet)
+    dt = time.perf_counter() - t0
+    out = [list(r.generated_tokens) for r in res.values()]
+    return {"seconds": dt, "output_tokens": sum(map(len, out)), "tokens": out}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--requests", type=int, default=64)
+    ap.add_argument("--min-prompt", type=int, default=16)
+    ap.add_argument("--max-prompt", type=int, default=128)
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--models", default="gpt2,qwen2.5-0.5b", help=f"comma list of {', '.join(MODELS)}")
+    ap.add_argument("--dtypes", default="float32,bfloat16", help="comma list of float32, bfloat16")
+    ap.add_argument("--peers", default=",".join(PEERS), help=f"comma list of {', '.join(PEERS)} (or none)")
+    ap.add_argument("--seq-requests", type=int, default=8,
+                    help="hf-seq runs only the first N requests (it is the slowest); its tok/s is over those")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--attention", default="auto", help="backend.options.attention for ours")
+    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=512)
+    ap.add_argument("--kv-cache-memory", default=None,
+                    help="backend.kv_cache_memory for ours (default: exactly the blocks the workload needs)")
+    ap.add_argument("--json", action="store_true", help="print one JSON document instead of tables")
+    args = ap.parse_args(argv)
+
+    models = [m.strip() for m in args.models.split(",") if m.strip()]
+    dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]
+    peers = [p.strip() for p in args.peers.split(",") if p.strip() and p.strip() != "none"]
+    for m in models:
+        if m not in MODELS:
+            ap.error(f"unknown model {m!r} (choose from {', '.join(MODELS)})")
+    for d in dtypes:
+        if d not in DTYPES:
+            ap.error(f"unknown dtype {d!r} (choose from {', '.join(DTYPES)})")
+    for p in peers:
+        if p not in PEERS:
+            ap.error(f"unknown peer {p!r} (choose from {', '.join(PEERS)})")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    from llmserve_torch.loader import read_arch
+
+    g = torch.Generator().manual_seed(args.seed)
+    lens = torch.randint(args.min_prompt, args.max_prompt + 1, (args.requests,), generator=g).tolist()
+    N = args.max_new_tokens
+    report = {"machine": machine_facts(), "workload": {
+        "requests": args.requests, "prompt_lens": f"uniform [{args.min_prompt}, {args.max_prompt}]",
+        "prompt_tokens": sum(lens), "new_tokens": N, "greedy": True, "ignore_eos": True, "seed": args.seed},
+        "results": []}
+    bandwidth = measure_bandwidth()
+    report["machine"]["bandwidth_gbs"] = bandwidth / 1e9
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in models:
+            model_dir = make_model_dir(name, Path(tmp))
+            arch = read_arch(model_dir)
+            prompts = [torch.randint(0, arch.vocab_size, (n,), generator=g).tolist() for n in lens]
+            for dt in dtypes:
+                row = {"model": name, "dtype": dt}
+                if not args.json:
+                    print(f"== {name} {dt}: measuring the machine's limit ...", file=sys.stderr)
+                row["limit"] = workload_limit(arch, DTYPES[dt], lens, N, args.max_num_batched_tokens, bandwidth)
+                ours = run_ours(model_dir, dt, prompts, N, args)
+                row["ours"] = {k: v for k, v in ours.items() if k != "tokens"}
+                row["ours"]["tok_s"] = ours["output_tokens"] / ours["seconds"]
+                if peers:
+                    hf = hf_model(model_dir, arch, DTYPES[dt], args.seed)
+                    for peer in peers:
+                        if peer == "hf-seq":
+                            r = run_hf_seq(hf, prompts[: args.seq_requests], N, args.json)
+                            same = sum(a == b for a, b in zip(ours["tokens"], r["tokens"]))
+                            r["identical_to_ours"] = f"{same}/{len(r['tokens'])}"
+                        elif peer == "hf-static":
+                            r = run_hf_static(hf, prompts, N, arch.eos_token_id or 0, args.json)
+                        else:
+                            r = run_hf_cb(hf, prompts, N, args.json)
+                        r.pop("tokens")
+                        r["tok_s"] = r["output_tokens"] / r["seconds"]
+                        row[peer] = r
+                    del hf
+                row["ratios"] = {"ours/limit": row["ours"]["tok_s"] / row["limit"]["limit_tok_s"]}
+                for peer in peers:
+                    row["ratios"][f"ours/{peer}"] = row["ours"]["tok_s"] / row[peer]["tok_s"]
+                report["results"].append(row)
+                if not args.json:
+                    print_row(row, peers)
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        print_summary(report, peers)
+    return 0
+
+
+def print_row(row: dict, peers: list[str]) -> None:
+    lim = row["limit"]
+    kv = row["ours"]["kv_peak"] or {}
+    print(f"\n{row['model']} {row['dtype']}: limit {lim['limit_tok_s']:.0f} tok/s "
+          f"(GEMM {lim['gemm_gflops_decode']:.0f} GFLOP/s decode, {lim['gemm_gflops_prefill']:.0f} prefill; "
+          f"bandwidth {lim['bandwidth_gbs']:.1f} GB/s; decode {lim['decode_bound_by']}-bound)")
+    print(f"  ours       {row['ours']['tok_s']:8.1f} tok/s  ({row['ours']['output_tokens']} tokens in "
+          f"{row['ours']['seconds']:.1f}s, attention={row['ours']['attention']})")
+    for p in peers:
+        extra = f"  identical to ours: {row[p]['identical_to_ours']}" if "identical_to_ours" in row[p] else ""
+        print(f"  {p:10s} {row[p]['tok_s']:8.1f} tok/s  ({row[p]['output_tokens']} tokens in "
+              f"{row[p]['seconds']:.1f}s){extra}")
+    print("  ratios: " + ", ".join(f"{k} {v:.2f}" for k, v in row["ratios"].items()))
+    if kv:
+        print(f"  KV at peak: {kv['used_slots']} used of {kv['reserved_slots']} reserved slots "
+              f"(waste {100 * kv['waste_fraction']:.1f}%)")
+
+
+def print_summary(report: dict, peers: list[str]) -> None:
+    m = report["machine"]
+    w = report["workload"]
+    print(f"\nmachine: {m['cpu']}, {m['cores']} cores, flags {' '.join(m['flags'])}, torch {m['torch']}, "
+          f"{m['threads']} threads, read bandwidth {m['bandwidth_gbs']:.1f} GB/s")
+    print(f"workload: {w['requests']} requests, prompts {w['prompt_lens']} ({w['prompt_tokens']} tokens), "
+          f"{w['new_tokens']} new tokens each, greedy, EOS ignored, seed {w['seed']}")
+    head = ["model", "dtype", "limit", "ours", *peers, "ours/limit", *[f"ours/{p}" for p in peers]]
+    print(" | ".join(head))
+    for r in report["results"]:
+        cells = [r["model"], r["dtype"], f"{r['limit']['limit_tok_s']:.0f}", f"{r['ours']['tok_s']:.1f}",
+                 *[f"{r[p]['tok_s']:.1f}" for p in peers], *[f"{v:.2f}" for v in r["ratios"].values()]]
+        print(" | ".join(cells))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
