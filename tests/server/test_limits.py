@@ -61,7 +61,8 @@ def test_full_waiting_queue_is_429_with_retry_after(srv):
 
     def one(_):
         try:
-            client.completions.create(model="embedded", prompt="q", max_tokens=8, extra_body={"ignore_eos": True})
+            # 20 tokens at 20 ms a step: the queue stays full for about 0.4 s (the timeout is 1 s)
+            client.completions.create(model="embedded", prompt="q", max_tokens=20, extra_body={"ignore_eos": True})
             return "ok"
         except openai.RateLimitError as e:
             assert e.response.headers["retry-after"] == "1"
