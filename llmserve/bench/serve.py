@@ -113,6 +113,21 @@ def summarize_results(results: list[Result], elapsed: float) -> dict[str, Any]:
 # --- the HTTP run -------------------------------------------------------------------------------
 
 
+def _events(buf: bytes) -> tuple[list[bytes], bytes]:
+    """Complete SSE events' data payloads in buf, and the unfinished rest."""
+    if b"\r" in buf:
+        buf = buf.replace(b"\r\n", b"\n")
+    out = []
+    while True:
+        i = buf.find(b"\n\n")
+        if i < 0:
+            return out, buf
+        ev, buf = buf[:i], buf[i + 2:]
+        for line in ev.split(b"\n"):
+            if line.startswith(b"data:"):
+                out.append(line[5:].lstrip())
+
+
 async def _one(client, url: str, headers: dict, model: str | None, item: Item) -> Result:
     body: dict[str, Any] = {"prompt": item.prompt, "max_tokens": item.max_tokens, "temperature": 0.0,
                             "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
@@ -122,29 +137,32 @@ async def _one(client, url: str, headers: dict, model: str | None, item: Item) -
     first = last = None
     itl: list[float] = []
     tokens = 0
+    rest = b""
     try:
         async with client.stream("POST", url, json=body, headers=headers) as r:
             if r.status_code != 200:
                 return Result(False, error=f"HTTP {r.status_code}: {(await r.aread()).decode()[:200]}")
-            async for line in r.aiter_lines():
-                if not line.startswith("data: "):
-                    continue
-                data = line[6:]
-                if data == "[DONE]":
-                    break
+            # raw bytes, split into events here, and JSON parsed only for the usage and error
+            # events: the client shares the machine with the server, so it should cost little
+            async for data in r.aiter_raw():
                 now = time.perf_counter()
-                chunk = json.loads(data)
-                if "error" in chunk:
-                    return Result(False, error=chunk["error"].get("message", "error event"))
-                if chunk.get("usage"):
-                    tokens = chunk["usage"]["completion_tokens"]
-                if not chunk.get("choices"):
-                    continue
-                if first is None:
-                    first = now
-                else:
-                    itl.append(now - last)
-                last = now
+                payloads, rest = _events(rest + data)
+                for p in payloads:
+                    if p == b"[DONE]":
+                        break
+                    if p.startswith(b'{"error"'):
+                        err = json.loads(p)["error"]
+                        return Result(False, error=err.get("message", "error event"))
+                    if b'"completion_tokens"' in p:  # a chunk carrying usage
+                        chunk = json.loads(p)
+                        tokens = (chunk.get("usage") or {}).get("completion_tokens", tokens)
+                        if not chunk.get("choices"):
+                            continue
+                    if first is None:
+                        first = now
+                    else:
+                        itl.append(now - last)
+                    last = now
     except Exception as e:  # noqa: BLE001 - every failure is counted and reported
         return Result(False, error=f"{type(e).__name__}: {e}")
     end = time.perf_counter()
