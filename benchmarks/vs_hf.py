@@ -82,13 +82,6 @@ def measure_bandwidth(nbytes: int = 512 * 2**20, reps: int = 5) -> float:
     return nbytes / _best_time(lambda: x.sum(), reps)
 
 
-def linear_time(m: int, k: int, n: int, dtype: torch.dtype, reps: int = 5) -> float:
-    """Seconds for one F.linear of [m, k] by a [n, k] weight (the shape our backend runs)."""
-    x = torch.randn(m, k).to(dtype)
-    w = torch.randn(n, k).to(dtype)
-    return _best_time(lambda: F.linear(x, w), reps)
-
-
 def lm_head_time(m: int, k: int, n: int, dtype: torch.dtype, reps: int = 5) -> float:
     """The faster of one GEMM and vocabulary-chunked GEMMs for the LM head (the machine's best, not ours)."""
     from llmserve_torch.models.common import lm_head
@@ -119,8 +112,20 @@ def workload_limit(arch, dtype, prompt_lens: list[int], new_tokens: int, chunk: 
     weight_bytes = (L * layer_params + V * H) * elem
     kv_per_token = 2 * L * arch.kv_size * elem
 
+    # one distinct weight per layer, as in the model: a single matrix timed in a loop would sit in L3
+    # (32 MiB on the dev machine) and overstate the rate a real step can reach
+    layer_weights = [[torch.randn(n, k).to(dtype) for k, n in shapes] for _ in range(L)]
+    in_dims = sorted({k for k, _ in shapes})
+
     def step_compute(m: int, lm_rows: int) -> float:
-        t = L * sum(linear_time(m, k, n, dtype) for k, n in shapes)
+        xs = {k: torch.randn(m, k).to(dtype) for k in in_dims}
+
+        def layers():
+            for ws in layer_weights:
+                for w in ws:
+                    F.linear(xs[w.shape[1]], w)
+
+        t = _best_time(layers, 3)
         return t + (lm_head_time(lm_rows, H, V, dtype) if lm_rows else 0.0)
 
     # prefill: full chunks of `chunk` tokens; the LM head runs for the prompts that end in the chunk
@@ -132,6 +137,7 @@ def workload_limit(arch, dtype, prompt_lens: list[int], new_tokens: int, chunk: 
     t_prefill = n_chunks * max(t_chunk, weight_bytes / bandwidth)
     # decode: new_tokens - 1 steps at batch B (the first token comes with the prefill)
     t_dec_compute = step_compute(B, B)
+    del layer_weights
     flops_dec = 2 * B * (L * layer_params + H * V)
     rate_dec = flops_dec / t_dec_compute
     t_decode = 0.0
@@ -196,6 +202,15 @@ def hf_model(model_dir: Path, arch, dtype: torch.dtype, seed: int):
 
 
 # --- the runs ---------------------------------------------------------------------------------------
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
 
 
 def run_ours(model_dir: Path, dtype: str, prompts, new_tokens: int, args) -> dict:
@@ -339,22 +354,31 @@ def main(argv=None) -> int:
                 row = {"model": name, "dtype": dt}
                 if not args.json:
                     print(f"== {name} {dt}: measuring the machine's limit ...", file=sys.stderr)
+                load0 = os.getloadavg()[0]
                 row["limit"] = workload_limit(arch, DTYPES[dt], lens, N, args.max_num_batched_tokens, bandwidth)
+                row["limit"]["loadavg"] = [load0, os.getloadavg()[0]]
+                load0 = os.getloadavg()[0]
                 ours = run_ours(model_dir, dt, prompts, N, args)
+                ours["loadavg"] = [load0, os.getloadavg()[0]]
                 row["ours"] = {k: v for k, v in ours.items() if k != "tokens"}
                 row["ours"]["tok_s"] = ours["output_tokens"] / ours["seconds"]
                 if peers:
                     hf = hf_model(model_dir, arch, DTYPES[dt], args.seed)
                     for peer in peers:
+                        load0 = os.getloadavg()[0]
                         if peer == "hf-seq":
                             r = run_hf_seq(hf, prompts[: args.seq_requests], N, args.json)
                             same = sum(a == b for a, b in zip(ours["tokens"], r["tokens"]))
                             r["identical_to_ours"] = f"{same}/{len(r['tokens'])}"
+                            # bf16 rounding differs between implementations: report how long outputs agree
+                            r["mean_common_prefix"] = sum(_common_prefix(a, b) for a, b in
+                                                          zip(ours["tokens"], r["tokens"])) / len(r["tokens"])
                         elif peer == "hf-static":
                             r = run_hf_static(hf, prompts, N, arch.eos_token_id or 0, args.json)
                         else:
                             r = run_hf_cb(hf, prompts, N, args.json)
                         r.pop("tokens")
+                        r["loadavg"] = [load0, os.getloadavg()[0]]
                         r["tok_s"] = r["output_tokens"] / r["seconds"]
                         row[peer] = r
                     del hf
@@ -377,12 +401,18 @@ def print_row(row: dict, peers: list[str]) -> None:
     print(f"\n{row['model']} {row['dtype']}: limit {lim['limit_tok_s']:.0f} tok/s "
           f"(GEMM {lim['gemm_gflops_decode']:.0f} GFLOP/s decode, {lim['gemm_gflops_prefill']:.0f} prefill; "
           f"bandwidth {lim['bandwidth_gbs']:.1f} GB/s; decode {lim['decode_bound_by']}-bound)")
+    def load(r: dict) -> str:
+        return "load avg {:.1f} -> {:.1f}".format(*r["loadavg"])
+
+    print(f"  (limit measured at {load(lim)}; each run adds about its thread count to the load: more means "
+          "another process shared the CPU)")
     print(f"  ours       {row['ours']['tok_s']:8.1f} tok/s  ({row['ours']['output_tokens']} tokens in "
-          f"{row['ours']['seconds']:.1f}s, attention={row['ours']['attention']})")
+          f"{row['ours']['seconds']:.1f}s, attention={row['ours']['attention']}, {load(row['ours'])})")
     for p in peers:
-        extra = f"  identical to ours: {row[p]['identical_to_ours']}" if "identical_to_ours" in row[p] else ""
+        extra = (f", identical to ours: {row[p]['identical_to_ours']}, mean common prefix "
+                 f"{row[p]['mean_common_prefix']:.0f} tokens" if "identical_to_ours" in row[p] else "")
         print(f"  {p:10s} {row[p]['tok_s']:8.1f} tok/s  ({row[p]['output_tokens']} tokens in "
-              f"{row[p]['seconds']:.1f}s){extra}")
+              f"{row[p]['seconds']:.1f}s, {load(row[p])}{extra})")
     print("  ratios: " + ", ".join(f"{k} {v:.2f}" for k, v in row["ratios"].items()))
     if kv:
         print(f"  KV at peak: {kv['used_slots']} used of {kv['reserved_slots']} reserved slots "

@@ -88,3 +88,16 @@ def test_block_copies_are_applied_before_the_forward(gpt2_dir):
     child = ids + [42]
     logits = b.compute_logits(batch_of([d.request("c", child, 10, 1)], copies=[(parent[2], fresh)]))
     torch.testing.assert_close(logits[0], hf_logits(hf, child)[-1], atol=2e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_chunked_lm_head_equals_one_matmul(dtype):
+    """The vocabulary-chunked LM head (uneven last chunk) gives float32 logits equal to one F.linear."""
+    from llmserve_torch.models.common import lm_head
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(5, 24, generator=g).to(dtype)
+    w = torch.randn(103, 24, generator=g).to(dtype)
+    got = lm_head(x, w, chunk=16)
+    assert got.dtype == torch.float32 and got.shape == (5, 103)
+    torch.testing.assert_close(got, torch.nn.functional.linear(x, w).float(), atol=1e-5, rtol=1e-5)

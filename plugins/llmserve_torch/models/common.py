@@ -11,11 +11,14 @@ LM_HEAD_CHUNK = 4096
 
 
 def lm_head(x: torch.Tensor, weight: torch.Tensor, chunk: int = LM_HEAD_CHUNK) -> torch.Tensor:
-    """x @ weight.T for a large vocabulary, computed in vocabulary chunks (the GEMM libraries' sweet spot)."""
+    """float32 logits x @ weight.T for a large vocabulary, in vocabulary chunks (the GEMM libraries' sweet spot).
+
+    Each chunk is written straight into the float32 result, so bf16 logits never take a pass of their own.
+    """
     n = weight.shape[0]
     if n <= 2 * chunk or x.device.type != "cpu":
-        return F.linear(x, weight)
-    out = torch.empty((x.shape[0], n), dtype=x.dtype, device=x.device)
+        return F.linear(x, weight).float()
+    out = torch.empty((x.shape[0], n), dtype=torch.float32, device=x.device)
     for start in range(0, n, chunk):
         out[:, start:start + chunk] = F.linear(x, weight[start:start + chunk])
     return out

@@ -100,4 +100,4 @@ class GPT2Model:
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final norm + LM head on the selected rows, as float32."""
         h = F.layer_norm(hidden, (self.arch.hidden_size,), self.lnf_w, self.lnf_b, self.arch.norm_eps)
-        return lm_head(h, self.lm_head).float()
+        return lm_head(h, self.lm_head)

@@ -129,4 +129,4 @@ class Qwen2Model:
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final norm + LM head on the selected rows, as float32."""
-        return lm_head(self._rms(hidden, self.norm), self.lm_head).float()
+        return lm_head(self._rms(hidden, self.norm), self.lm_head)
