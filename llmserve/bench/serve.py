@@ -48,6 +48,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--timeout", type=float, default=600.0, help="per-request client timeout (s)")
     p.add_argument("--compare-offline", action="store_true",
                    help="also run the workload through an Engine built from the config flags, no HTTP")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="repeat the workload (seed+k in round k), alternating HTTP and offline runs, so noise "
+                        "from a shared machine hits both sides alike")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     # the config flags describe the engine for --launch and --compare-offline; --api-key is also
@@ -171,7 +174,8 @@ async def _one(client, url: str, headers: dict, model: str | None, item: Item) -
     return Result(True, ttft=first - t0, e2e=end - t0, output_tokens=tokens, itl=itl)
 
 
-async def run_http(args: argparse.Namespace, base_url: str, items: list[Item], model: str | None) -> dict[str, Any]:
+async def run_http(args: argparse.Namespace, base_url: str, items: list[Item],
+                   model: str | None) -> tuple[list[Result], float]:
     """Stream every item through the server with args.concurrency clients in flight."""
     import httpx
 
@@ -196,25 +200,23 @@ async def run_http(args: argparse.Namespace, base_url: str, items: list[Item], m
         elapsed = time.perf_counter() - t0
     if bar is not None:
         bar.close()
-    return summarize_results(results, elapsed)
+    return results, elapsed
 
 
 # --- the offline run ----------------------------------------------------------------------------
 
 
-def run_offline(args: argparse.Namespace, config, items: list[Item]) -> dict[str, Any]:
-    """The same items through an Engine in this process, args.concurrency in flight, no HTTP.
+def run_offline(args: argparse.Namespace, engine, items: list[Item]) -> tuple[list[Result], float]:
+    """The same items through `engine` in this process, args.concurrency in flight, no HTTP.
 
-    Threads as in the server: the engine is built here and stepped from its own thread (as
-    `serve` builds it and AsyncEngine steps it), so the comparison differs only by HTTP + SSE.
-    This matters: with libgomp's default spin-waiting, a torch engine stepped from the thread
-    that built it ran about 5x slower on a 2-core machine (OMP_WAIT_POLICY=PASSIVE removes it).
+    Threads as in the server: the engine is built by the caller and stepped from its own
+    thread (as `serve` builds it and AsyncEngine steps it), so the comparison differs only by
+    HTTP + SSE. This matters: with libgomp's default spin-waiting, a torch engine stepped from
+    the thread that built it ran about 5x slower on a 2-core machine (OMP_WAIT_POLICY=PASSIVE
+    removes that).
     """
     import threading
 
-    from llmserve.engine import Engine
-
-    engine = Engine.from_config(config)
     box: dict[str, Any] = {}
 
     def target() -> None:
@@ -231,7 +233,7 @@ def run_offline(args: argparse.Namespace, config, items: list[Item]) -> dict[str
     return box["result"]
 
 
-def _offline_loop(args: argparse.Namespace, engine, items: list[Item]) -> dict[str, Any]:
+def _offline_loop(args: argparse.Namespace, engine, items: list[Item]) -> tuple[list[Result], float]:
     from llmserve.request import SamplingParams
 
     bar = _bar(args, len(items), "offline")
@@ -271,8 +273,7 @@ def _offline_loop(args: argparse.Namespace, engine, items: list[Item]) -> dict[s
     finally:
         if bar is not None:
             bar.close()
-        engine.shutdown()
-    return summarize_results(results, elapsed)
+    return results, elapsed
 
 
 # --- plumbing -----------------------------------------------------------------------------------
@@ -351,34 +352,63 @@ def run_serve_bench(args: argparse.Namespace) -> int:
 
     logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per request
     proc = None
+    engine = None
     base_url = args.base_url or "http://127.0.0.1:8000"
+    rounds: list[dict[str, Any]] = []
+    served: list[Result] = []
+    offline: list[Result] = []
+    t_served = t_offline = 0.0
     try:
         if args.launch:
             proc, base_url = _launch(args)
         facts = _server_facts(base_url, _api_key(args))
-        vocab = args.vocab_size or facts.get("backend", {}).get("vocab_size") or 256
-        items = make_workload(args, int(vocab))
+        vocab = int(args.vocab_size or facts.get("backend", {}).get("vocab_size") or 256)
         model = args.request_model or facts.get("model")
-        http = asyncio.run(run_http(args, base_url, items, model))
+        if args.compare_offline:
+            from llmserve.cli import config_from_args
+            from llmserve.engine import Engine
+
+            engine = Engine.from_config(config_from_args(args))
+        seed0 = args.workload_seed
+        for k in range(args.rounds):
+            # a fresh seed per round: no prefix-cache hits carried from one round to the next
+            args.workload_seed = seed0 + k
+            items = make_workload(args, vocab)
+            res, el = asyncio.run(run_http(args, base_url, items, model))
+            served += res
+            t_served += el
+            rnd: dict[str, Any] = {"workload_seed": args.workload_seed,
+                                   "serve_tok_s": summarize_results(res, el)["output_token_throughput"]}
+            if engine is not None:
+                res, el = run_offline(args, engine, items)
+                offline += res
+                t_offline += el
+                rnd["offline_tok_s"] = summarize_results(res, el)["output_token_throughput"]
+                rnd["ratio"] = rnd["serve_tok_s"] / rnd["offline_tok_s"] if rnd["offline_tok_s"] else None
+            rounds.append(rnd)
+        args.workload_seed = seed0
     finally:
         if proc is not None:
             proc.terminate()
             proc.wait(60)
+        if engine is not None:
+            engine.shutdown()
+    http = summarize_results(served, t_served)
     report: dict[str, Any] = {
-        "workload": {"requests": args.requests, "concurrency": args.concurrency, "prompt_len": args.prompt_len,
-                     "output_len": args.output_len, "shared_prefix": args.shared_prefix,
-                     "workload_seed": args.workload_seed, "vocab_size": vocab, "greedy": True, "ignore_eos": True},
+        "workload": {"requests": args.requests, "rounds": args.rounds, "concurrency": args.concurrency,
+                     "prompt_len": args.prompt_len, "output_len": args.output_len,
+                     "shared_prefix": args.shared_prefix, "workload_seed": args.workload_seed, "vocab_size": vocab,
+                     "greedy": True, "ignore_eos": True},
         "server": {"base_url": base_url, "launched": args.launch, **facts},
         "machine": machine_info(),
         "serve": http,
+        "rounds": rounds,
     }
-    if args.compare_offline:
-        from llmserve.cli import config_from_args
-
-        offline = run_offline(args, config_from_args(args), items)
-        report["offline"] = offline
-        report["serve_over_offline"] = (http["output_token_throughput"] / offline["output_token_throughput"]
-                                        if offline["output_token_throughput"] else None)
+    if engine is not None:
+        off = summarize_results(offline, t_offline)
+        report["offline"] = off
+        report["serve_over_offline"] = (http["output_token_throughput"] / off["output_token_throughput"]
+                                        if off["output_token_throughput"] else None)
     if args.json:
         print(json.dumps(report, indent=2))
     else:
@@ -410,6 +440,11 @@ def print_report(r: dict[str, Any]) -> None:
             print(f"    {k:<8} {_fmt(x['mean']):>9} {_fmt(x['p50']):>8} {_fmt(x['p90']):>8} {_fmt(x['p99']):>8}")
         for e, n in d["errors"].items():
             print(f"  error ×{n}: {e}")
+    if len(r["rounds"]) > 1:
+        for i, rnd in enumerate(r["rounds"]):
+            extra = (f", offline {rnd['offline_tok_s']:.1f} tok/s, ratio {rnd['ratio']:.3f}"
+                     if rnd.get("ratio") is not None else "")
+            print(f"  round {i} (seed {rnd['workload_seed']}): serve {rnd['serve_tok_s']:.1f} tok/s{extra}")
     if r.get("serve_over_offline") is not None:
         print(f"serve / offline output-token throughput: {r['serve_over_offline']:.3f}")
 
