@@ -193,6 +193,10 @@ def hf_model(model_dir: Path, arch, dtype: torch.dtype, seed: int):
     missing = [n for n, p in model.named_parameters() if p.is_meta]
     if missing:
         raise RuntimeError(f"HF model parameters left uninitialized: {missing[:3]}")
+    for name, mod in list(model.named_modules()):
+        if any(b.is_meta for b in mod.buffers(recurse=False)) and name.endswith("rotary_emb"):
+            parent = model.get_submodule(name.rsplit(".", 1)[0]) if "." in name else model
+            setattr(parent, name.rsplit(".", 1)[-1], type(mod)(config=cfg))  # recompute inv_freq on the CPU
     for name, buf in list(model.named_buffers()):
         if buf.is_meta:
             raise RuntimeError(f"HF model buffer {name} left on meta; cannot run")
