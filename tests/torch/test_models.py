@@ -101,3 +101,31 @@ def test_chunked_lm_head_equals_one_matmul(dtype):
     got = lm_head(x, w, chunk=16)
     assert got.dtype == torch.float32 and got.shape == (5, 103)
     torch.testing.assert_close(got, torch.nn.functional.linear(x, w).float(), atol=1e-5, rtol=1e-5)
+
+
+def test_execute_returns_logprobs_and_prompt_logprobs_like_hf(gpt2_dir):
+    """Through execute(): prompt logprobs per chunk token (next prompt token), then the sampled token's logprob."""
+    from llmserve.request import SamplingParams
+
+    path, hf = gpt2_dir
+    b = make_backend(str(path))
+    d = Driver(b)
+    prompt = list(range(20, 33))  # 13 tokens, prefilled in chunks of 8 and 5
+    ref = torch.log_softmax(hf_logits(hf, prompt), dim=-1)
+    sp = SamplingParams(temperature=0.0, logprobs=3, prompt_logprobs=2)
+    first = b.execute(batch_of([d.request("p", prompt, 0, 8, sampling=sp, do_sample=False)]))
+    assert first.sampled_token_ids == [None] and first.logprobs is None
+    second = b.execute(batch_of([d.request("p", prompt, 8, 5, sampling=sp)]))
+    plp = first.prompt_logprobs[0] + second.prompt_logprobs[0]
+    assert len(plp) == 13 and plp[-1] is None  # the last prompt position predicts no prompt token
+    for pos in range(12):
+        e = plp[pos]
+        assert e.token_id == prompt[pos + 1]
+        assert abs(e.logprob - ref[pos, prompt[pos + 1]].item()) < 1e-4
+        assert e.rank == int((ref[pos] > ref[pos, prompt[pos + 1]]).sum()) + 1
+        assert [t for t, _ in e.top] == ref[pos].topk(2).indices.tolist()
+    tok = second.sampled_token_ids[0]
+    assert tok == int(ref[-1].argmax())
+    lp = second.logprobs[0]
+    assert lp.token_id == tok and lp.rank == 1 and abs(lp.logprob - ref[-1, tok].item()) < 1e-4
+    assert len(lp.top) == 3
