@@ -87,19 +87,29 @@ async def _first(request: Request, gen: Generation):
         raise map_error(e) from None
 
 
+class _EventStream(EventSourceResponse):
+    """sse-starlette's response, minus a cancel scope around every chunk when no send timeout is set."""
+
+    async def _send_with_timeout(self, send, message) -> None:
+        if self.send_timeout is None:
+            await send(message)  # the per-chunk anyio scope would cost more than the JSON
+        else:
+            await super()._send_with_timeout(send, message)
+
+
 def _sse(gen: Generation, events) -> Response:
     async def run():
+        # events are yielded as finished SSE frames (bytes), which sse-starlette passes through
         try:
             async for ev in events:
-                yield ev
+                yield b"data: " + ev.encode() + b"\n\n"
         except Exception as e:  # a failure after the first chunk: an error event, then [DONE]
             err = map_error(e)
-            yield _dumps(err.body())
-            yield "[DONE]"
+            yield b"data: " + _dumps(err.body()).encode() + b"\n\ndata: [DONE]\n\n"
         finally:
             gen.abort()  # ends, or the client went away: free the engine's blocks either way
 
-    return EventSourceResponse(run(), sep="\n", ping=15, headers={"Cache-Control": "no-cache"})
+    return _EventStream(run(), sep="\n", ping=15, headers={"Cache-Control": "no-cache"})
 
 
 # --- /v1/completions --------------------------------------------------------------------------
