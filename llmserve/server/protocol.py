@@ -11,11 +11,11 @@ from __future__ import annotations
 import json
 import logging
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from llmserve.request import SamplingParams
-from llmserve.server.errors import ApiError, bad_request
+from llmserve.server.errors import bad_request
 
 log = logging.getLogger("llmserve.server.protocol")
 
@@ -261,7 +261,6 @@ class ChatRequest:
     logprobs: bool
     top_logprobs: int
     add_generation_prompt: bool = True
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 _ROLES = {"system", "developer", "user", "assistant", "tool", "function"}

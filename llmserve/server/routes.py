@@ -180,11 +180,10 @@ async def completions(request: Request) -> Response:
         ch.text.append(text)
         # streamed chunks carry only the new entries; a whole answer keeps them all
         lp_delta = ch.lp.take() if (ch.lp is not None and c.stream) else None
-        return idx, text, lp_delta, (
-            ch.finish if outs[-1].finished else None), ch.stop_reason
+        return idx, text, lp_delta, (ch.finish if outs[-1].finished else None), ch.stop_reason
 
     def usage() -> dict:
-        return _usage(sum(prompt_tokens) if n else 0, sum(ch.num_output for ch in choices))
+        return _usage(sum(prompt_tokens), sum(ch.num_output for ch in choices))
 
     if not c.stream:
         async def collect():
@@ -206,7 +205,8 @@ async def completions(request: Request) -> Response:
         body = {
             "id": rid, "object": "text_completion", "created": created, "model": st.model_name,
             "choices": [{"index": i, "text": "".join(ch.text),
-                         "logprobs": ch.lp.to_dict() if ch.lp is not None else None, "finish_reason": ch.finish, "stop_reason": ch.stop_reason}
+                         "logprobs": ch.lp.to_dict() if ch.lp is not None else None,
+                         "finish_reason": ch.finish, "stop_reason": ch.stop_reason}
                         for i, ch in enumerate(choices)],
             "usage": usage(), "system_fingerprint": None,
         }

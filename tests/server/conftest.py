@@ -60,7 +60,8 @@ class LiveServer:
         while True:
             s = self.stats()
             c = s["cache"]
-            if s["running"] == 0 and s["waiting"] == 0 and c["used_blocks"] == 0 and s["server"]["active_requests"] == 0:
+            idle = s["running"] == 0 and s["waiting"] == 0 and s["server"]["active_requests"] == 0
+            if idle and c["used_blocks"] == 0:
                 return s
             if time.monotonic() > deadline:
                 return s

@@ -55,7 +55,8 @@ def test_sigterm_drains_in_flight_streams_and_exits_zero():
         proc.send_signal(signal.SIGTERM)  # about 3 s of generation is still ahead
         time.sleep(0.3)
         try:  # no longer admitting: the listener is closed (or, on a kept-alive connection, 503)
-            status = httpx.post(url + "/v1/completions", json={"prompt": "late", "max_tokens": 2}, timeout=2).status_code
+            late = httpx.post(url + "/v1/completions", json={"prompt": "late", "max_tokens": 2}, timeout=2)
+            status = late.status_code
         except httpx.TransportError:
             status = "refused"
         assert status in (503, "refused")
