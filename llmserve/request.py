@@ -178,7 +178,6 @@ class RequestOutput:
     stop_reason: int | str | None = None
     error: str | None = None
     logprobs: list[Logprob] | None = None  # one per new token when asked for
-    prompt_token_ids: list[int] | None = None  # set on a sequence's first output
     prompt_logprobs: list[Logprob | None] | None = None
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0  # so far, in total
