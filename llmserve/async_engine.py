@@ -114,6 +114,8 @@ class AsyncEngine:
         self._stop = False
         self.dead: BaseException | None = None  # why the thread stopped, if it crashed
         self.num_steps = 0
+        # engine-thread only: request id → sequences not yet finished, to abort them after a crash
+        self._live: dict[str, int] = {}
 
     # --- life cycle -----------------------------------------------------------------------------
 
@@ -248,6 +250,14 @@ class AsyncEngine:
                     self._recover(e)
                     continue
                 self.num_steps += 1
+                live = self._live
+                for o in out.outputs:
+                    if o.finished and o.request_id in live:
+                        left = 0 if o.finish_reason is FinishReason.ERROR else live[o.request_id] - 1
+                        if left <= 0:
+                            del live[o.request_id]
+                        else:
+                            live[o.request_id] = left
                 if out.outputs:
                     loop.call_soon_threadsafe(self._deliver, out.outputs)
         except BaseException as e:  # pragma: no cover - a bug in this loop
@@ -269,8 +279,11 @@ class AsyncEngine:
                 eng.add_request(prompt, params, request_id=rid, priority=priority, arrival_time=arrival)
             except Exception as e:  # InvalidRequestError and friends go back to that caller only
                 self._loop.call_soon_threadsafe(self._deliver_error, rid, e)
+                return
+            self._live[rid] = params.n
         elif kind == "abort":
             eng.abort(arg)
+            self._live.pop(arg, None)
         elif kind == "call":
             fn, fut = arg
             if fut.set_running_or_notify_cancel():
@@ -280,7 +293,8 @@ class AsyncEngine:
                     fut.set_exception(e)
 
     def _recover(self, exc: Exception) -> None:
-        ids = list(getattr(self.engine, "_groups", {}) or {})
+        ids = list(self._live)
+        self._live.clear()
         for rid in ids:
             try:
                 self.engine.abort(rid)
