@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 import uuid
@@ -30,6 +31,16 @@ def _state(request: Request) -> ServerState:
 async def _read_body(request: Request) -> bytes:
     # the body limit is enforced by BodyLimitMiddleware while this reads
     return await request.body()
+
+
+_BIG_TEXT = 16_384  # characters; longer texts are tokenized off the event loop
+
+
+async def _encode(tok, text: str, add_special_tokens: bool = True) -> list[int]:
+    """Token ids of text; a long text is tokenized in a worker thread so streams keep flowing."""
+    if len(text) < _BIG_TEXT:
+        return tok.encode(text, add_special_tokens)
+    return await asyncio.to_thread(tok.encode, text, add_special_tokens)
 
 
 def _finish(o: RequestOutput) -> str | None:
@@ -131,7 +142,7 @@ async def completions(request: Request) -> Response:
         if isinstance(p, str):
             if tok is None:
                 raise bad_request("this server has no tokenizer: send the prompt as token ids", "prompt")
-            ids = tok.encode(p)
+            ids = await _encode(tok, p)
             text = p
         else:
             ids = p
@@ -255,7 +266,7 @@ async def chat_completions(request: Request) -> Response:
         prompt = tok.apply_chat_template(req.messages, add_generation_prompt=req.add_generation_prompt)
     except NotImplementedError as e:
         raise bad_request(str(e), "messages") from None
-    ids = tok.encode(prompt, add_special_tokens=False)
+    ids = await _encode(tok, prompt, add_special_tokens=False)
     st.check_ids(ids, "messages")
     sp = c.sampling
     st.check_fit(len(ids), sp.max_tokens, "messages")

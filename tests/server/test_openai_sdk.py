@@ -254,6 +254,10 @@ def test_context_length_error_names_both_numbers(client):
     with pytest.raises(openai.BadRequestError) as e2:
         client.completions.create(model="embedded", prompt="a" * 600, max_tokens=1)
     assert "600" in e2.value.body["message"] and e2.value.body["param"] == "prompt"
+    # a long text is tokenized off the event loop; the check is the same
+    with pytest.raises(openai.BadRequestError) as e3:
+        client.completions.create(model="embedded", prompt="é" * 20_000, max_tokens=1)
+    assert "40000 tokens" in e3.value.body["message"]
 
 
 def test_unknown_model_is_404(client):
