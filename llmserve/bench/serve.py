@@ -350,6 +350,12 @@ def run_serve_bench(args: argparse.Namespace) -> int:
 
     from llmserve.bench.offline import machine_info
 
+    try:
+        import httpx  # noqa: F401 - the client; a dev extra, so say how to get it
+    except ImportError:
+        from llmserve.errors import LLMServeError
+
+        raise LLMServeError("llmserve bench serve needs httpx: pip install httpx (or the [dev] extra)") from None
     logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per request
     proc = None
     engine = None
