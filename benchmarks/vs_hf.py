@@ -66,13 +66,27 @@ def machine_facts() -> dict:
             "torch": torch.__version__, "threads": torch.get_num_threads(), "python": platform.python_version()}
 
 
+class Clock:
+    """Wall time and process CPU time of a run; CPU time / threads is what the run costs with the CPU to itself."""
+
+    def __enter__(self):
+        self.wall0, self.cpu0 = time.perf_counter(), time.process_time()
+        return self
+
+    def __exit__(self, *exc):
+        self.wall = time.perf_counter() - self.wall0
+        self.cpu = time.process_time() - self.cpu0
+
+
 def _best_time(fn, reps: int) -> float:
+    """The best of reps runs, each taken as the smaller of wall time and CPU time / threads (the machine is shared)."""
     fn()
     best = math.inf
+    threads = torch.get_num_threads()
     for _ in range(reps):
-        t = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t)
+        with Clock() as c:
+            fn()
+        best = min(best, c.wall, c.cpu / threads)
     return best
 
 
@@ -208,6 +222,12 @@ def hf_model(model_dir: Path, arch, dtype: torch.dtype, seed: int):
 # --- the runs ---------------------------------------------------------------------------------------
 
 
+def _rates(r: dict) -> None:
+    """tok/s by wall clock, and by CPU time / threads (what the run would reach with the CPU to itself)."""
+    r["tok_s"] = r["output_tokens"] / r["seconds"]
+    r["tok_s_cpu"] = r["output_tokens"] / (r["cpu_seconds"] / torch.get_num_threads())
+
+
 def _common_prefix(a: list[int], b: list[int]) -> int:
     n = 0
     for x, y in zip(a, b):
@@ -235,7 +255,7 @@ def run_ours(model_dir: Path, dtype: str, prompts, new_tokens: int, args) -> dic
     sp = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
     engine.generate([prompts[0][:8]], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))  # warm-up
     outs: dict[str, list[int]] = {}
-    t0 = time.perf_counter()
+    clock = Clock().__enter__()
     ids = [engine.add_request(p, sp) for p in prompts]
     with tqdm(total=len(prompts) * new_tokens, desc=f"ours {dtype}", unit="tok", leave=False,
               disable=args.json) as bar:
@@ -244,11 +264,11 @@ def run_ours(model_dir: Path, dtype: str, prompts, new_tokens: int, args) -> dic
             for o in st.outputs:
                 outs.setdefault(o.request_id, []).extend(o.new_token_ids)
                 bar.update(len(o.new_token_ids))
-    dt = time.perf_counter() - t0
+    clock.__exit__()
     tokens = [outs[i] for i in ids]
     desc = engine.backend.describe()
     engine.shutdown()
-    return {"seconds": dt, "output_tokens": sum(map(len, tokens)), "tokens": tokens,
+    return {"seconds": clock.wall, "cpu_seconds": clock.cpu, "output_tokens": sum(map(len, tokens)), "tokens": tokens,
             "attention": desc.get("attention"), "kv_peak": desc.get("kv_peak"), "kv_blocks": desc.get("kv_blocks")}
 
 
@@ -256,13 +276,12 @@ def run_hf_seq(model, prompts, new_tokens: int, quiet: bool) -> dict:
     out = []
     with torch.inference_mode():
         model.generate(torch.tensor([prompts[0][:8]]), max_new_tokens=2, do_sample=False)  # warm-up
-        t0 = time.perf_counter()
-        for p in tqdm(prompts, desc="hf-seq", leave=False, disable=quiet):
-            g = model.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
-                               max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
-            out.append(g[0, len(p):].tolist())
-        dt = time.perf_counter() - t0
-    return {"seconds": dt, "output_tokens": sum(map(len, out)), "tokens": out}
+        with Clock() as clock:
+            for p in tqdm(prompts, desc="hf-seq", leave=False, disable=quiet):
+                g = model.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                                   max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
+                out.append(g[0, len(p):].tolist())
+    return {"seconds": clock.wall, "cpu_seconds": clock.cpu, "output_tokens": sum(map(len, out)), "tokens": out}
 
 
 def run_hf_static(model, prompts, new_tokens: int, pad_id: int, quiet: bool) -> dict:
@@ -275,13 +294,12 @@ def run_hf_static(model, prompts, new_tokens: int, pad_id: int, quiet: bool) -> 
     with torch.inference_mode():
         model.generate(ids[:2, -8:], attention_mask=mask[:2, -8:], max_new_tokens=2, do_sample=False)
         with tqdm(total=1, desc="hf-static", leave=False, disable=quiet) as bar:
-            t0 = time.perf_counter()
-            g = model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                               do_sample=False)
-            dt = time.perf_counter() - t0
+            with Clock() as clock:
+                g = model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                                   do_sample=False)
             bar.update(1)
     out = g[:, n:].tolist()
-    return {"seconds": dt, "output_tokens": sum(map(len, out)), "tokens": out}
+    return {"seconds": clock.wall, "cpu_seconds": clock.cpu, "output_tokens": sum(map(len, out)), "tokens": out}
 
 
 def run_hf_cb(model, prompts, new_tokens: int, quiet: bool) -> dict:
@@ -292,11 +310,10 @@ def run_hf_cb(model, prompts, new_tokens: int, quiet: bool) -> dict:
     # generate_batch runs a worker thread: it must not be called under torch.inference_mode()
     model.generate_batch([prompts[0][:8]], generation_config=GenerationConfig(
         max_new_tokens=2, do_sample=False, eos_token_id=None, pad_token_id=gc.pad_token_id))
-    t0 = time.perf_counter()
-    res = model.generate_batch(prompts, generation_config=gc, progress_bar=not quiet)
-    dt = time.perf_counter() - t0
+    with Clock() as clock:
+        res = model.generate_batch(prompts, generation_config=gc, progress_bar=not quiet)
     out = [list(r.generated_tokens) for r in res.values()]
-    return {"seconds": dt, "output_tokens": sum(map(len, out)), "tokens": out}
+    return {"seconds": clock.wall, "cpu_seconds": clock.cpu, "output_tokens": sum(map(len, out)), "tokens": out}
 
 
 def main(argv=None) -> int:
@@ -365,7 +382,7 @@ def main(argv=None) -> int:
                 ours = run_ours(model_dir, dt, prompts, N, args)
                 ours["loadavg"] = [load0, os.getloadavg()[0]]
                 row["ours"] = {k: v for k, v in ours.items() if k != "tokens"}
-                row["ours"]["tok_s"] = ours["output_tokens"] / ours["seconds"]
+                _rates(row["ours"])
                 if peers:
                     hf = hf_model(model_dir, arch, DTYPES[dt], args.seed)
                     for peer in peers:
@@ -383,12 +400,16 @@ def main(argv=None) -> int:
                             r = run_hf_cb(hf, prompts, N, args.json)
                         r.pop("tokens")
                         r["loadavg"] = [load0, os.getloadavg()[0]]
-                        r["tok_s"] = r["output_tokens"] / r["seconds"]
+                        _rates(r)
                         row[peer] = r
                     del hf
                 row["ratios"] = {"ours/limit": row["ours"]["tok_s"] / row["limit"]["limit_tok_s"]}
                 for peer in peers:
                     row["ratios"][f"ours/{peer}"] = row["ours"]["tok_s"] / row[peer]["tok_s"]
+                # the same ratios with each run charged its CPU time / threads: steadier when others share the CPU
+                row["ratios_cpu"] = {"ours/limit": row["ours"]["tok_s_cpu"] / row["limit"]["limit_tok_s"]}
+                for peer in peers:
+                    row["ratios_cpu"][f"ours/{peer}"] = row["ours"]["tok_s_cpu"] / row[peer]["tok_s_cpu"]
                 report["results"].append(row)
                 if not args.json:
                     print_row(row, peers)
@@ -400,42 +421,49 @@ def main(argv=None) -> int:
 
 
 def print_row(row: dict, peers: list[str]) -> None:
+    """One model/dtype: the limit, every system's throughput, the ratios, KV use at peak."""
     lim = row["limit"]
     kv = row["ours"]["kv_peak"] or {}
-    print(f"\n{row['model']} {row['dtype']}: limit {lim['limit_tok_s']:.0f} tok/s "
-          f"(GEMM {lim['gemm_gflops_decode']:.0f} GFLOP/s decode, {lim['gemm_gflops_prefill']:.0f} prefill; "
-          f"bandwidth {lim['bandwidth_gbs']:.1f} GB/s; decode {lim['decode_bound_by']}-bound)")
+
     def load(r: dict) -> str:
         return "load avg {:.1f} -> {:.1f}".format(*r["loadavg"])
 
-    print(f"  (limit measured at {load(lim)}; each run adds about its thread count to the load: more means "
-          "another process shared the CPU)")
-    print(f"  ours       {row['ours']['tok_s']:8.1f} tok/s  ({row['ours']['output_tokens']} tokens in "
-          f"{row['ours']['seconds']:.1f}s, attention={row['ours']['attention']}, {load(row['ours'])})")
+    def line(name: str, r: dict, extra: str = "") -> str:
+        return (f"  {name:10s} {r['tok_s']:8.1f} tok/s wall, {r['tok_s_cpu']:8.1f} per CPU  "
+                f"({r['output_tokens']} tokens in {r['seconds']:.1f}s, {load(r)}{extra})")
+
+    print(f"\n{row['model']} {row['dtype']}: limit {lim['limit_tok_s']:.0f} tok/s "
+          f"(GEMM {lim['gemm_gflops_decode']:.0f} GFLOP/s decode, {lim['gemm_gflops_prefill']:.0f} prefill; "
+          f"bandwidth {lim['bandwidth_gbs']:.1f} GB/s; decode {lim['decode_bound_by']}-bound; {load(lim)})")
+    print(line("ours", row["ours"], f", attention={row['ours']['attention']}"))
     for p in peers:
         extra = (f", identical to ours: {row[p]['identical_to_ours']}, mean common prefix "
                  f"{row[p]['mean_common_prefix']:.0f} tokens" if "identical_to_ours" in row[p] else "")
-        print(f"  {p:10s} {row[p]['tok_s']:8.1f} tok/s  ({row[p]['output_tokens']} tokens in "
-              f"{row[p]['seconds']:.1f}s, {load(row[p])}{extra})")
-    print("  ratios: " + ", ".join(f"{k} {v:.2f}" for k, v in row["ratios"].items()))
+        print(line(p, row[p], extra))
+    print("  ratios (wall):    " + ", ".join(f"{k} {v:.2f}" for k, v in row["ratios"].items()))
+    print("  ratios (per CPU): " + ", ".join(f"{k} {v:.2f}" for k, v in row["ratios_cpu"].items()))
     if kv:
         print(f"  KV at peak: {kv['used_slots']} used of {kv['reserved_slots']} reserved slots "
               f"(waste {100 * kv['waste_fraction']:.1f}%)")
 
 
 def print_summary(report: dict, peers: list[str]) -> None:
+    """Machine, workload, and one table row per model/dtype."""
     m = report["machine"]
     w = report["workload"]
     print(f"\nmachine: {m['cpu']}, {m['cores']} cores, flags {' '.join(m['flags'])}, torch {m['torch']}, "
           f"{m['threads']} threads, read bandwidth {m['bandwidth_gbs']:.1f} GB/s")
     print(f"workload: {w['requests']} requests, prompts {w['prompt_lens']} ({w['prompt_tokens']} tokens), "
           f"{w['new_tokens']} new tokens each, greedy, EOS ignored, seed {w['seed']}")
+    print("tok/s by wall clock; 'per CPU' charges each run its CPU time / threads (steadier on a shared machine); "
+          "a load average above the thread count during a run means another process shared the CPU")
     head = ["model", "dtype", "limit", "ours", *peers, "ours/limit", *[f"ours/{p}" for p in peers]]
     print(" | ".join(head))
     for r in report["results"]:
-        cells = [r["model"], r["dtype"], f"{r['limit']['limit_tok_s']:.0f}", f"{r['ours']['tok_s']:.1f}",
-                 *[f"{r[p]['tok_s']:.1f}" for p in peers], *[f"{v:.2f}" for v in r["ratios"].values()]]
-        print(" | ".join(cells))
+        for kind, key, ratios in (("wall", "tok_s", "ratios"), ("per CPU", "tok_s_cpu", "ratios_cpu")):
+            cells = [r["model"], f"{r['dtype']} ({kind})", f"{r['limit']['limit_tok_s']:.0f}", f"{r['ours'][key]:.1f}",
+                     *[f"{r[p][key]:.1f}" for p in peers], *[f"{v:.2f}" for v in r[ratios].values()]]
+            print(" | ".join(cells))
 
 
 if __name__ == "__main__":
