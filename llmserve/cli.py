@@ -79,6 +79,8 @@ def config_from_args(args: argparse.Namespace, defaults: dict[str, Any] | None =
 def cmd_serve(args: argparse.Namespace) -> int:
     """Start the OpenAI-compatible HTTP server."""
     cfg = config_from_args(args)
+    if args.log_level:
+        cfg.server.log_level = args.log_level  # one flag for our logs and uvicorn's
     from llmserve.server import serve
 
     return serve(cfg)
@@ -122,7 +124,8 @@ def build_parser(with_plugins: bool = True) -> argparse.ArgumentParser:
         description="A plugin-based LLM serving engine with an OpenAI-compatible API. "
                     "With no command, `llmserve --config FILE` serves.",
     )
-    parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    parser.add_argument("--log-level", default=None, choices=["debug", "info", "warning", "error"],
+                        help="log level (default info; for serve it also sets server.log_level)")
     add_config_arguments(parser)
     parser.set_defaults(func=cmd_serve)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
@@ -172,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     parser = build_parser(with_plugins=not any(a in ("-h", "--help") for a in argv[:1]))
     args = parser.parse_args(argv)
-    logging.basicConfig(level=getattr(logging, args.log_level.upper()),
+    logging.basicConfig(level=getattr(logging, (args.log_level or "info").upper()),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         return int(args.func(args) or 0)

@@ -18,13 +18,14 @@ _CONTEXT = 6  # prompt tokens decoded with the output so that leading spaces com
 class IncrementalDetokenizer:
     """Turns a stream of token ids into a stream of text deltas, honouring stop strings."""
 
-    __slots__ = ("tok", "skip_special", "ids", "prefix_offset", "read_offset", "text",
+    __slots__ = ("tok", "skip_special", "special", "ids", "prefix_offset", "read_offset", "text",
                  "emitted", "stops", "hold", "include_stop")
 
     def __init__(self, tokenizer: Tokenizer, prompt_ids: Sequence[int], skip_special_tokens: bool = True,
                  stop: Sequence[str] = (), include_stop_str_in_output: bool = False):
         self.tok = tokenizer
         self.skip_special = skip_special_tokens
+        self.special = tokenizer.all_special_ids if skip_special_tokens else set()
         self.ids: list[int] = list(prompt_ids[-_CONTEXT:])
         self.prefix_offset = 0
         self.read_offset = len(self.ids)
@@ -43,7 +44,12 @@ class IncrementalDetokenizer:
             return "", None  # an incomplete UTF-8 sequence: wait for the rest
         start = len(self.text)
         self.text += full[len(prefix) :]
-        self.prefix_offset = self.read_offset
+        # the next window starts after what was read, unless that would leave only skipped special
+        # tokens in front: SentencePiece-style decoders drop the leading space of a window's first
+        # real token, so " user" after a special token would come out as "user"
+        special = self.special
+        if not special or any(t not in special for t in self.ids[self.read_offset :]):
+            self.prefix_offset = self.read_offset
         self.read_offset = len(self.ids)
         if self.stops:
             # only a stop that ends in the new text can be new; search from where it could begin

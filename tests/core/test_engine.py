@@ -281,3 +281,33 @@ def test_jsonl_sink_writes_steps_and_requests(tmp_path):
     assert {r["event"] for r in rows} == {"step", "request"}
     req = [r for r in rows if r["event"] == "request"][0]
     assert req["num_output_tokens"] == 3 and req["finish_reason"] == "length"
+
+
+class MetaspaceLikeTokenizer(Tokenizer):
+    """Decodes like SentencePiece: '▁' is a space, and a decode drops its own leading space."""
+
+    eos_token_id = 0
+    vocab_size = 4
+    pieces = {0: "</s>", 1: "▁world", 2: "<sep>", 3: "▁user"}
+
+    @property
+    def all_special_ids(self):
+        return {0, 2}
+
+    def encode(self, text, add_special_tokens=True):
+        raise NotImplementedError
+
+    def decode(self, token_ids, skip_special_tokens=True):
+        text = "".join(self.pieces[t] for t in token_ids if not (skip_special_tokens and t in self.all_special_ids))
+        return text.replace("▁", " ").removeprefix(" ")
+
+
+def test_streaming_keeps_the_space_after_a_skipped_special_token():
+    from llmserve.detokenize import IncrementalDetokenizer
+
+    tok = MetaspaceLikeTokenizer()
+    ids = [1, 2, 3, 1]
+    d = IncrementalDetokenizer(tok, [3], stop=[])
+    streamed = "".join(d.add(t)[0] for t in ids) + d.flush()
+    assert streamed == tok.decode([3] + ids)[len(tok.decode([3])):]
+    assert streamed == " world user world"
