@@ -20,6 +20,7 @@ log = logging.getLogger("llmserve.torch")
 
 OPTIONS = {
     "attention": "auto",  # auto | reference | cpu
+    "linear": "auto",  # auto | torch | onednn: pre-pack weights for oneDNN's GEMM on CPU
     # never size the cache beyond what max_num_seqs full-length sequences can use at once
     "cap_kv_blocks": True,
 }
@@ -35,7 +36,7 @@ class TorchBackend(ModelBackend):
             raise ConfigError(f"backend.options.attention: must be one of {', '.join(KERNELS)}, "
                               f"got {self.options['attention']!r}")
         mc = config.model
-        loaded = load_model(mc)
+        loaded = load_model(mc, linear=self.options["linear"], batch_hint=config.scheduler.max_num_seqs)
         self.loaded = loaded
         self.model = loaded.model
         self.arch = loaded.arch
@@ -213,6 +214,7 @@ class TorchBackend(ModelBackend):
             "dtype": str(self.dtype).replace("torch.", ""),
             "device": str(self.device),
             "weights": self.loaded.weights,
+            "linear": self.loaded.linear,
             "max_model_len": self.max_model_len,
             "threads": torch.get_num_threads(),
             "torch": torch.__version__,

@@ -16,6 +16,7 @@ from llmserve.errors import ConfigError
 from llmserve_torch import embedded
 from llmserve_torch.arch import ArchConfig, arch_from_hf
 from llmserve_torch.models import gpt2, qwen2
+from llmserve_torch.models.common import choose_packing
 
 log = logging.getLogger("llmserve.torch")
 
@@ -32,6 +33,7 @@ class LoadedModel:
     device: torch.device
     source: str  # the directory, "embedded", or the hub id and where it was cached
     weights: str  # the files read, or "dummy (seed N)"
+    linear: str = "torch"  # how the matmuls run: onednn (pre-packed) or torch (F.linear)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -163,7 +165,8 @@ def _family(arch: ArchConfig):
     return gpt2 if arch.family == "gpt2" else qwen2
 
 
-def build_model(arch: ArchConfig, sd: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device, max_len: int):
+def build_model(arch: ArchConfig, sd: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device, max_len: int,
+                pack: bool = False, batch_hint: int = 64):
     """Instantiate the family's model, checking that every tensor it needs is present with the right shape."""
     fam = _family(arch)
     expected = fam.hf_shapes(arch)
@@ -174,12 +177,15 @@ def build_model(arch: ArchConfig, sd: dict[str, torch.Tensor], dtype: torch.dtyp
         if tuple(sd[n].shape) != shape:
             raise ConfigError(f"checkpoint tensor {n} has shape {tuple(sd[n].shape)}, the config implies {shape}")
     if fam is gpt2:
-        return gpt2.GPT2Model(arch, sd, dtype, device)
-    return qwen2.Qwen2Model(arch, sd, dtype, device, max_len)
+        return gpt2.GPT2Model(arch, sd, dtype, device, pack, batch_hint)
+    return qwen2.Qwen2Model(arch, sd, dtype, device, max_len, pack, batch_hint)
 
 
-def load_model(mc: ModelConfig) -> LoadedModel:
-    """Everything from ModelConfig to a ready model: find, read config, read or invent weights, cast, place."""
+def load_model(mc: ModelConfig, linear: str = "auto", batch_hint: int = 64) -> LoadedModel:
+    """Everything from ModelConfig to a ready model: find, read config, read or invent weights, cast, place.
+
+    linear: auto | torch | onednn (pre-pack weights for oneDNN on CPU); batch_hint: typical rows per GEMM.
+    """
     device = resolve_device(mc.device)
     if mc.threads is not None:
         if mc.threads < 1:
@@ -205,6 +211,11 @@ def load_model(mc: ModelConfig) -> LoadedModel:
         files = _weight_files(Path(source), load_format)
         sd = read_state_dict(files, fam.normalize_name)
         weights = ", ".join(f.name for f in files)
-    model = build_model(arch, sd, dtype, device, max_len)
+    try:
+        pack = choose_packing(linear, device, dtype)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    model = build_model(arch, sd, dtype, device, max_len, pack, batch_hint)
     log.info("loaded %s (%s) %s on %s: %s", source, arch.model_type, str(dtype).replace("torch.", ""), device, weights)
-    return LoadedModel(model=model, arch=arch, dtype=dtype, device=device, source=source, weights=weights)
+    return LoadedModel(model=model, arch=arch, dtype=dtype, device=device, source=source, weights=weights,
+                       linear="onednn" if pack else "torch")

@@ -93,12 +93,12 @@ def test_block_copies_are_applied_before_the_forward(gpt2_dir):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_chunked_lm_head_equals_one_matmul(dtype):
     """The vocabulary-chunked LM head (uneven last chunk) gives float32 logits equal to one F.linear."""
-    from llmserve_torch.models.common import lm_head
+    from llmserve_torch.models.common import Linear, lm_head
 
     g = torch.Generator().manual_seed(0)
     x = torch.randn(5, 24, generator=g).to(dtype)
     w = torch.randn(103, 24, generator=g).to(dtype)
-    got = lm_head(x, w, chunk=16)
+    got = lm_head(x, Linear(w, None, pack=False), chunk=16)
     assert got.dtype == torch.float32 and got.shape == (5, 103)
     torch.testing.assert_close(got, torch.nn.functional.linear(x, w).float(), atol=1e-5, rtol=1e-5)
 
@@ -129,3 +129,31 @@ def test_execute_returns_logprobs_and_prompt_logprobs_like_hf(gpt2_dir):
     lp = second.logprobs[0]
     assert lp.token_id == tok and lp.rank == 1 and abs(lp.logprob - ref[-1, tok].item()) < 1e-4
     assert len(lp.top) == 3
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_packed_linear_equals_f_linear(dtype):
+    """oneDNN's pre-packed GEMM (the default on CPU where it exists) computes what F.linear does."""
+    from llmserve_torch.models.common import Linear, onednn_available
+
+    if not onednn_available(torch.device("cpu"), dtype):
+        pytest.skip("this torch build has no oneDNN packed linear")
+    g = torch.Generator().manual_seed(0)
+    w, b = torch.randn(70, 48, generator=g).to(dtype), torch.randn(70, generator=g).to(dtype)
+    packed = Linear(w, b, pack=True)
+    assert packed.packed is not None and packed.weight is None
+    for rows in (1, 7, 64):
+        x = torch.randn(rows, 48, generator=g).to(dtype)
+        tol = 2e-2 if dtype == torch.bfloat16 else 1e-4
+        torch.testing.assert_close(packed(x).float(), torch.nn.functional.linear(x, w, b).float(), atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("fixture", ["gpt2_dir", "qwen2_dir"])
+def test_plain_torch_linear_path_matches_hf(fixture, request):
+    """backend.options.linear: torch (F.linear, chunked LM head) gives HF's logits too."""
+    path, hf = request.getfixturevalue(fixture)
+    b = make_backend(str(path), linear="torch")
+    assert b.describe()["linear"] == "torch"
+    ids = list(range(3, 30))
+    got = b.compute_logits(batch_of([Driver(b).request("a", ids, 0, len(ids))]))
+    torch.testing.assert_close(got, hf_logits(hf, ids), atol=2e-4, rtol=1e-4)

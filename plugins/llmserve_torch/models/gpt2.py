@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from llmserve_torch.arch import ArchConfig
-from llmserve_torch.models.common import lm_head
+from llmserve_torch.models.common import Linear, lm_head
 
 _ACTS = {
     "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
@@ -48,7 +48,8 @@ def normalize_name(name: str) -> str | None:
 class GPT2Model:
     """Holds the weights laid out for F.linear ([out, in], contiguous) and runs the flattened forward."""
 
-    def __init__(self, arch: ArchConfig, sd: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device):
+    def __init__(self, arch: ArchConfig, sd: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device,
+                 pack: bool = False, batch_hint: int = 64):
         self.arch = arch
         self.act = _ACTS.get(arch.activation)
         if self.act is None:
@@ -62,20 +63,22 @@ class GPT2Model:
 
         self.wte = w("wte.weight")
         self.wpe = w("wpe.weight")
+        def lin(name: str) -> Linear:
+            return Linear(w(name + ".weight", True), w(name + ".bias"), pack, batch_hint)
+
         self.layers = []
         for n in range(arch.num_layers):
             p = f"h.{n}."
             self.layers.append({
                 "ln1_w": w(p + "ln_1.weight"), "ln1_b": w(p + "ln_1.bias"),
-                "qkv_w": w(p + "attn.c_attn.weight", True), "qkv_b": w(p + "attn.c_attn.bias"),
-                "o_w": w(p + "attn.c_proj.weight", True), "o_b": w(p + "attn.c_proj.bias"),
+                "qkv": lin(p + "attn.c_attn"), "o": lin(p + "attn.c_proj"),
                 "ln2_w": w(p + "ln_2.weight"), "ln2_b": w(p + "ln_2.bias"),
-                "fc_w": w(p + "mlp.c_fc.weight", True), "fc_b": w(p + "mlp.c_fc.bias"),
-                "proj_w": w(p + "mlp.c_proj.weight", True), "proj_b": w(p + "mlp.c_proj.bias"),
+                "fc": lin(p + "mlp.c_fc"), "proj": lin(p + "mlp.c_proj"),
             })
         self.lnf_w = w("ln_f.weight")
         self.lnf_b = w("ln_f.bias")
-        self.lm_head = self.wte  # tied, [vocab, hidden]: a contiguous matmul operand
+        # tied to wte ([vocab, hidden]); a packed head is a second copy, wte stays for the embedding lookup
+        self.lm_head = Linear(self.wte, None, pack, batch_hint)
 
     def prepare_step(self, positions: torch.Tensor) -> dict:
         """Per-step tensors shared by every layer (here: the position embeddings)."""
@@ -89,12 +92,12 @@ class GPT2Model:
         x += step["pos_emb"]
         for li, L in enumerate(self.layers):
             h = F.layer_norm(x, (h_size,), L["ln1_w"], L["ln1_b"], eps)
-            qkv = F.linear(h, L["qkv_w"], L["qkv_b"])
+            qkv = L["qkv"](h)
             q, k, v = qkv[:, :h_size], qkv[:, h_size:2 * h_size], qkv[:, 2 * h_size:]
             o = attention.forward(li, q, k, v)
-            x += F.linear(o, L["o_w"], L["o_b"])
+            x += L["o"](o)
             h = F.layer_norm(x, (h_size,), L["ln2_w"], L["ln2_b"], eps)
-            x += F.linear(self.act(F.linear(h, L["fc_w"], L["fc_b"])), L["proj_w"], L["proj_b"])
+            x += L["proj"](self.act(L["fc"](h)))
         return x
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

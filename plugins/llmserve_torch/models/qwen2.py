@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from llmserve_torch.arch import ArchConfig
-from llmserve_torch.models.common import lm_head
+from llmserve_torch.models.common import Linear, lm_head
 
 
 def hf_shapes(a: ArchConfig) -> dict[str, tuple[int, ...]]:
@@ -53,7 +53,7 @@ class Qwen2Model:
     """Weights fused for fewer GEMMs (q|k|v and gate|up), run over a flattened batch."""
 
     def __init__(self, arch: ArchConfig, sd: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device,
-                 max_len: int):
+                 max_len: int, pack: bool = False, batch_hint: int = 64):
         self.arch = arch
         self.dtype = dtype
 
@@ -65,22 +65,25 @@ class Qwen2Model:
         for n in range(arch.num_layers):
             p = f"model.layers.{n}.self_attn."
             m = f"model.layers.{n}.mlp."
+            qkv_b = (torch.cat([w(p + "q_proj.bias"), w(p + "k_proj.bias"), w(p + "v_proj.bias")]).contiguous()
+                     if arch.qkv_bias else None)
             L = {
                 "in_norm": w(f"model.layers.{n}.input_layernorm.weight").contiguous(),
-                "qkv_w": torch.cat([w(p + "q_proj.weight"), w(p + "k_proj.weight"), w(p + "v_proj.weight")]).contiguous(),
-                "qkv_b": (torch.cat([w(p + "q_proj.bias"), w(p + "k_proj.bias"), w(p + "v_proj.bias")]).contiguous()
-                          if arch.qkv_bias else None),
-                "o_w": w(p + "o_proj.weight").contiguous(),
+                "qkv": Linear(torch.cat([w(p + "q_proj.weight"), w(p + "k_proj.weight"),
+                                         w(p + "v_proj.weight")]).contiguous(), qkv_b, pack, batch_hint),
+                "o": Linear(w(p + "o_proj.weight").contiguous(), None, pack, batch_hint),
                 "post_norm": w(f"model.layers.{n}.post_attention_layernorm.weight").contiguous(),
-                "gate_up_w": torch.cat([w(m + "gate_proj.weight"), w(m + "up_proj.weight")]).contiguous(),
-                "down_w": w(m + "down_proj.weight").contiguous(),
+                "gate_up": Linear(torch.cat([w(m + "gate_proj.weight"), w(m + "up_proj.weight")]).contiguous(), None,
+                                  pack, batch_hint),
+                "down": Linear(w(m + "down_proj.weight").contiguous(), None, pack, batch_hint),
             }
             if arch.qk_norm:
                 L["q_norm"] = w(p + "q_norm.weight").contiguous()
                 L["k_norm"] = w(p + "k_norm.weight").contiguous()
             self.layers.append(L)
         self.norm = w("model.norm.weight").contiguous()
-        self.lm_head = self.embed if arch.tie_word_embeddings else w("lm_head.weight").contiguous()
+        head = self.embed if arch.tie_word_embeddings else w("lm_head.weight").contiguous()
+        self.lm_head = Linear(head, None, pack, batch_hint)  # packed: a copy; embed stays for the lookup
         self.cos, self.sin = rope_tables(arch, max_len, device)
 
     def _rms(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -111,7 +114,7 @@ class Qwen2Model:
         x = F.embedding(input_ids, self.embed)
         for li, L in enumerate(self.layers):
             h = self._rms(x, L["in_norm"])
-            qkv = F.linear(h, L["qkv_w"], L["qkv_b"])
+            qkv = L["qkv"](h)
             q = qkv[:, :qs].view(T, a.num_heads, d)
             k = qkv[:, qs:qs + kvs].view(T, a.num_kv_heads, d)
             v = qkv[:, qs + kvs:]
@@ -121,10 +124,10 @@ class Qwen2Model:
             q = self._rope(q, cos, sin).view(T, qs)
             k = self._rope(k, cos, sin).view(T, kvs)
             o = attention.forward(li, q, k, v)
-            x = x + F.linear(o, L["o_w"])
+            x = x + L["o"](o)
             h = self._rms(x, L["post_norm"])
-            gu = F.linear(h, L["gate_up_w"])
-            x = x + F.linear(F.silu(gu[:, :inter]) * gu[:, inter:], L["down_w"])
+            gu = L["gate_up"](h)
+            x = x + L["down"](F.silu(gu[:, :inter]) * gu[:, inter:])
         return x
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
