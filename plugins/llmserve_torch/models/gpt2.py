@@ -63,8 +63,10 @@ class GPT2Model:
 
         self.wte = w("wte.weight")
         self.wpe = w("wpe.weight")
-        def lin(name: str) -> Linear:
-            return Linear(w(name + ".weight", True), w(name + ".bias"), pack, batch_hint)
+        def lin(name: str, gelu_tanh: bool = False) -> Linear:
+            return Linear(w(name + ".weight", True), w(name + ".bias"), pack, batch_hint, gelu_tanh)
+
+        tanh_gelu = arch.activation in ("gelu_new", "gelu_pytorch_tanh", "gelu_fast")
 
         self.layers = []
         for n in range(arch.num_layers):
@@ -73,7 +75,7 @@ class GPT2Model:
                 "ln1_w": w(p + "ln_1.weight"), "ln1_b": w(p + "ln_1.bias"),
                 "qkv": lin(p + "attn.c_attn"), "o": lin(p + "attn.c_proj"),
                 "ln2_w": w(p + "ln_2.weight"), "ln2_b": w(p + "ln_2.bias"),
-                "fc": lin(p + "mlp.c_fc"), "proj": lin(p + "mlp.c_proj"),
+                "fc": lin(p + "mlp.c_fc", tanh_gelu), "proj": lin(p + "mlp.c_proj"),
             })
         self.lnf_w = w("ln_f.weight")
         self.lnf_b = w("ln_f.bias")
@@ -97,7 +99,8 @@ class GPT2Model:
             o = attention.forward(li, q, k, v)
             x += L["o"](o)
             h = F.layer_norm(x, (h_size,), L["ln2_w"], L["ln2_b"], eps)
-            x += L["proj"](self.act(L["fc"](h)))
+            fc = L["fc"]
+            x += L["proj"](fc(h) if fc.fused_gelu else self.act(fc(h)))
         return x
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
