@@ -153,6 +153,13 @@ def build_kernel() -> ctypes.CDLL:
                         raise RuntimeError(f"{cxx} failed: {r.stderr.strip()[-400:]}")
                     os.replace(tmp_so, out)  # atomic: concurrent builders never load a half-written file
             lib = ctypes.CDLL(str(out))
+            lib.llmserve_write_kv.restype = None
+            lib.llmserve_write_kv.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
+                                              ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int,
+                                              ctypes.c_int64, ctypes.c_int, ctypes.c_int]
+            lib.llmserve_argmax_f32.restype = None
+            lib.llmserve_argmax_f32.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int64,
+                                                ctypes.c_void_p, ctypes.c_int]
             for fn in (lib.llmserve_paged_attention_f32, lib.llmserve_paged_attention_bf16):
                 fn.restype = None
                 fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
@@ -188,6 +195,8 @@ class CPUPagedAttention(PagedAttention):
         lib = build_kernel()
         self._fn = lib.llmserve_paged_attention_bf16 if kv.k.dtype == torch.bfloat16 else \
             lib.llmserve_paged_attention_f32
+        self._write = lib.llmserve_write_kv
+        self._elem = kv.k.element_size()
         self._out: torch.Tensor | None = None
 
     def begin_step(self, meta: StepMetadata) -> None:
@@ -196,12 +205,19 @@ class CPUPagedAttention(PagedAttention):
         T = meta.num_tokens
         if self._out is None or self._out.shape[0] < T:  # grow-only buffer: no fresh pages per layer
             self._out = torch.empty((max(T, 64), self.arch.q_size), dtype=self.kv.k.dtype)
+        self._slots_ptr = meta.slots.data_ptr()
         self._args_tail = (meta.block_tables.data_ptr(), meta.block_tables.shape[1], meta.tok_req.data_ptr(),
                            meta.tok_pos.data_ptr())
 
     def forward(self, layer, q, k, v):
         a, m = self.arch, self.meta
-        self.kv.write(layer, m.slots, k, v)
+        if k.stride(1) != 1:
+            k = k.contiguous()
+        if v.stride(1) != 1:
+            v = v.contiguous()
+        # the K/V store runs in the same library: one call instead of two index_copy_ dispatches per layer
+        self._write(k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), self.kv.k[layer].data_ptr(),
+                    self.kv.v[layer].data_ptr(), self._slots_ptr, m.num_tokens, a.kv_size, self._elem, self._threads)
         if q.stride(1) != 1:
             q = q.contiguous()
         out = self._out[: m.num_tokens]
@@ -210,6 +226,25 @@ class CPUPagedAttention(PagedAttention):
                  treq, tpos, out.data_ptr(), out.stride(0), m.num_tokens, a.num_heads, a.num_kv_heads, a.head_dim,
                  self.kv.block_size, self.scale, self._threads)
         return out
+
+
+def cpu_argmax():
+    """argmax over the rows of a contiguous float32 CPU matrix via the kernel library (None if it cannot build).
+
+    Only for raw model logits (finite): the library is built with -ffast-math.
+    """
+    try:
+        lib = build_kernel()
+    except RuntimeError:
+        return None
+    fn = lib.llmserve_argmax_f32
+
+    def argmax(x: torch.Tensor) -> torch.Tensor:
+        out = torch.empty(x.shape[0], dtype=torch.long)
+        fn(x.data_ptr(), x.shape[0], x.shape[1], x.stride(0), out.data_ptr(), torch.get_num_threads())
+        return out
+
+    return argmax
 
 
 def make_attention(name: str, arch: ArchConfig, kv: KVCache) -> PagedAttention:

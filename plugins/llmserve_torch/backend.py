@@ -11,7 +11,7 @@ from llmserve.batch import ModelOutput, ScheduledBatch
 from llmserve.config import EngineConfig, check_options
 from llmserve.errors import ConfigError
 from llmserve.interfaces import ModelBackend
-from llmserve_torch.attention import KERNELS, StepMetadata, make_attention
+from llmserve_torch.attention import KERNELS, StepMetadata, cpu_argmax, make_attention
 from llmserve_torch.kv_cache import KVCache, budget_bytes, bytes_per_block
 from llmserve_torch.loader import load_model
 from llmserve_torch.sampling import Sampler, prompt_logprobs
@@ -76,6 +76,8 @@ class TorchBackend(ModelBackend):
         """Allocate the K/V tensors and pick the attention kernel for them."""
         self.kv = KVCache(self.arch, num_blocks, block_size, self.dtype, self.device)
         self.attention = make_attention(self.options["attention"], self.arch, self.kv)
+        if self.attention.name == "cpu":
+            self.sampler.fast_argmax = cpu_argmax()
         log.info("KV cache: %d blocks of %d tokens (%.1f MiB), attention kernel %s", num_blocks, block_size,
                  self.kv.nbytes / 2**20, self.attention.name)
 

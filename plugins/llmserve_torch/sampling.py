@@ -117,6 +117,8 @@ class Sampler:
         self.eos_token_id = eos_token_id
         self.generator = torch.Generator(device=device).manual_seed(seed)
         self._seeded = torch.Generator(device=device)
+        # a faster row argmax for raw float32 CPU logits (set by the backend when its kernel library builds)
+        self.fast_argmax = None
 
     def sample(self, logits: torch.Tensor, reqs: Sequence[ScheduledRequest]) -> tuple[list[int], list[Logprob | None]]:
         """logits: float32 [R, V], one row per request; returns one token per row and optional logprobs."""
@@ -125,7 +127,8 @@ class Sampler:
         raw_lp = None
         if any(n is not None for n in want_lp):
             raw_lp = torch.log_softmax(logits, dim=-1)  # the model's own distribution, before any processing
-        if any(_needs_processing(r.sampling, r.num_output_tokens) for r in reqs):
+        processed = any(_needs_processing(r.sampling, r.num_output_tokens) for r in reqs)
+        if processed:
             logits = logits.clone()
             apply_logit_processors(logits, reqs, self.eos_token_id)
         greedy = [r.sampling.temperature == 0.0 for r in reqs]
@@ -133,7 +136,9 @@ class Sampler:
         g_rows = [i for i in range(R) if greedy[i]]
         s_rows = [i for i in range(R) if not greedy[i]]
         if len(g_rows) == R:
-            tokens = logits.argmax(dim=-1)
+            fast = (self.fast_argmax is not None and not processed and logits.device.type == "cpu"
+                    and logits.dtype == torch.float32 and logits.stride(1) == 1)
+            tokens = self.fast_argmax(logits) if fast else logits.argmax(dim=-1)
         elif g_rows:
             gi = torch.tensor(g_rows, device=logits.device)
             tokens[gi] = logits.index_select(0, gi).argmax(dim=-1)

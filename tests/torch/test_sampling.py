@@ -146,3 +146,17 @@ def test_filters_never_leave_an_empty_distribution(knob):
     flat = torch.zeros(V)
     c = draw(SamplingParams(temperature=1.0, **knob), n=200, logits=flat)
     assert sum(c.values()) == 200
+
+
+def test_kernel_argmax_matches_torch_including_ties():
+    from llmserve_torch.attention import cpu_argmax
+
+    argmax = cpu_argmax()
+    if argmax is None:
+        pytest.skip("no C++ compiler: the kernel library did not build")
+    x = torch.randn(9, 1000, generator=torch.Generator().manual_seed(0))
+    x[3, 10] = x[3, 900] = 50.0  # a tie: the first index wins, as in torch
+    assert torch.equal(argmax(x), x.argmax(dim=-1))
+    assert argmax(x)[3] == 10
+    # a strided view of rows (every other row) works too
+    assert torch.equal(argmax(x[::2]), x[::2].argmax(dim=-1))

@@ -141,6 +141,17 @@ void paged_attention(const T* q, int64_t q_stride, const T* kc, const T* vc, con
   }
 }
 
+// Store each new token's K and V ([T, kv_heads*head_dim] rows, any row stride) at its slot.
+template <typename T>
+void write_kv(const T* k, int64_t k_stride, const T* v, int64_t v_stride, T* kc, T* vc, const int64_t* slots,
+              int num_tokens, int64_t row, int num_threads) {
+#pragma omp parallel for num_threads(num_threads) if (num_tokens > 64)
+  for (int t = 0; t < num_tokens; ++t) {
+    std::memcpy(kc + slots[t] * row, k + t * k_stride, row * sizeof(T));
+    std::memcpy(vc + slots[t] * row, v + t * v_stride, row * sizeof(T));
+  }
+}
+
 template <typename T>
 void dispatch(const T* q, int64_t qs, const T* kc, const T* vc, const int32_t* bt, int mb, const int32_t* tr,
               const int32_t* tp, T* out, int64_t os, int nt, int H, int KVH, int D, int BS, float sc, int th) {
@@ -151,6 +162,35 @@ void dispatch(const T* q, int64_t qs, const T* kc, const T* vc, const int32_t* b
 }  // namespace
 
 extern "C" {
+
+void llmserve_write_kv(const void* k, int64_t ks, const void* v, int64_t vs, void* kc, void* vc, const int64_t* slots,
+                       int nt, int64_t row, int elem_size, int th) {
+  if (elem_size == 4)
+    write_kv<float>(static_cast<const float*>(k), ks, static_cast<const float*>(v), vs, static_cast<float*>(kc),
+                    static_cast<float*>(vc), slots, nt, row, th);
+  else
+    write_kv<uint16_t>(static_cast<const uint16_t*>(k), ks, static_cast<const uint16_t*>(v), vs,
+                       static_cast<uint16_t*>(kc), static_cast<uint16_t*>(vc), slots, nt, row, th);
+}
+
+// Index of the first maximum of each float32 row (torch's argmax is a scalar loop: ~1.3 ms for 64 x 50257).
+void llmserve_argmax_f32(const float* x, int rows, int cols, int64_t stride, int64_t* out, int th) {
+#pragma omp parallel for num_threads(th)
+  for (int r = 0; r < rows; ++r) {
+    const float* xr = x + r * stride;
+    float mx = xr[0];
+#pragma omp simd reduction(max : mx)
+    for (int c = 0; c < cols; ++c) mx = xr[c] > mx ? xr[c] : mx;
+    int64_t idx = 0;
+    for (int c = 0; c < cols; ++c) {
+      if (xr[c] == mx) {
+        idx = c;
+        break;
+      }
+    }
+    out[r] = idx;
+  }
+}
 
 void llmserve_attn_limits(int* max_q, int* max_heads, int* max_block) {
   *max_q = kMaxQ;
