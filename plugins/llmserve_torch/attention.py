@@ -115,8 +115,17 @@ _lib_error: str | None = None
 
 
 def _cache_dir() -> Path:
-    base = os.environ.get("LLMSERVE_CACHE_DIR") or os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "llmserve" / "kernels"
+    """Where built kernels live: $LLMSERVE_CACHE_DIR, else the user cache dir, else the temp dir (read-only homes)."""
+    if os.environ.get("LLMSERVE_CACHE_DIR"):
+        return Path(os.environ["LLMSERVE_CACHE_DIR"])
+    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "llmserve" / "kernels"
+    try:
+        base.mkdir(parents=True, exist_ok=True)
+        if os.access(base, os.W_OK):
+            return base
+    except OSError:
+        pass
+    return Path(tempfile.gettempdir()) / f"llmserve-kernels-{os.getuid()}"
 
 
 def _cpu_id() -> str:

@@ -167,3 +167,18 @@ def test_cuda_device_without_cuda_is_a_clear_error():
         pytest.skip("this machine has CUDA")
     with pytest.raises(ConfigError, match="CUDA"):
         make_backend("embedded", device="cuda")
+
+
+def test_without_a_compiler_auto_falls_back_and_cpu_is_a_clear_error(monkeypatch, tmp_path):
+    import llmserve_torch.attention as attn
+
+    monkeypatch.setattr(attn, "_lib", None)
+    monkeypatch.setattr(attn, "_lib_error", None)
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
+    monkeypatch.setenv("LLMSERVE_CACHE_DIR", str(tmp_path / "kernels"))
+    b = make_backend("embedded")
+    assert b.attention.name == "reference" and b.sampler.fast_argmax is None
+    out = b.execute(batch_of([Driver(b).request("a", list(b"hi there"), 0, 8)]))
+    assert len(out.sampled_token_ids) == 1 and 0 <= out.sampled_token_ids[0] < 257
+    with pytest.raises(ConfigError, match="cpu kernel cannot be used"):
+        make_backend("embedded", attention="cpu")
