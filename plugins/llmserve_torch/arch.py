@@ -76,7 +76,9 @@ def arch_from_hf(cfg: Any) -> ArchConfig:
     if family is None:
         raise ConfigError(f"model type {mt!r} is not supported by the torch backend "
                           f"(supported: {', '.join(sorted(_FAMILIES))})")
-    dtype = getattr(cfg, "dtype", None) or getattr(cfg, "torch_dtype", None)
+    # read the instance dict: transformers 5 warns on the deprecated `torch_dtype` property,
+    # while 4.x stores only `torch_dtype`
+    dtype = vars(cfg).get("dtype") or vars(cfg).get("torch_dtype")
     dtype = str(dtype).replace("torch.", "") if dtype is not None else None
     if family == "gpt2":
         if getattr(cfg, "scale_attn_by_inverse_layer_idx", False) or getattr(cfg, "reorder_and_upcast_attn", False):
