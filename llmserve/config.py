@@ -183,26 +183,18 @@ def _type_check(value: Any, tp: Any, key: str, source: str) -> Any:
         if isinstance(value, str) and value.lower() in ("true", "false", "1", "0", "yes", "no"):
             return value.lower() in ("true", "1", "yes")
         raise ConfigError(f"{source}: {key}: expected true or false, got {value!r}")
-    if tp is int:
-        if isinstance(value, bool):
-            raise ConfigError(f"{source}: {key}: expected an integer, got {value!r}")
-        if isinstance(value, int):
-            return value
-        if isinstance(value, str):
-            try:
-                return int(value)
-            except ValueError:
-                pass
-        raise ConfigError(f"{source}: {key}: expected an integer, got {value!r}")
-    if tp is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        if isinstance(value, str):
-            try:
-                return float(value)
-            except ValueError:
-                pass
-        raise ConfigError(f"{source}: {key}: expected a number, got {value!r}")
+    if tp in (int, float):
+        # YAML and --set give numbers, flags and env give strings; a bool is never a number
+        if not isinstance(value, bool):
+            if isinstance(value, int) or (tp is float and isinstance(value, float)):
+                return tp(value)
+            if isinstance(value, str):
+                try:
+                    return tp(value)
+                except ValueError:
+                    pass
+        expected = "an integer" if tp is int else "a number"
+        raise ConfigError(f"{source}: {key}: expected {expected}, got {value!r}")
     if tp is str:
         if isinstance(value, str):
             return value

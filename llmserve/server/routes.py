@@ -98,6 +98,25 @@ async def _first(request: Request, gen: Generation):
         raise map_error(e) from None
 
 
+async def _collect(request: Request, gen: Generation, first, apply_batch) -> Response | None:
+    """Non-streaming: hand every batch of deltas to apply_batch until the end (499 if the client left)."""
+    async def run():
+        batch = first
+        while batch is not None:
+            apply_batch(batch)
+            batch = await gen.next()
+
+    try:
+        await guarded(request.receive, run(), gen.abort)
+    except ClientGone:
+        return Response(status_code=499)
+    except Exception as e:
+        gen.abort()
+        raise map_error(e) from None
+    gen.abort()
+    return None
+
+
 class _EventStream(EventSourceResponse):
     """sse-starlette's response, minus a cancel scope around every chunk when no send timeout is set."""
 
@@ -197,22 +216,14 @@ async def completions(request: Request) -> Response:
         return _usage(sum(prompt_tokens), sum(ch.num_output for ch in choices))
 
     if not c.stream:
-        async def collect():
-            batch = first
-            while batch is not None:
-                pi, outs = batch
-                for group in _merge(outs).values():
-                    apply(pi, group)
-                batch = await gen.next()
+        def apply_batch(batch):
+            pi, outs = batch
+            for group in _merge(outs).values():
+                apply(pi, group)
 
-        try:
-            await guarded(request.receive, collect(), gen.abort)
-        except ClientGone:
-            return Response(status_code=499)
-        except Exception as e:
-            gen.abort()
-            raise map_error(e) from None
-        gen.abort()
+        gone = await _collect(request, gen, first, apply_batch)
+        if gone is not None:
+            return gone
         body = {
             "id": rid, "object": "text_completion", "created": created, "model": st.model_name,
             "choices": [{"index": i, "text": "".join(ch.text),
@@ -305,21 +316,13 @@ async def chat_completions(request: Request) -> Response:
         return _usage(len(ids), sum(ch.num_output for ch in choices))
 
     if not c.stream:
-        async def collect():
-            batch = first
-            while batch is not None:
-                for group in _merge(batch[1]).values():
-                    apply(group)
-                batch = await gen.next()
+        def apply_batch(batch):
+            for group in _merge(batch[1]).values():
+                apply(group)
 
-        try:
-            await guarded(request.receive, collect(), gen.abort)
-        except ClientGone:
-            return Response(status_code=499)
-        except Exception as e:
-            gen.abort()
-            raise map_error(e) from None
-        gen.abort()
+        gone = await _collect(request, gen, first, apply_batch)
+        if gone is not None:
+            return gone
         body = {
             "id": rid, "object": "chat.completion", "created": created, "model": st.model_name,
             "choices": [{"index": i, "message": {"role": "assistant", "content": "".join(ch.text)},
