@@ -43,6 +43,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--shared-prefix", type=int, default=0, metavar="TOKENS",
                    help="every prompt starts with the same TOKENS-token prefix")
     p.add_argument("--workload-seed", type=int, default=0, help="seed of the synthetic workload")
+    p.add_argument("--text-prompts", action="store_true",
+                   help="send prompts as text (--prompt-len words from a fixed list) instead of token ids, for "
+                        "servers that take only strings (e.g. `transformers serve`); not with --compare-offline")
+    p.add_argument("--no-ignore-eos", dest="ignore_eos", action="store_false",
+                   help="do not send the non-OpenAI `ignore_eos` field (servers that reject unknown fields); "
+                        "check output_tokens to see whether EOS ended requests early")
     p.add_argument("--vocab-size", type=int, default=None,
                    help="draw prompt token ids below this (default: the server's vocabulary from /stats)")
     p.add_argument("--timeout", type=float, default=600.0, help="per-request client timeout (s)")
@@ -64,13 +70,25 @@ def _api_key(args: argparse.Namespace) -> str | None:
 
 @dataclass(slots=True)
 class Item:
-    prompt: list[int]
+    prompt: list[int] | str
     max_tokens: int
+
+
+_WORDS = ("the of and to in is that for it as with was on be by at this from or have an are not but all "
+          "they which one you were her there been has their if will more when would about into time than two "
+          "other could only many then first some these people state may like after over such years").split()
 
 
 def make_workload(args: argparse.Namespace, vocab_size: int) -> list[Item]:
     """The seeded synthetic requests (identical for the HTTP and the offline run)."""
     rng = random.Random(args.workload_seed)
+    if getattr(args, "text_prompts", False):  # words, so any tokenizer gets the same text
+        prefix = " ".join(rng.choice(_WORDS) for _ in range(args.shared_prefix))
+        items = []
+        for _ in range(args.requests):
+            words = [rng.choice(_WORDS) for _ in range(rng.randint(*args.prompt_len))]
+            items.append(Item(" ".join(filter(None, [prefix, *words])), rng.randint(*args.output_len)))
+        return items
     top = min(vocab_size, 50000) - 1
     prefix = [rng.randint(0, top) for _ in range(args.shared_prefix)]
     return [Item(prefix + [rng.randint(0, top) for _ in range(rng.randint(*args.prompt_len))],
@@ -131,9 +149,11 @@ def _events(buf: bytes) -> tuple[list[bytes], bytes]:
                 out.append(line[5:].lstrip())
 
 
-async def _one(client, url: str, headers: dict, model: str | None, item: Item) -> Result:
+async def _one(client, url: str, headers: dict, model: str | None, item: Item, ignore_eos: bool = True) -> Result:
     body: dict[str, Any] = {"prompt": item.prompt, "max_tokens": item.max_tokens, "temperature": 0.0,
-                            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+                            "stream": True, "stream_options": {"include_usage": True}}
+    if ignore_eos:
+        body["ignore_eos"] = True
     if model:
         body["model"] = model
     t0 = time.perf_counter()
@@ -159,7 +179,9 @@ async def _one(client, url: str, headers: dict, model: str | None, item: Item) -
                     if b'"completion_tokens"' in p:  # a chunk carrying usage
                         chunk = json.loads(p)
                         tokens = (chunk.get("usage") or {}).get("completion_tokens", tokens)
-                        if not chunk.get("choices"):
+                        # no choices, or (as `transformers serve` sends it) a last choice with
+                        # finish_reason and empty text: not a token arrival
+                        if not any(c.get("text") for c in chunk.get("choices") or ()):
                             continue
                     if first is None:
                         first = now
@@ -190,7 +212,7 @@ async def run_http(args: argparse.Namespace, base_url: str, items: list[Item],
         async def worker():
             while queue:
                 item = queue.pop()
-                res = await _one(client, url, headers, model, item)
+                res = await _one(client, url, headers, model, item, getattr(args, "ignore_eos", True))
                 results.append(res)
                 if bar is not None:
                     bar.update(1)
@@ -371,6 +393,10 @@ def run_serve_bench(args: argparse.Namespace) -> int:
         vocab = int(args.vocab_size or facts.get("backend", {}).get("vocab_size") or 256)
         model = args.request_model or facts.get("model")
         if args.compare_offline:
+            if args.text_prompts:
+                from llmserve.errors import LLMServeError
+
+                raise LLMServeError("--compare-offline needs token-id prompts (drop --text-prompts)")
             from llmserve.cli import config_from_args
             from llmserve.engine import Engine
 
@@ -404,7 +430,8 @@ def run_serve_bench(args: argparse.Namespace) -> int:
         "workload": {"requests": args.requests, "rounds": args.rounds, "concurrency": args.concurrency,
                      "prompt_len": args.prompt_len, "output_len": args.output_len,
                      "shared_prefix": args.shared_prefix, "workload_seed": args.workload_seed, "vocab_size": vocab,
-                     "greedy": True, "ignore_eos": True},
+                     "greedy": True, "ignore_eos": args.ignore_eos,
+                     "text_prompts": args.text_prompts},
         "server": {"base_url": base_url, "launched": args.launch, **facts},
         "machine": machine_info(),
         "serve": http,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 from llmserve.cli import main
@@ -35,3 +36,53 @@ def test_bench_serve_counts_failures(fake_server, capsys):
     r = json.loads(capsys.readouterr().out)
     assert rc == 1 and r["serve"]["failed"] == 3
     assert any("404" in e for e in r["serve"]["errors"])
+
+
+def test_bench_serve_text_prompts_without_ignore_eos_for_a_strict_peer(capsys, monkeypatch):
+    """`transformers serve` takes only string prompts, rejects unknown fields (ignore_eos) with 422 and
+    ends a stream with a choice of empty text carrying usage: that last chunk is not a token arrival."""
+    import argparse
+
+    import httpx
+
+    from llmserve.bench import serve as bench
+
+    bodies = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        body = json.loads(request.content)
+        bodies.append(body)
+        if not isinstance(body["prompt"], str) or "ignore_eos" in body:
+            return httpx.Response(422, json={"detail": "Unexpected fields"})
+        n = body["max_tokens"]
+        events = ["data: " + json.dumps({"object": "text_completion", "choices": [{"index": 0, "text": f" w{i}"}]})
+                  + "\n\n" for i in range(n)]
+        events.append("data: " + json.dumps({"object": "text_completion", "choices": [
+            {"index": 0, "text": "", "finish_reason": "length"}],
+            "usage": {"prompt_tokens": 3, "completion_tokens": n, "total_tokens": 3 + n}}) + "\n\n")
+        class Stream(httpx.AsyncByteStream):  # one network read per event, as a real server streams
+            async def __aiter__(self):
+                for e in events:
+                    yield e.encode()
+
+        return httpx.Response(200, stream=Stream(), headers={"content-type": "text/event-stream"})
+
+    real_client = httpx.AsyncClient
+    monkeypatch.setattr(httpx, "AsyncClient",
+                        lambda **kw: real_client(transport=httpx.MockTransport(handler), **kw))
+    p = argparse.ArgumentParser()
+    bench.add_arguments(p)
+    args = p.parse_args(["--concurrency", "2", "--requests", "4", "--prompt-len", "5", "9", "--output-len", "3", "6",
+                         "--text-prompts", "--no-ignore-eos", "--no-progress"])
+    items = bench.make_workload(args, 50257)
+    assert all(isinstance(it.prompt, str) and 5 <= len(it.prompt.split()) <= 9 for it in items)
+    assert items == bench.make_workload(args, 50257)  # seeded
+    results, _ = asyncio.run(bench.run_http(args, "http://peer", items, "m"))
+    assert all(r.ok for r in results), [r.error for r in results]
+    assert sorted(r.output_tokens for r in results) == sorted(it.max_tokens for it in items)
+    # one arrival per token: the usage chunk with empty text adds no inter-token latency
+    assert sorted(len(r.itl) for r in results) == sorted(it.max_tokens - 1 for it in items)
+    assert all("ignore_eos" not in b and isinstance(b["prompt"], str) for b in bodies)
+    # the default still sends token ids and ignore_eos
+    args = p.parse_args(["--requests", "2"])
+    assert args.ignore_eos and all(isinstance(it.prompt, list) for it in bench.make_workload(args, 257))
