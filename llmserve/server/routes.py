@@ -28,6 +28,15 @@ def _state(request: Request) -> ServerState:
     return request.app.state.llm
 
 
+async def _admit(request: Request, parse) -> tuple[ServerState, Any]:
+    """The shared start of a generation endpoint: admission, body, validation, model name."""
+    st = _state(request)
+    st.admit()
+    req = parse(parse_json(await _read_body(request)))
+    st.check_model(req.common.model)
+    return st, req
+
+
 async def _read_body(request: Request) -> bytes:
     # the body limit is enforced by BodyLimitMiddleware while this reads
     return await request.body()
@@ -147,11 +156,8 @@ def _sse(gen: Generation, events) -> Response:
 
 async def completions(request: Request) -> Response:
     """POST /v1/completions."""
-    st = _state(request)
-    st.admit()
-    req = parse_completion(parse_json(await _read_body(request)))
+    st, req = await _admit(request, parse_completion)
     c = req.common
-    st.check_model(c.model)
     sp = c.sampling
     tok = st.tokenizer
     prompt_ids: list[list[int]] = []
@@ -264,11 +270,8 @@ async def completions(request: Request) -> Response:
 
 async def chat_completions(request: Request) -> Response:
     """POST /v1/chat/completions."""
-    st = _state(request)
-    st.admit()
-    req = parse_chat(parse_json(await _read_body(request)))
+    st, req = await _admit(request, parse_chat)
     c = req.common
-    st.check_model(c.model)
     tok = st.tokenizer
     if tok is None:
         raise bad_request("this server has no tokenizer, so it cannot render chat messages; "

@@ -18,30 +18,25 @@ pytest.importorskip("transformers")
 from torch_helpers import make_gpt2, make_qwen2  # noqa: E402
 
 
+def _saved(tmp_path_factory, name, model):
+    d = tmp_path_factory.mktemp(name)
+    model.save_pretrained(d)
+    return d, model
+
+
 @pytest.fixture(scope="session")
 def gpt2_dir(tmp_path_factory):
     """A tiny GPT-2 saved as one safetensors file; yields (dir, hf_model)."""
-    model = make_gpt2()
-    d = tmp_path_factory.mktemp("gpt2")
-    model.save_pretrained(d)
-    return d, model
+    return _saved(tmp_path_factory, "gpt2", make_gpt2())
 
 
 @pytest.fixture(scope="session")
 def qwen2_dir(tmp_path_factory):
     """A tiny Qwen2 with untied embeddings; yields (dir, hf_model)."""
-    model = make_qwen2()
-    d = tmp_path_factory.mktemp("qwen2")
-    model.save_pretrained(d)
-    return d, model
+    return _saved(tmp_path_factory, "qwen2", make_qwen2())
 
 
 @pytest.fixture(scope="session")
 def qwen2_tied_dir(tmp_path_factory):
     """A tiny Qwen2 with tied embeddings; yields (dir, hf_model)."""
-    model = make_qwen2(seed=1, tie=True)
-    d = tmp_path_factory.mktemp("qwen2tied")
-    model.save_pretrained(d)
-    return d, model
-
-
+    return _saved(tmp_path_factory, "qwen2tied", make_qwen2(seed=1, tie=True))
