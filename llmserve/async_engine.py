@@ -1,11 +1,13 @@
-"""AsyncEngine: drives the (not thread-safe) Engine from one thread and serves asyncio callers.
+"""AsyncEngine: builds the (not thread-safe) Engine on one thread, steps it there, serves asyncio callers.
 
-The step loop runs in its own thread, so the event loop never waits on a forward pass.
-Callers on the event loop never touch the Engine: add, abort and arbitrary calls are put on a
-command list that the engine thread drains at the start of every iteration, so an abort takes
-effect before the next step (and frees the request's blocks then). Each step's outputs go back
-to the event loop in one ``call_soon_threadsafe`` and are dispatched to per-request streams.
-An idle engine thread sleeps on a condition variable, not in a busy spin.
+The engine thread builds the engine from a factory, then runs the step loop, so torch is loaded,
+warmed up and stepped on one thread (llmserve/threads.py says why that matters on a CPU) and
+the event loop never waits on a forward pass. Callers on the event loop never touch the Engine:
+add, abort and arbitrary calls are put on a command list that the engine thread drains at the
+start of every iteration, so an abort takes effect before the next step (and frees the
+request's blocks then). Each step's outputs go back to the event loop in one
+``call_soon_threadsafe`` and are dispatched to per-request streams. An idle engine thread sleeps
+on a condition variable, not in a busy spin.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from typing import Any
 
 from llmserve.errors import LLMServeError
 from llmserve.request import FinishReason, RequestOutput, SamplingParams
+from llmserve.threads import ENGINE_THREAD_NAME, name_os_thread, warn_if_foreign_pool
 
 log = logging.getLogger("llmserve.async_engine")
 
@@ -101,10 +104,17 @@ class RequestStream:
 
 
 class AsyncEngine:
-    """Runs Engine.step() in a dedicated thread and hands each request an async stream of outputs."""
+    """Builds an Engine on a dedicated thread, steps it there, and hands each request an async stream of outputs."""
 
     def __init__(self, engine: Any, idle_timeout: float = 1.0):
-        self.engine = engine
+        """engine: a zero-argument factory (built on the engine thread: what the server does) or a built Engine.
+
+        A built Engine is stepped on another thread than the one that built it, which costs a torch
+        backend ~40% on a CPU once that thread has run torch; fine for the fake backend in tests.
+        """
+        self._build: Callable[[], Any] = engine if callable(engine) else (lambda: engine)
+        self.engine: Any = None if callable(engine) else engine
+        self.built: concurrent.futures.Future = concurrent.futures.Future()  # the Engine, or why it failed
         self.idle_timeout = idle_timeout  # an idle thread wakes this often anyway (a safety net)
         self._cv = threading.Condition()
         self._cmds: list[tuple[str, Any]] = []
@@ -120,16 +130,31 @@ class AsyncEngine:
     # --- life cycle -----------------------------------------------------------------------------
 
     def start(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
-        """Start the engine thread; outputs are delivered to `loop` (default: the running loop)."""
+        """Start the engine thread (it builds the engine first); outputs go to `loop` (default: the running one).
+
+        Called again, it only binds the loop: `serve` starts the thread before uvicorn's loop exists.
+        """
+        if loop is not None:
+            self._loop = loop
+        elif self._loop is None:
+            try:
+                self._loop = asyncio.get_running_loop()
+            except RuntimeError:
+                pass  # bound by a later start(loop), before any request
         if self._thread is not None:
             return
-        self._loop = loop or asyncio.get_running_loop()
-        self._thread = threading.Thread(target=self._run, name="llmserve-engine", daemon=True)
+        self._thread = threading.Thread(target=self._run, name=ENGINE_THREAD_NAME, daemon=True)
         self._thread.start()
+
+    def wait_built(self, timeout: float | None = None) -> Any:
+        """Block until the engine is built and return it; raise what its factory raised."""
+        return self.built.result(timeout)
 
     @property
     def running(self) -> bool:
-        return self._thread is not None and self._thread.is_alive() and not self._stop
+        """The engine is built and its thread is stepping."""
+        return (self.engine is not None and self._thread is not None and self._thread.is_alive()
+                and not self._stop)
 
     @property
     def num_active(self) -> int:
@@ -226,8 +251,16 @@ class AsyncEngine:
     # --- the engine thread --------------------------------------------------------------------
 
     def _run(self) -> None:
-        eng = self.engine
-        loop = self._loop
+        name_os_thread(ENGINE_THREAD_NAME)  # the OpenMP workers this thread starts carry its name
+        try:
+            warn_if_foreign_pool()
+            eng = self.engine = self._build()
+        except BaseException as e:  # reported to whoever waits on `built` (the CLI, /health)
+            self.dead = e
+            self._stop = True
+            self.built.set_exception(e)
+            return
+        self.built.set_result(eng)
         try:
             while True:
                 with self._cv:
@@ -259,11 +292,11 @@ class AsyncEngine:
                         else:
                             live[o.request_id] = left
                 if out.outputs:
-                    loop.call_soon_threadsafe(self._deliver, out.outputs)
+                    self._loop.call_soon_threadsafe(self._deliver, out.outputs)
         except BaseException as e:  # pragma: no cover - a bug in this loop
             log.exception("the engine thread crashed")
             self.dead = e
-            loop.call_soon_threadsafe(self._fail_all, EngineDeadError(f"the engine thread crashed: {e}"))
+            self._loop.call_soon_threadsafe(self._fail_all, EngineDeadError(f"the engine thread crashed: {e}"))
         finally:
             self._stop = True
             try:

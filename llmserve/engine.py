@@ -24,6 +24,7 @@ from llmserve.interfaces import CacheAllocator, MetricSink, ModelBackend, Schedu
 from llmserve.metrics import MetricsCollector, RequestMetrics, StepMetrics
 from llmserve.plugins import PluginSet, load_plugins
 from llmserve.request import FinishReason, Request, RequestOutput, RequestStatus, SamplingParams
+from llmserve.threads import ThreadOwner
 
 log = logging.getLogger("llmserve.engine")
 
@@ -50,6 +51,8 @@ class Engine:
     def __init__(self, config: EngineConfig, plugins: PluginSet):
         self.config = config
         self.plugins = plugins
+        # the thread that builds the engine must be the one that steps it (llmserve/threads.py)
+        self.threads = ThreadOwner()
         t0 = time.perf_counter()
         self.tokenizer: Tokenizer | None = self._build_tokenizer()
         self.backend: ModelBackend = self._factory("backend", config.backend.name)(config)
@@ -260,6 +263,7 @@ class Engine:
     def step(self) -> StepOutput:
         """Schedule, run the backend once, and turn its tokens into per-request outputs."""
         t0 = time.perf_counter()
+        self.threads.check()
         outputs, self._pending = self._pending, []
         batch = self.scheduler.schedule()
         backend_s = 0.0
@@ -411,6 +415,7 @@ class Engine:
             "running": self.scheduler.num_running,
             "scheduler": sched,
             "cache": self.allocator.stats(),
+            "threads": self.threads.layout(),
             "metrics": self.metrics_snapshot(),
         }
 

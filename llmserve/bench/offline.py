@@ -17,6 +17,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from llmserve.errors import ConfigError
 from llmserve.metrics import summarize
 
 # the bench defaults to the fake backend: it measures the engine, not a model
@@ -80,6 +81,11 @@ def machine_info() -> dict[str, Any]:
     except OSError:
         pass
     return info
+
+
+def thread_layout(engine) -> dict[str, Any]:
+    """Which thread loaded the engine, which stepped it, and torch's thread count (a figure needs it beside it)."""
+    return {**engine.threads.layout(), "torch_threads": engine.backend.describe().get("threads")}
 
 
 def run(args: argparse.Namespace, config) -> dict[str, Any]:
@@ -171,6 +177,7 @@ def run(args: argparse.Namespace, config) -> dict[str, Any]:
             "prefix_caching": config.cache.enable_prefix_caching,
         },
         "backend": engine.backend.describe(),
+        "threads": thread_layout(engine),
         "machine": machine_info(),
         "completed": completed,
         "failed": failed,
@@ -210,6 +217,13 @@ def run(args: argparse.Namespace, config) -> dict[str, Any]:
     return report
 
 
+def format_threads(t: dict[str, Any]) -> str:
+    """One line: load thread, step thread(s), torch threads."""
+    return (f"threads: loaded on {t['load_thread']}, stepped on {', '.join(t['step_threads']) or '-'}"
+            f"{'' if t['one_thread'] else ' (NOT the loading thread: torch runs slower)'}, "
+            f"torch threads {t['torch_threads'] if t['torch_threads'] is not None else '-'}")
+
+
 def _fmt(v: Any) -> str:
     return "-" if v is None else (f"{v:.3f}" if isinstance(v, float) else str(v))
 
@@ -223,6 +237,7 @@ def print_report(r: dict[str, Any]) -> None:
     print(f"  backend {c['backend']} ({c['model']}), scheduler {c['scheduler']}/{c['policy']}, max_num_seqs "
           f"{c['max_num_seqs']}, budget {c['max_num_batched_tokens']} tok, {c['num_blocks']}×{c['block_size']} blocks")
     print(f"  machine: {r['machine'].get('cpu', '?')}, {r['machine']['cpus']} cpus, python {r['machine']['python']}")
+    print(f"  {format_threads(r['threads'])}")
     print(f"completed {r['completed']}  failed {r['failed']}  in {r['elapsed_s']:.2f}s over {r['steps']} steps")
     print(f"throughput: {r['request_throughput']:.1f} req/s, {r['output_token_throughput']:.0f} output tok/s, "
           f"{r['total_token_throughput']:.0f} total tok/s")
@@ -243,11 +258,24 @@ def print_report(r: dict[str, Any]) -> None:
           f"{pc['prompt_tokens_total']} prompt tokens ({pc['prefill_reduction']:+.1%} saved; recompute after preemption counts)")
 
 
-def main(args: argparse.Namespace) -> int:
-    """Entry point of `llmserve bench offline`."""
+def bench_config(args: argparse.Namespace):
+    """The engine config: file and flags over the bench defaults; a model flag means a backend that loads it."""
     from llmserve.cli import config_from_args
 
-    config = config_from_args(args, defaults=BENCH_DEFAULTS)
+    model_flag = getattr(args, "cfg_model__model", None)
+    defaults = BENCH_DEFAULTS
+    if model_flag is not None:  # the fake default would ignore the model and report made-up figures
+        defaults = {k: v for k, v in BENCH_DEFAULTS.items() if k != "backend"}
+    config = config_from_args(args, defaults=defaults)
+    if model_flag is not None and config.backend.name == "fake":
+        raise ConfigError(f"--model {model_flag!r} names a checkpoint, but the backend is 'fake', which loads "
+                          "none: drop --backend fake (or backend.name: fake in the config file)")
+    return config
+
+
+def main(args: argparse.Namespace) -> int:
+    """Entry point of `llmserve bench offline`."""
+    config = bench_config(args)
     report = run(args, config)
     if args.json:
         print(json.dumps(report, indent=2))

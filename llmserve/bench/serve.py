@@ -229,33 +229,12 @@ async def run_http(args: argparse.Namespace, base_url: str, items: list[Item],
 
 
 def run_offline(args: argparse.Namespace, engine, items: list[Item]) -> tuple[list[Result], float]:
-    """The same items through `engine` in this process, args.concurrency in flight, no HTTP.
+    """The same items through `engine` on this thread, args.concurrency in flight, no HTTP.
 
-    Threads as in the server: the engine is built by the caller and stepped from its own
-    thread (as `serve` builds it and AsyncEngine steps it), so the comparison differs only by
-    HTTP + SSE. This matters: with libgomp's default spin-waiting, a torch engine stepped from
-    the thread that built it ran about 5x slower on a 2-core machine (OMP_WAIT_POLICY=PASSIVE
-    removes that).
+    Call it on the thread that built `engine`, exactly as `bench offline` and the server's engine
+    thread do: stepping a torch engine from any other thread runs at ~0.6x (llmserve/threads.py),
+    which made earlier serve/offline ratios compare two slowed paths.
     """
-    import threading
-
-    box: dict[str, Any] = {}
-
-    def target() -> None:
-        try:
-            box["result"] = _offline_loop(args, engine, items)
-        except BaseException as e:  # noqa: BLE001 - re-raised in the caller
-            box["error"] = e
-
-    t = threading.Thread(target=target, name="bench-offline")
-    t.start()
-    t.join()
-    if "error" in box:
-        raise box["error"]
-    return box["result"]
-
-
-def _offline_loop(args: argparse.Namespace, engine, items: list[Item]) -> tuple[list[Result], float]:
     from llmserve.request import SamplingParams
 
     bar = _bar(args, len(items), "offline")
@@ -355,6 +334,7 @@ def _server_facts(base_url: str, api_key: str | None) -> dict[str, Any]:
         s = httpx.get(base_url.rstrip("/") + "/stats", timeout=10, headers=headers).json()
         facts["backend"] = s.get("backend", {})
         facts["model"] = s.get("model")
+        facts["threads"] = s.get("threads")
     except Exception:  # noqa: BLE001 - another OpenAI server may have no /stats
         pass
     if not facts.get("model"):
@@ -438,8 +418,11 @@ def run_serve_bench(args: argparse.Namespace) -> int:
         "rounds": rounds,
     }
     if engine is not None:
+        from llmserve.bench.offline import thread_layout
+
         off = summarize_results(offline, t_offline)
         report["offline"] = off
+        report["offline_threads"] = thread_layout(engine)
         report["serve_over_offline"] = (http["output_token_throughput"] / off["output_token_throughput"]
                                         if off["output_token_throughput"] else None)
     if args.json:
@@ -463,6 +446,12 @@ def print_report(r: dict[str, Any]) -> None:
     print(f"  server {s['base_url']} model {s.get('model')} backend {b.get('backend', '?')} "
           f"dtype {b.get('dtype', '-')} threads {b.get('threads', '-')}; machine {r['machine'].get('cpu', '?')}, "
           f"{r['machine']['cpus']} cpus")
+    from llmserve.bench.offline import format_threads
+
+    if s.get("threads"):
+        print(f"  server {format_threads({**s['threads'], 'torch_threads': b.get('threads')})}")
+    if r.get("offline_threads"):
+        print(f"  offline {format_threads(r['offline_threads'])}")
     runs = [("serve (HTTP+SSE)", r["serve"])] + ([("offline (engine)", r["offline"])] if "offline" in r else [])
     for name, d in runs:
         print(f"{name}: completed {d['completed']} failed {d['failed']} in {d['elapsed_s']:.2f}s — "

@@ -8,7 +8,6 @@ import copy
 import importlib.util
 import logging
 import os
-import threading
 
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
@@ -58,10 +57,19 @@ def _plugin_routes(engine) -> list[Route]:
 
 
 def create_app(config: EngineConfig, engine=None) -> Starlette:
-    """The HTTP app; with engine None it builds one from config in the background (/health says 503 meanwhile)."""
+    """The HTTP app. engine: None (built from config on the engine thread at start-up; /health says 503
+    meanwhile), a started AsyncEngine (what `serve` passes), or a built Engine (tests)."""
     if engine is None:
         config = with_default_sinks(config)
-    st = ServerState(config=config)
+
+        def build():
+            from llmserve.engine import Engine
+
+            return Engine.from_config(config)
+
+        engine = build
+    aengine = engine if isinstance(engine, AsyncEngine) else AsyncEngine(engine)
+    st = ServerState(config=config, aengine=aengine)
 
     base = [
         Route("/v1/completions", routes.completions, methods=["POST"]),
@@ -72,7 +80,13 @@ def create_app(config: EngineConfig, engine=None) -> Starlette:
         Route("/stats", routes.stats, methods=["GET"]),
     ]
 
-    def attach(app: Starlette, eng) -> None:
+    async def attach_when_built(app: Starlette) -> None:
+        try:
+            eng = await asyncio.wrap_future(aengine.built)
+        except Exception as e:  # reported by /health and the log; the server stays up to say so
+            log.error("the engine failed to start: %s: %s", type(e).__name__, e)
+            st.load_error = f"{type(e).__name__}: {e}"
+            return
         taken = {r.path for r in app.router.routes if isinstance(r, Route)}
         for r in _plugin_routes(eng):
             if r.path in taken:
@@ -80,40 +94,20 @@ def create_app(config: EngineConfig, engine=None) -> Starlette:
                 continue
             app.router.routes.append(r)
         st.engine = eng
-        st.aengine = AsyncEngine(eng)
+        st.ready = True
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette):
-        loop = asyncio.get_running_loop()
-        if engine is not None:
-            attach(app, engine)
-            st.aengine.start(loop)
-            st.ready = True
-        else:
-            def build() -> None:
-                try:
-                    from llmserve.engine import Engine
-
-                    eng = Engine.from_config(config)
-                except Exception as e:  # reported by /health and the log; the server stays up to say so
-                    log.exception("the engine failed to start")
-                    st.load_error = f"{type(e).__name__}: {e}"
-                    return
-
-                def ready() -> None:
-                    attach(app, eng)
-                    st.aengine.start(loop)
-                    st.ready = True
-
-                loop.call_soon_threadsafe(ready)
-
-            threading.Thread(target=build, name="llmserve-load", daemon=True).start()
+        aengine.start(asyncio.get_running_loop())
+        attaching = asyncio.ensure_future(attach_when_built(app))
+        if not callable(engine) or aengine.built.done():
+            await attaching  # a built engine serves from the first request
         try:
             yield
         finally:
             st.begin_drain()
-            if st.aengine is not None:
-                await st.aengine.shutdown(config.server.drain_timeout)
+            attaching.cancel()
+            await aengine.shutdown(config.server.drain_timeout)
 
     middleware = []
     if config.server.cors_origins:

@@ -402,7 +402,7 @@ async def health(request: Request) -> Response:
         if st.load_error:
             body["error"] = st.load_error
         return JSONResponse(body, status_code=503)
-    if st.aengine is None or not st.aengine.running:
+    if not st.aengine.running:
         return JSONResponse({"status": "stopped"}, status_code=503)
     return JSONResponse({"status": "ok"})
 
@@ -410,7 +410,7 @@ async def health(request: Request) -> Response:
 async def stats(request: Request) -> Response:
     """GET /stats: the engine's snapshot (queue, running, cache, prefix cache, latencies)."""
     st = _state(request)
-    if st.aengine is None:
+    if st.engine is None:
         return Response(_dumps(error_body("the engine is not ready", "service_unavailable", None, "not_ready")),
                         status_code=503, media_type="application/json")
     snap = await st.aengine.call(lambda e: e.stats())

@@ -12,13 +12,19 @@ def serve(config) -> int:
     """Run the OpenAI-compatible server until SIGTERM/SIGINT; 0 after a clean drain."""
     import uvicorn
 
+    from llmserve.async_engine import AsyncEngine
     from llmserve.engine import Engine
     from llmserve.server.app import create_app, with_default_sinks
 
     config = with_default_sinks(config)
-    # built before listening, so a bad config or model fails the command with its message
-    engine = Engine.from_config(config)
-    app = create_app(config, engine)
+    # built on the engine thread, which then steps it (one thread owns torch: llmserve/threads.py),
+    # and before listening, so a bad config or model fails the command with its message
+    aengine = AsyncEngine(lambda: Engine.from_config(config))
+    aengine.start()
+    engine = aengine.wait_built()
+    log.info("engine threads: %s; torch threads %s", engine.threads.layout()["load_thread"],
+             engine.backend.describe().get("threads", "-"))
+    app = create_app(config, aengine)
     state = app.state.llm
     sc = config.server
 

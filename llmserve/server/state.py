@@ -19,8 +19,8 @@ class ServerState:
     """What the routes share; one per app."""
 
     config: EngineConfig
-    engine: Any = None  # llmserve.engine.Engine once built
-    aengine: AsyncEngine | None = None
+    aengine: AsyncEngine
+    engine: Any = None  # llmserve.engine.Engine once built (read-only here: the engine thread owns it)
     ready: bool = False
     draining: bool = False
     load_error: str | None = None
@@ -48,7 +48,7 @@ class ServerState:
         """503 when not ready or draining, 429 with Retry-After when the waiting queue is full."""
         if self.draining:
             raise ApiError(503, "the server is shutting down", code="draining", headers={"Retry-After": "5"})
-        if not self.ready or self.aengine is None:
+        if not self.ready:
             why = f": {self.load_error}" if self.load_error else " (the model is loading)"
             raise ApiError(503, f"the engine is not ready{why}", code="not_ready", headers={"Retry-After": "5"})
         if not self.aengine.running:
