@@ -49,6 +49,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-ignore-eos", dest="ignore_eos", action="store_false",
                    help="do not send the non-OpenAI `ignore_eos` field (servers that reject unknown fields); "
                         "check output_tokens to see whether EOS ended requests early")
+    p.add_argument("--client", choices=["httpx", "openai"], default="httpx",
+                   help="httpx: a light raw-SSE client (the default: it leaves the cores to the server); "
+                        "openai: the official SDK's AsyncOpenAI, as applications stream")
     p.add_argument("--vocab-size", type=int, default=None,
                    help="draw prompt token ids below this (default: the server's vocabulary from /stats)")
     p.add_argument("--timeout", type=float, default=600.0, help="per-request client timeout (s)")
@@ -196,23 +199,64 @@ async def _one(client, url: str, headers: dict, model: str | None, item: Item, i
     return Result(True, ttft=first - t0, e2e=end - t0, output_tokens=tokens, itl=itl)
 
 
+async def _one_openai(client, model: str | None, item: Item, ignore_eos: bool = True) -> Result:
+    """One streamed completion through the official SDK; the same timings as _one."""
+    t0 = time.perf_counter()
+    first = last = None
+    itl: list[float] = []
+    tokens = 0
+    try:
+        stream = await client.completions.create(
+            model=model or "default", prompt=item.prompt, max_tokens=item.max_tokens, temperature=0.0,
+            stream=True, stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True} if ignore_eos else None)
+        async for chunk in stream:
+            now = time.perf_counter()
+            if chunk.usage is not None:
+                tokens = chunk.usage.completion_tokens
+                if not any(c.text for c in chunk.choices):
+                    continue  # the usage chunk: not a token arrival (as in _one)
+            if not chunk.choices:
+                continue
+            if first is None:
+                first = now
+            else:
+                itl.append(now - last)
+            last = now
+    except Exception as e:  # noqa: BLE001 - every failure is counted and reported
+        return Result(False, error=f"{type(e).__name__}: {e}")
+    end = time.perf_counter()
+    if first is None:
+        return Result(False, error="the stream carried no tokens")
+    return Result(True, ttft=first - t0, e2e=end - t0, output_tokens=tokens, itl=itl)
+
+
 async def run_http(args: argparse.Namespace, base_url: str, items: list[Item],
                    model: str | None) -> tuple[list[Result], float]:
     """Stream every item through the server with args.concurrency clients in flight."""
     import httpx
 
     key = _api_key(args)
-    headers = {"Authorization": f"Bearer {key}"} if key else {}
-    url = base_url.rstrip("/") + "/v1/completions"
+    ignore_eos = getattr(args, "ignore_eos", True)
     bar = _bar(args, len(items), "bench serve")
     results: list[Result] = []
     queue = list(reversed(items))
     limits = httpx.Limits(max_connections=args.concurrency, max_keepalive_connections=args.concurrency)
-    async with httpx.AsyncClient(timeout=args.timeout, limits=limits) as client:
+    async with httpx.AsyncClient(timeout=args.timeout, limits=limits) as http:
+        if getattr(args, "client", "httpx") == "openai":
+            import openai
+
+            sdk = openai.AsyncOpenAI(base_url=base_url.rstrip("/") + "/v1", api_key=key or "unused",
+                                     max_retries=0, http_client=http)
+            one = lambda item: _one_openai(sdk, model, item, ignore_eos)  # noqa: E731
+        else:
+            headers = {"Authorization": f"Bearer {key}"} if key else {}
+            url = base_url.rstrip("/") + "/v1/completions"
+            one = lambda item: _one(http, url, headers, model, item, ignore_eos)  # noqa: E731
+
         async def worker():
             while queue:
-                item = queue.pop()
-                res = await _one(client, url, headers, model, item, getattr(args, "ignore_eos", True))
+                res = await one(queue.pop())
                 results.append(res)
                 if bar is not None:
                     bar.update(1)
@@ -399,6 +443,8 @@ def run_serve_bench(args: argparse.Namespace) -> int:
                 rnd["ratio"] = rnd["serve_tok_s"] / rnd["offline_tok_s"] if rnd["offline_tok_s"] else None
             rounds.append(rnd)
         args.workload_seed = seed0
+        if facts.get("threads") is not None:  # read again: which thread stepped is known only now
+            facts["threads"] = _server_facts(base_url, _api_key(args)).get("threads")
     finally:
         if proc is not None:
             proc.terminate()
@@ -410,7 +456,7 @@ def run_serve_bench(args: argparse.Namespace) -> int:
         "workload": {"requests": args.requests, "rounds": args.rounds, "concurrency": args.concurrency,
                      "prompt_len": args.prompt_len, "output_len": args.output_len,
                      "shared_prefix": args.shared_prefix, "workload_seed": args.workload_seed, "vocab_size": vocab,
-                     "greedy": True, "ignore_eos": args.ignore_eos,
+                     "greedy": True, "ignore_eos": args.ignore_eos, "client": args.client,
                      "text_prompts": args.text_prompts},
         "server": {"base_url": base_url, "launched": args.launch, **facts},
         "machine": machine_info(),
