@@ -46,9 +46,11 @@ def save_shape(name: str, root: Path) -> Path:
 
 
 def engine_flags(model_dir: Path, dtype: str, threads: int, max_num_seqs: int) -> list[str]:
+    # no prefix caching: each client run on the one server would otherwise find the previous
+    # run's prompts cached, while every offline run starts cold
     return ["--model", str(model_dir), "--load-format", "dummy", "--dtype", dtype, "--threads", str(threads),
             "--set", "tokenizer.name=none", "--kv-cache-memory", "1GiB", "--max-num-seqs", str(max_num_seqs),
-            "--max-num-batched-tokens", "2048"]
+            "--max-num-batched-tokens", "2048", "--no-prefix-caching"]
 
 
 def _cli(*args: str) -> dict:
