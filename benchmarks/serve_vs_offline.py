@@ -128,7 +128,7 @@ def run(args: argparse.Namespace) -> dict:
                 finally:
                     proc.terminate()
                     proc.wait(60)
-    from llmserve.bench.offline import machine_info
+    from llmserve.bench.report import machine_info
 
     return {"machine": machine_info(), "rows": rows}
 

@@ -1,7 +1,8 @@
 """The plugin manager: default plugins first, then third-party entry points, each isolated.
 
 Each Engine builds its own manager (``load_plugins()``), so nothing global needs undoing in
-tests. A component is picked by name from the registries the ``register_*`` hooks fill.
+tests; a command shares one while it runs (``loaded_once``). A component is picked by name
+from the registries the ``register_*`` hooks fill.
 """
 
 from __future__ import annotations
@@ -10,7 +11,8 @@ import importlib
 import logging
 import os
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from importlib import metadata
 from typing import Any
@@ -102,6 +104,24 @@ def _allowed() -> set[str] | None:
     return {p.strip() for p in raw.split(",") if p.strip()}
 
 
+# the set (or the error) of the command running in this process, inside loaded_once()
+_command_set: PluginSet | PluginError | None = None
+
+
+@contextmanager
+def loaded_once() -> Iterator[None]:
+    """Load the plugins once for a command: inside, load_plugins() with default arguments returns that set."""
+    global _command_set
+    try:
+        _command_set = load_plugins()
+    except PluginError as e:  # raised again, by the first thing that needs plugins
+        _command_set = e
+    try:
+        yield
+    finally:
+        _command_set = None
+
+
 def load_plugins(
     extra_plugins: list[Any] | None = None,
     defaults: tuple[str, ...] = DEFAULT_PLUGINS,
@@ -111,8 +131,13 @@ def load_plugins(
 
     A third-party plugin that raises while loading is logged by name and skipped (fatal with
     LLMSERVE_STRICT_PLUGINS=1). LLMSERVE_PLUGINS=a,b loads only the named entry points.
-    Misspelled hooks fail here via pluggy's check_pending().
+    Misspelled hooks fail here via pluggy's check_pending(). Inside loaded_once(), a call with the
+    default arguments (Engine.from_config's) gets the command's set rather than logging every error again.
     """
+    if _command_set is not None and not extra_plugins and defaults == DEFAULT_PLUGINS and entry_points:
+        if isinstance(_command_set, PluginError):
+            raise _command_set
+        return _command_set
     pm = pluggy.PluginManager(hookspecs.PROJECT)
     pm.add_hookspecs(hookspecs)
     ps = PluginSet(pm=pm)

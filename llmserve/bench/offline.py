@@ -2,21 +2,22 @@
 
 Reports latency (queue, TTFT, ITL, e2e), throughput, batch sizes, KV-cache utilization and
 fragmentation, prefix-cache hit rate, and the engine's own overhead per step (everything but
-the backend's forward and sampling).
+the backend's forward and sampling). `drive` is also the offline side of `bench serve
+--compare-offline`.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
-import random
-import sys
 import time
-from dataclasses import dataclass
+from collections.abc import Callable
 from typing import Any
 
+from llmserve.bench.report import Result, Timing, fmt, format_threads, in_ms, machine_info, print_run, \
+    progress_bar, summarize_results
+from llmserve.bench.workload import Item, add_workload_arguments, make_workload, workload_facts
+from llmserve.config_args import add_config_arguments, config_from_args
 from llmserve.errors import ConfigError
 from llmserve.metrics import summarize
 
@@ -29,58 +30,12 @@ BENCH_DEFAULTS = {
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    """Workload and output flags."""
-    p.add_argument("--requests", type=int, default=1000, help="number of requests")
-    p.add_argument("--prompt-len", type=int, nargs=2, default=[16, 256], metavar=("MIN", "MAX"),
-                   help="prompt lengths, uniform in [MIN, MAX]")
-    p.add_argument("--output-len", type=int, nargs=2, default=[16, 256], metavar=("MIN", "MAX"),
-                   help="output lengths (max_tokens, EOS ignored), uniform in [MIN, MAX]")
-    p.add_argument("--shared-prefix", type=int, default=0, metavar="TOKENS",
-                   help="every prompt starts with the same TOKENS-token system prompt")
+    """Config, workload and output flags."""
+    add_config_arguments(p)
+    add_workload_arguments(p, requests=1000, prompt_len=[16, 256], output_len=[16, 256])
     p.add_argument("--request-rate", type=float, default=0.0,
                    help="Poisson arrivals per second (0: all requests arrive at once)")
     p.add_argument("--priorities", type=int, default=1, help="draw priorities from 0..N-1 (policy priority)")
-    p.add_argument("--workload-seed", type=int, default=0, help="seed of the synthetic workload")
-    p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
-
-
-@dataclass(slots=True)
-class Item:
-    prompt: list[int]
-    max_tokens: int
-    priority: int
-    arrival: float  # seconds after the start
-
-
-def make_workload(args: argparse.Namespace, vocab_size: int) -> list[Item]:
-    """The seeded synthetic requests."""
-    rng = random.Random(args.workload_seed)
-    top = min(vocab_size, 50000) - 1
-    prefix = [rng.randint(0, top) for _ in range(args.shared_prefix)]
-    items, t = [], 0.0
-    for _ in range(args.requests):
-        n = rng.randint(*args.prompt_len)
-        body = [rng.randint(0, top) for _ in range(n)]
-        if args.request_rate > 0:
-            t += rng.expovariate(args.request_rate)
-        items.append(Item(prefix + body, rng.randint(*args.output_len), rng.randrange(args.priorities), t))
-    return items
-
-
-def machine_info() -> dict[str, Any]:
-    """The facts a figure needs next to it."""
-    info: dict[str, Any] = {"python": platform.python_version(), "cpus": os.cpu_count(),
-                            "platform": platform.platform()}
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    info["cpu"] = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
-    return info
 
 
 def thread_layout(engine) -> dict[str, Any]:
@@ -88,125 +43,134 @@ def thread_layout(engine) -> dict[str, Any]:
     return {**engine.threads.layout(), "torch_threads": engine.backend.describe().get("threads")}
 
 
+def _cache_reading(engine) -> dict[str, Any]:
+    """The KV cache between steps, and the batch limit: every read of allocator and scheduler internals."""
+    stats = engine.allocator.stats()
+    return {
+        "max_num_seqs": getattr(engine.scheduler, "max_num_seqs", None),
+        "num_blocks": engine.allocator.num_blocks,
+        "used_blocks": stats.get("used_blocks", 0),
+        "internal_fragmentation": stats.get("internal_fragmentation", 0.0),
+        "external_fragmentation": stats.get("external_fragmentation", 0.0),
+        "prefix_queries": stats.get("prefix_cache_queries", 0),
+        "prefix_hits": stats.get("prefix_cache_hits", 0),
+    }
+
+
+def drive(engine, items: list[Item], concurrency: int, bar, detokenize: bool = True,
+          on_step: Callable[[Any], None] | None = None) -> tuple[list[Result], float]:
+    """Step `engine` until every item is done: each added at its arrival, at most `concurrency` in flight.
+
+    Call it on the thread that built `engine`, exactly as `bench offline` and the server's engine
+    thread do: stepping a torch engine from any other thread runs at ~0.6x (llmserve/threads.py),
+    which made earlier serve/offline ratios compare two slowed paths.
+    """
+    from llmserve.request import SamplingParams
+
+    pending = sorted(items, key=lambda it: it.arrival)  # stable: the same arrival keeps the order
+    nxt = 0
+    results: list[Result] = []
+    live: dict[str, Timing] = {}
+    start = time.perf_counter()
+    while nxt < len(pending) or live:
+        now = time.perf_counter()
+        while nxt < len(pending) and len(live) < concurrency and pending[nxt].arrival <= now - start:
+            it = pending[nxt]
+            # the engine caps max_tokens at its context, and fails a prompt that fills it
+            sp = SamplingParams(max_tokens=it.max_tokens, temperature=0.0, ignore_eos=True, detokenize=detokenize)
+            live[engine.add_request(it.prompt, sp, priority=it.priority, arrival_time=start + it.arrival)] = \
+                Timing(now)
+            nxt += 1
+        if not live:  # idle until the next arrival
+            time.sleep(min(0.01, max(0.0, pending[nxt].arrival - (now - start))))
+            continue
+        so = engine.step()
+        now = time.perf_counter()
+        for o in so.outputs:
+            timing = live.get(o.request_id)
+            if timing is None:
+                continue
+            if o.new_token_ids:
+                timing.token(now)
+            if o.finished:
+                del live[o.request_id]
+                results.append(Result(False, error=o.error) if o.error else
+                               timing.result(now, o.num_output_tokens, o.num_prompt_tokens))
+                bar.update(1)
+        if on_step is not None:
+            on_step(so)
+    elapsed = time.perf_counter() - start
+    bar.close()
+    return results, elapsed
+
+
 def run(args: argparse.Namespace, config) -> dict[str, Any]:
     """Build an engine from config, run the workload, return the report."""
     from llmserve.engine import Engine
-    from llmserve.request import SamplingParams
 
     engine = Engine.from_config(config)
     items = make_workload(args, engine.backend.vocab_size)
-    max_len = engine.max_model_len
-    alloc = engine.allocator
-    show = not args.no_progress and not args.json and sys.stderr.isatty()
-    bar = None
-    if show:
-        from tqdm import tqdm
-
-        bar = tqdm(total=len(items), unit="req", desc="bench offline", file=sys.stderr)
-
-    overhead, overhead_full, backend_s, batch_sizes = [], [], [], []
-    peak_usage = peak_int = peak_ext = 0.0
-    out_tokens = prompt_tokens = 0
-    completed = failed = 0
-    errors: dict[str, int] = {}
-    full = engine.scheduler.max_num_seqs if hasattr(engine.scheduler, "max_num_seqs") else config.scheduler.max_num_seqs
-    start = time.perf_counter()
-    pending = sorted(items, key=lambda it: it.arrival)
-    nxt = 0
+    full = _cache_reading(engine)["max_num_seqs"] or config.scheduler.max_num_seqs
+    ran: list = []  # the metrics of the steps that ran a batch
+    peak = {"internal": 0.0, "external": 0.0}
     steps = 0
-    prefill_computed = 0
-    while nxt < len(pending) or engine.has_unfinished:
-        now = time.perf_counter() - start
-        while nxt < len(pending) and pending[nxt].arrival <= now:
-            it = pending[nxt]
-            mt = max(1, min(it.max_tokens, max_len - len(it.prompt))) if len(it.prompt) < max_len else 1
-            engine.add_request(it.prompt, SamplingParams(max_tokens=mt, temperature=0.0, ignore_eos=True,
-                                                         detokenize=False),
-                               priority=it.priority, arrival_time=start + it.arrival)
-            nxt += 1
-        if not engine.has_unfinished:
-            time.sleep(min(0.01, max(0.0, pending[nxt].arrival - now)))
-            continue
-        so = engine.step()
-        steps += 1
-        for o in so.outputs:
-            out_tokens += len(o.new_token_ids)
-            if o.finished:
-                if o.error:
-                    failed += 1
-                    errors[o.error[:120]] = errors.get(o.error[:120], 0) + 1
-                else:
-                    completed += 1
-                    prompt_tokens += o.num_prompt_tokens
-                if bar is not None:
-                    bar.update(1)
-        m = so.metrics
-        if m is not None and m.batch_size:
-            overhead.append(m.overhead_seconds)
-            backend_s.append(m.backend_seconds)
-            batch_sizes.append(m.batch_size)
-            prefill_computed += m.num_prefill_tokens
-            if m.batch_size >= full:
-                overhead_full.append(m.overhead_seconds)
-            peak_usage = max(peak_usage, m.kv_cache_usage)
-        # fragmentation is read between steps so its cost is not counted as engine overhead
-        if hasattr(alloc, "internal_fragmentation"):
-            peak_int = max(peak_int, alloc.internal_fragmentation)
-        if steps % 16 == 0 and hasattr(alloc, "external_fragmentation"):
-            peak_ext = max(peak_ext, alloc.external_fragmentation())
-    elapsed = time.perf_counter() - start
-    if bar is not None:
-        bar.close()
 
+    def on_step(so) -> None:
+        nonlocal steps
+        steps += 1
+        if so.metrics is not None and so.metrics.batch_size:
+            ran.append(so.metrics)
+        # read between steps, so its cost is not counted as engine overhead
+        c = _cache_reading(engine)
+        peak["internal"] = max(peak["internal"], c["internal_fragmentation"])
+        peak["external"] = max(peak["external"], c["external_fragmentation"])
+
+    results, elapsed = drive(engine, items, len(items), progress_bar(args, len(items), "bench offline"),
+                             detokenize=False, on_step=on_step)
     snap = engine.metrics_snapshot()
-    cache = alloc.stats()
-    ms = lambda d: {k: (v * 1e3 if isinstance(v, float) else v) for k, v in d.items()}  # noqa: E731
+    cache = _cache_reading(engine)
     total_prompt = sum(len(it.prompt) for it in items)
-    hits = cache.get("prefix_cache_hits", 0)
+    summary = summarize_results(results, elapsed)
+    prompt_tokens = sum(r.prompt_tokens for r in results if r.ok)
+    batch_sizes = [m.batch_size for m in ran]
+    prefill_computed = sum(m.num_prefill_tokens for m in ran)
     report = {
-        "workload": {
-            "requests": args.requests, "prompt_len": args.prompt_len, "output_len": args.output_len,
-            "shared_prefix": args.shared_prefix, "request_rate": args.request_rate,
-            "workload_seed": args.workload_seed,
-        },
+        "workload": {**workload_facts(args), "request_rate": args.request_rate, "priorities": args.priorities},
         "config": {
             "backend": config.backend.name, "model": config.model.model, "scheduler": config.scheduler.name,
             "policy": config.scheduler.policy, "max_num_seqs": config.scheduler.max_num_seqs,
             "max_num_batched_tokens": config.scheduler.max_num_batched_tokens,
-            "cache": config.cache.name, "block_size": config.cache.block_size, "num_blocks": alloc.num_blocks,
+            "cache": config.cache.name, "block_size": config.cache.block_size, "num_blocks": cache["num_blocks"],
             "prefix_caching": config.cache.enable_prefix_caching,
         },
         "backend": engine.backend.describe(),
         "threads": thread_layout(engine),
         "machine": machine_info(),
-        "completed": completed,
-        "failed": failed,
-        "errors": errors,
-        "elapsed_s": elapsed,
+        **summary,
         "steps": steps,
-        "request_throughput": completed / elapsed if elapsed else 0.0,
-        "output_token_throughput": out_tokens / elapsed if elapsed else 0.0,
-        "total_token_throughput": (out_tokens + prompt_tokens) / elapsed if elapsed else 0.0,
-        "output_tokens": out_tokens,
-        "latency_ms": {k: ms(v) for k, v in snap["latency_seconds"].items()},
+        "total_token_throughput": (summary["output_tokens"] + prompt_tokens) / elapsed if elapsed else 0.0,
+        # the engine's own figures, which count from each request's arrival and add the queue
+        "latency_ms": {k: in_ms(v) for k, v in snap["latency_seconds"].items()},
         "batch_size": {"mean": sum(batch_sizes) / len(batch_sizes) if batch_sizes else 0.0,
                        "max": max(batch_sizes, default=0), "max_num_seqs": full},
-        "engine_overhead_ms": {"all_steps": ms(summarize(overhead)),
-                               f"steps_with_{full}_running": ms(summarize(overhead_full))},
-        "backend_ms": ms(summarize(backend_s)),
+        "engine_overhead_ms": {
+            "all_steps": in_ms(summarize([m.overhead_seconds for m in ran])),
+            f"steps_with_{full}_running": in_ms(summarize([m.overhead_seconds for m in ran if m.batch_size >= full])),
+        },
+        "backend_ms": in_ms(summarize([m.backend_seconds for m in ran])),
         "kv_cache": {
-            "peak_utilization": peak_usage,
-            "peak_internal_fragmentation": peak_int,
-            "peak_external_fragmentation": peak_ext,
+            "peak_utilization": max((m.kv_cache_usage for m in ran), default=0.0),
+            "peak_internal_fragmentation": peak["internal"],
+            "peak_external_fragmentation": peak["external"],
             "preemptions": snap["preemptions"],
             "blocks_total": cache["num_blocks"],
             "blocks_used_at_end": cache["used_blocks"],
             "all_blocks_free_at_end": cache["used_blocks"] == 0,
         },
         "prefix_cache": {
-            "hit_rate": cache.get("prefix_cache_hit_rate", 0.0),
-            "queried_tokens": cache.get("prefix_cache_queries", 0),
-            "hit_tokens": hits,
+            "hit_rate": cache["prefix_hits"] / cache["prefix_queries"] if cache["prefix_queries"] else 0.0,
+            "queried_tokens": cache["prefix_queries"],
+            "hit_tokens": cache["prefix_hits"],
             "prompt_tokens_total": total_prompt,
             # prefill work actually done: recomputation after preemption adds to it, cache hits save
             "prefill_tokens_computed": prefill_computed,
@@ -215,17 +179,6 @@ def run(args: argparse.Namespace, config) -> dict[str, Any]:
     }
     engine.shutdown()
     return report
-
-
-def format_threads(t: dict[str, Any]) -> str:
-    """One line: load thread, step thread(s), torch threads."""
-    return (f"threads: loaded on {t['load_thread']}, stepped on {', '.join(t['step_threads']) or '-'}"
-            f"{'' if t['one_thread'] else ' (NOT the loading thread: torch runs slower)'}, "
-            f"torch threads {t['torch_threads'] if t['torch_threads'] is not None else '-'}")
-
-
-def _fmt(v: Any) -> str:
-    return "-" if v is None else (f"{v:.3f}" if isinstance(v, float) else str(v))
 
 
 def print_report(r: dict[str, Any]) -> None:
@@ -238,16 +191,11 @@ def print_report(r: dict[str, Any]) -> None:
           f"{c['max_num_seqs']}, budget {c['max_num_batched_tokens']} tok, {c['num_blocks']}×{c['block_size']} blocks")
     print(f"  machine: {r['machine'].get('cpu', '?')}, {r['machine']['cpus']} cpus, python {r['machine']['python']}")
     print(f"  {format_threads(r['threads'])}")
-    print(f"completed {r['completed']}  failed {r['failed']}  in {r['elapsed_s']:.2f}s over {r['steps']} steps")
-    print(f"throughput: {r['request_throughput']:.1f} req/s, {r['output_token_throughput']:.0f} output tok/s, "
-          f"{r['total_token_throughput']:.0f} total tok/s")
-    print(f"batch size: mean {r['batch_size']['mean']:.1f}, max {r['batch_size']['max']} (max_num_seqs {r['batch_size']['max_num_seqs']})")
-    print("latency (ms)        mean      p50      p95      p99")
-    for k in ("queue", "ttft", "itl", "e2e"):
-        d = r["latency_ms"][k]
-        print(f"  {k:<12} {_fmt(d['mean']):>9} {_fmt(d['p50']):>8} {_fmt(d['p95']):>8} {_fmt(d['p99']):>8}")
+    print_run(f"engine ({r['steps']} steps)", r)
+    print(f"total throughput {r['total_token_throughput']:.0f} tok/s; batch size: mean {r['batch_size']['mean']:.1f}, "
+          f"max {r['batch_size']['max']} (max_num_seqs {r['batch_size']['max_num_seqs']})")
     for k, d in r["engine_overhead_ms"].items():
-        print(f"engine overhead per step, {k.replace('_', ' ')} (ms): p50 {_fmt(d['p50'])}  p99 {_fmt(d['p99'])}  "
+        print(f"engine overhead per step, {k.replace('_', ' ')} (ms): p50 {fmt(d['p50'])}  p99 {fmt(d['p99'])}  "
               f"(n={d['count']})")
     kv = r["kv_cache"]
     print(f"kv cache: peak utilization {kv['peak_utilization']:.1%}, peak internal fragmentation "
@@ -260,8 +208,6 @@ def print_report(r: dict[str, Any]) -> None:
 
 def bench_config(args: argparse.Namespace):
     """The engine config: file and flags over the bench defaults; a model flag means a backend that loads it."""
-    from llmserve.cli import config_from_args
-
     model_flag = getattr(args, "cfg_model__model", None)
     defaults = BENCH_DEFAULTS
     if model_flag is not None:  # the fake default would ignore the model and report made-up figures
@@ -275,8 +221,7 @@ def bench_config(args: argparse.Namespace):
 
 def main(args: argparse.Namespace) -> int:
     """Entry point of `llmserve bench offline`."""
-    config = bench_config(args)
-    report = run(args, config)
+    report = run(args, bench_config(args))
     if args.json:
         print(json.dumps(report, indent=2))
     else:

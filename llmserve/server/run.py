@@ -11,6 +11,7 @@ log = logging.getLogger("llmserve.server")
 def serve(config) -> int:
     """Run the OpenAI-compatible server until SIGTERM/SIGINT; 0 after a clean drain."""
     import uvicorn
+    from sse_starlette.sse import AppStatus
 
     from llmserve.async_engine import AsyncEngine
     from llmserve.engine import Engine
@@ -39,12 +40,8 @@ def serve(config) -> int:
                 # with 143; a drained SIGTERM is a clean exit
                 self._captured_signals = [s for s in self._captured_signals if s != signal.SIGTERM]
 
-    try:  # sse-starlette would end open streams at once on shutdown; we drain them instead
-        from sse_starlette.sse import AppStatus
-
-        AppStatus.disable_automatic_graceful_drain()
-    except ImportError:  # pragma: no cover
-        pass
+    # sse-starlette would end open streams at once on shutdown; we drain them instead
+    AppStatus.disable_automatic_graceful_drain()
 
     uv = uvicorn.Config(app, host=sc.host, port=sc.port, log_level=sc.log_level, lifespan="on",
                         timeout_graceful_shutdown=max(int(sc.drain_timeout), 1), access_log=False)

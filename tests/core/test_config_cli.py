@@ -6,20 +6,47 @@ import json
 import os
 import subprocess
 import sys
+import time
+from contextlib import contextmanager
 from pathlib import Path
 
+import httpx
 import pytest
 
+from llmserve.cli import build_parser, main
 from llmserve.config import config_from_dict, load_config, parse_bytes
 from llmserve.errors import ConfigError
+from tests.server.conftest import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
+ENV = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{ROOT / 'plugins'}")
 
 
 def run_cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{ROOT / 'plugins'}")
     return subprocess.run([sys.executable, "-m", "llmserve", *args], capture_output=True, text=True,
-                          timeout=timeout, env=env, cwd=ROOT)
+                          timeout=timeout, env=ENV, cwd=ROOT)
+
+
+@contextmanager
+def serving(port: int, *args: str, env: dict[str, str] = ENV):
+    """`python -m llmserve ARGS` as a process, yielded once 127.0.0.1:PORT answers /health; stopped after."""
+    proc = subprocess.Popen([sys.executable, "-m", "llmserve", *args], cwd=ROOT, env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            assert proc.poll() is None, proc.communicate()
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, f"nothing answers on port {port}"
+            time.sleep(0.1)
+        yield proc
+    finally:
+        proc.terminate()
+        proc.wait(30)
 
 
 def test_unknown_key_names_the_key_and_the_file(tmp_path):
@@ -96,3 +123,36 @@ def test_bench_offline_json_completes_everything_and_frees_every_block():
     assert rep["prefix_cache"]["hit_rate"] > 0.3
     assert rep["prefix_cache"]["prefill_tokens_computed"] < rep["prefix_cache"]["prompt_tokens_total"]
     assert rep["engine_overhead_ms"]["all_steps"]["p50"] is not None
+
+
+@pytest.mark.parametrize("flags_first", [True, False], ids=["flags-then-serve", "serve-then-flags"])
+def test_config_flags_before_or_after_serve_are_the_ones_served(flags_first):
+    port = free_port()
+    flags = ["--port", str(port), "--served-model-name", "either-side", "--backend", "fake"]
+    with serving(port, *([*flags, "serve"] if flags_first else ["serve", *flags])):
+        models = httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=10).json()
+    assert [m["id"] for m in models["data"]] == ["either-side"]
+
+
+def test_config_flags_and_sets_before_and_after_the_command_add_up(capsys):
+    assert main(["--max-num-seqs", "3", "--set", "cache.block_size=32", "config", "--json",
+                 "--set", "scheduler.max_num_batched_tokens=99", "--no-prefix-caching"]) == 0
+    cfg = json.loads(capsys.readouterr().out)
+    assert (cfg["scheduler"]["max_num_seqs"], cfg["scheduler"]["max_num_batched_tokens"]) == (3, 99)
+    assert cfg["cache"]["block_size"] == 32 and cfg["cache"]["enable_prefix_caching"] is False
+    # given on both sides, the later one wins, as a repeated flag does
+    assert main(["--max-num-seqs", "3", "config", "--max-num-seqs", "5", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["scheduler"]["max_num_seqs"] == 5
+
+
+@pytest.mark.parametrize("command", ["serve", "plugins", "config", "bench offline", "bench serve"])
+def test_every_command_takes_log_level_before_or_after_it(command):
+    parser = build_parser()
+    assert parser.parse_args([*command.split(), "--log-level", "debug"]).log_level == "debug"
+    assert parser.parse_args(["--log-level", "warning", *command.split()]).log_level == "warning"
+
+
+def test_nothing_but_main_imports_the_command_line():
+    importers = sorted(p.relative_to(ROOT).as_posix() for d in ("llmserve", "plugins") for p in (ROOT / d).rglob("*.py")
+                       if "llmserve.cli" in p.read_text() or "from llmserve import cli" in p.read_text())
+    assert importers == ["llmserve/__main__.py"]

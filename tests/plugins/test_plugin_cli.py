@@ -4,12 +4,18 @@ from __future__ import annotations
 
 import csv
 import json
+import os
 import subprocess
 import sys
+
+import httpx
+import pytest
 
 from llmserve import cli
 from llmserve.engine import Engine
 from llmserve.request import SamplingParams
+from tests.core.test_config_cli import ENV, serving
+from tests.server.conftest import free_port
 
 
 def _run(args, env, cwd):
@@ -47,6 +53,28 @@ def test_llmserve_plugins_reports_a_broken_plugin(site, capsys):
     assert plugins["broken"]["components"] == {}
     assert cli.main(["plugins"]) == 0
     assert "    FAILED: ImportError: needs a package that is not installed" in capsys.readouterr().out
+
+
+def test_broken_plugin_is_reported_once_after_logging_is_configured(site):
+    # the parser, the command and the engine (built on its own thread) share one load of the plugins
+    site.add("broken", 'raise ImportError("needs a package that is not installed")')
+    env = {**ENV, "PYTHONPATH": os.pathsep.join([str(site.path), ENV["PYTHONPATH"]])}
+    port = free_port()
+    with serving(port, "serve", "--backend", "fake", "--port", str(port), env=env) as proc:
+        assert httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=10).status_code == 200
+    err = proc.stderr.read()
+    reports = [line for line in err.splitlines() if "plugin 'broken'" in line]
+    assert len(reports) == 1, err
+    # in the configured format, not the bare message of logging's last-resort handler
+    assert " ERROR llmserve.plugins: plugin 'broken' (plugin_broken) failed to load: ImportError" in reports[0]
+
+
+def test_plugin_commands_are_in_help_and_take_log_level(installed_example, capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.main(["--help"])
+    assert e.value.code == 0
+    assert "csv-report" in capsys.readouterr().out
+    assert cli.build_parser().parse_args(["csv-report", "r.csv", "--log-level", "debug"]).log_level == "debug"
 
 
 def _csv_from_engine(path, n=5):

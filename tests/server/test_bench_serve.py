@@ -45,7 +45,9 @@ def test_bench_serve_text_prompts_without_ignore_eos_for_a_strict_peer(capsys, m
 
     import httpx
 
-    from llmserve.bench import serve as bench
+    from llmserve.bench.clients import run_http
+    from llmserve.bench.serve import add_arguments
+    from llmserve.bench.workload import make_workload
 
     bodies = []
 
@@ -71,13 +73,13 @@ def test_bench_serve_text_prompts_without_ignore_eos_for_a_strict_peer(capsys, m
     monkeypatch.setattr(httpx, "AsyncClient",
                         lambda **kw: real_client(transport=httpx.MockTransport(handler), **kw))
     p = argparse.ArgumentParser()
-    bench.add_arguments(p)
+    add_arguments(p)
     args = p.parse_args(["--concurrency", "2", "--requests", "4", "--prompt-len", "5", "9", "--output-len", "3", "6",
                          "--text-prompts", "--no-ignore-eos", "--no-progress"])
-    items = bench.make_workload(args, 50257)
+    items = make_workload(args, 50257)
     assert all(isinstance(it.prompt, str) and 5 <= len(it.prompt.split()) <= 9 for it in items)
-    assert items == bench.make_workload(args, 50257)  # seeded
-    results, _ = asyncio.run(bench.run_http(args, "http://peer", items, "m"))
+    assert items == make_workload(args, 50257)  # seeded
+    results, _ = asyncio.run(run_http(args, "http://peer", items, "m"))
     assert all(r.ok for r in results), [r.error for r in results]
     assert sorted(r.output_tokens for r in results) == sorted(it.max_tokens for it in items)
     # one arrival per token: the usage chunk with empty text adds no inter-token latency
@@ -85,4 +87,4 @@ def test_bench_serve_text_prompts_without_ignore_eos_for_a_strict_peer(capsys, m
     assert all("ignore_eos" not in b and isinstance(b["prompt"], str) for b in bodies)
     # the default still sends token ids and ignore_eos
     args = p.parse_args(["--requests", "2"])
-    assert args.ignore_eos and all(isinstance(it.prompt, list) for it in bench.make_workload(args, 257))
+    assert args.ignore_eos and all(isinstance(it.prompt, list) for it in make_workload(args, 257))
