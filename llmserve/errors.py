@@ -14,8 +14,9 @@ class PluginError(LLMServeError):
 
 
 class InvalidRequestError(LLMServeError, ValueError):
-    """A request carries a bad value; `param` names the offending field."""
+    """A request carries a bad value; `param` names the offending field, `code` is OpenAI's (if it has one)."""
 
-    def __init__(self, message: str, param: str | None = None):
+    def __init__(self, message: str, param: str | None = None, code: str | None = None):
         super().__init__(message)
         self.param = param
+        self.code = code

@@ -62,8 +62,8 @@ class SamplingParams:
 
         if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
             bad("max_tokens", f"max_tokens must be at least 1, got {self.max_tokens}")
-        if not (math.isfinite(self.temperature) and self.temperature >= 0.0):
-            bad("temperature", f"temperature must be a finite number >= 0, got {self.temperature}")
+        if not 0.0 <= self.temperature <= 2.0:
+            bad("temperature", f"temperature must be in [0, 2], got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
             bad("top_p", f"top_p must be in (0, 1], got {self.top_p}")
         if not isinstance(self.top_k, int) or self.top_k < -1:
@@ -84,6 +84,8 @@ class SamplingParams:
             v = getattr(self, name)
             if v is not None and (not isinstance(v, int) or not 0 <= v <= 20):
                 bad(name, f"{name} must be between 0 and 20, got {v}")
+        if any(t < 0 for t in self.stop_token_ids):
+            bad("stop_token_ids", f"stop_token_ids must be non-negative token ids, got {self.stop_token_ids}")
         if self.logit_bias:
             for tok, b in self.logit_bias.items():
                 if not -100.0 <= b <= 100.0:

@@ -66,7 +66,7 @@ async def handle_api_error(request: Request, exc: ApiError) -> Response:
 
 
 async def handle_invalid_request(request: Request, exc: InvalidRequestError) -> Response:
-    return error_response(bad_request(str(exc), exc.param))
+    return error_response(bad_request(str(exc), exc.param, exc.code))
 
 
 async def handle_http_exception(request: Request, exc: HTTPException) -> Response:

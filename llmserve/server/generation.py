@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from llmserve.async_engine import AsyncEngine, EngineDeadError
 from llmserve.errors import InvalidRequestError
 from llmserve.request import FinishReason, RequestOutput, SamplingParams
-from llmserve.server.errors import ApiError
+from llmserve.server.errors import ApiError, bad_request
 
 
 class ClientGone(Exception):
@@ -23,13 +23,18 @@ class Generation:
                  timeout: float | None, request_id: str):
         self.aengine = aengine
         self.streams = []
-        for i, ids in enumerate(prompts):
-            rid = request_id if len(prompts) == 1 else f"{request_id}-{i}"
-            self.streams.append(aengine.add_request(ids, copy.copy(sp), request_id=rid, priority=priority))
         self._pending: dict[asyncio.Future, int] = {}
         self._started = False
-        loop = asyncio.get_running_loop()
-        self._timer = loop.call_later(timeout, self._on_timeout, timeout) if timeout else None
+        self._timer = None
+        try:
+            for i, ids in enumerate(prompts):
+                rid = request_id if len(prompts) == 1 else f"{request_id}-{i}"
+                self.streams.append(aengine.add_request(ids, copy.copy(sp), request_id=rid, priority=priority))
+        except Exception as e:  # the engine stopped after admission: no prompt of this request runs
+            self.abort()
+            raise map_error(e) from None
+        if timeout:
+            self._timer = asyncio.get_running_loop().call_later(timeout, self._on_timeout, timeout)
 
     def _on_timeout(self, timeout: float) -> None:
         err = ApiError(504, f"the request did not finish within the server's request_timeout ({timeout:g} s)",
@@ -81,7 +86,7 @@ def map_error(exc: BaseException) -> ApiError:
     if isinstance(exc, ApiError):
         return exc
     if isinstance(exc, InvalidRequestError):
-        return ApiError(400, str(exc), param=exc.param)
+        return bad_request(str(exc), exc.param, exc.code)
     if isinstance(exc, EngineDeadError):
         return ApiError(503, str(exc), code="engine_unavailable")
     return ApiError(500, f"{type(exc).__name__}: {exc}", code="engine_error")

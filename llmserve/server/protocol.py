@@ -1,324 +1,257 @@
-"""Request validation for /v1/completions and /v1/chat/completions.
+"""The request bodies of /v1/completions and /v1/chat/completions as pydantic models, and their SamplingParams.
 
-Plain functions over the decoded JSON (no schema library): every bad value is a 400 whose
-`param` names the field. OpenAI fields we accept but that change nothing are listed in
-IGNORED_FIELDS; any other unknown field is ignored with a debug log, as vLLM does, so clients
-that send extras keep working. docs/openai-compatibility.md lists every field.
+The models check types, strictly as JSON has them ("1" is not a number, "yes" is not true);
+SamplingParams.validate checks ranges; the rules that tie fields together are in `sampling()`.
+Every failure is a 400 whose `param` is the field's path (`messages[2].content`). OpenAI fields
+that are accepted and change nothing are in IGNORED_FIELDS; any other unknown field is ignored
+with a debug log, as vLLM ignores them. docs/openai-compatibility.md lists every field.
 """
 
 from __future__ import annotations
 
+import functools
+import itertools
 import json
 import logging
-import math
-from dataclasses import dataclass
-from typing import Any
+from typing import Annotated, Any, Literal
 
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
+from pydantic.json_schema import models_json_schema
+
+from llmserve.errors import InvalidRequestError
 from llmserve.request import SamplingParams
 from llmserve.server.errors import bad_request
 
 log = logging.getLogger("llmserve.server.protocol")
 
-_MISSING = object()
-
 # OpenAI fields that are accepted and have no effect here (documented)
 IGNORED_FIELDS = {"user", "store", "metadata", "service_tier", "parallel_tool_calls", "prediction",
                   "reasoning_effort", "verbosity", "modalities", "audio", "web_search_options",
-                  "safety_identifier", "prompt_cache_key", "tool_choice"}
+                  "safety_identifier", "prompt_cache_key", "tool_choice", "function_call"}
 
-_SAMPLING_FIELDS = {"model", "max_tokens", "temperature", "top_p", "n", "stop", "stream", "stream_options",
-                    "seed", "presence_penalty", "frequency_penalty", "logit_bias",
-                    # vLLM's extensions
-                    "top_k", "min_p", "repetition_penalty", "stop_token_ids", "ignore_eos", "min_tokens",
-                    "priority", "include_stop_str_in_output", "skip_special_tokens", "best_of"}
-COMPLETION_FIELDS = _SAMPLING_FIELDS | {"prompt", "logprobs", "echo", "suffix", "prompt_logprobs"}
-CHAT_FIELDS = _SAMPLING_FIELDS | {"messages", "max_completion_tokens", "logprobs", "top_logprobs", "tools",
-                                  "functions", "function_call", "response_format", "add_generation_prompt"}
+# JSON has one number type: 16.0 is the integer 16 (strict mode alone would refuse it)
+Int = Annotated[int, BeforeValidator(lambda v: int(v) if isinstance(v, float) and v.is_integer() else v)]
 
 
-def parse_json(raw: bytes) -> dict[str, Any]:
-    """Decode a request body into a JSON object, or a 400 saying what is wrong with it."""
+class _Model(BaseModel):
+    model_config = ConfigDict(strict=True, extra="allow", allow_inf_nan=False)
+
+
+class StreamOptions(_Model):
+    include_usage: bool = False
+
+
+class _Request(_Model):
+    """The fields both endpoints share: types and defaults only."""
+
+    model: str | None = None
+    max_tokens: Int | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    n: Int = 1
+    best_of: Int | None = None
+    stop: str | list[str] = []
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    seed: Int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[str, float] | None = None
+    # vLLM's extensions
+    top_k: Int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    stop_token_ids: list[int] = []
+    ignore_eos: bool = False
+    min_tokens: Int = 0
+    priority: Int = 0
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_absent(cls, body: Any) -> Any:
+        # clients send null for "not set"; it means the default, as in OpenAI's API
+        return {k: v for k, v in body.items() if v is not None} if isinstance(body, dict) else body
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+    def _sampling(self, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None = None,
+                  renamed: dict[str, str] | None = None) -> SamplingParams:
+        """The SamplingParams, range-checked here once; `renamed` maps their field names to this body's."""
+        if self.best_of is not None and self.best_of != self.n:
+            raise bad_request(f"best_of other than n is not supported (got best_of={self.best_of}, n={self.n})",
+                              "best_of")
+        if self.stream_options is not None and not self.stream:
+            raise bad_request("stream_options may only be set when stream is true", "stream_options")
+        try:
+            bias = {int(k): b for k, b in (self.logit_bias or {}).items()}
+        except ValueError:
+            raise bad_request("logit_bias keys must be token ids (integers as strings)", "logit_bias") from None
+        stop = [self.stop] if isinstance(self.stop, str) else self.stop
+        sp = SamplingParams(
+            max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p,
+            top_k=0 if self.top_k == -1 else self.top_k, min_p=self.min_p,
+            repetition_penalty=self.repetition_penalty, presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty, logit_bias=bias or None, seed=self.seed,
+            stop=[s for s in stop if s], stop_token_ids=self.stop_token_ids,
+            include_stop_str_in_output=self.include_stop_str_in_output, ignore_eos=self.ignore_eos,
+            min_tokens=self.min_tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs, n=self.n,
+            skip_special_tokens=self.skip_special_tokens)
+        try:
+            sp.validate()
+        except InvalidRequestError as e:
+            raise bad_request(str(e), (renamed or {}).get(e.param, e.param)) from None
+        return sp
+
+
+class CompletionRequest(_Request):
+    """A /v1/completions body; prompts are strings or token-id lists."""
+
+    # tried in this order; pydantic's default "smart" union tries every member (4x the cost on 1k ids)
+    prompt: Annotated[str | list[int] | list[str] | list[list[int]], Field(union_mode="left_to_right")]
+    max_tokens: Int = 16
+    echo: bool = False
+    logprobs: Int | None = None
+    suffix: str | None = None
+    prompt_logprobs: Int | None = None
+
+    @property
+    def prompts(self) -> list[str | list[int]]:
+        """One entry per prompt: a string or a list of token ids."""
+        p = self.prompt
+        return [p] if isinstance(p, str) or (p and isinstance(p[0], int)) else list(p)
+
+    @property
+    def scores_only(self) -> bool:
+        """echo with max_tokens 0: score the prompt, generate nothing (the engine still takes one step)."""
+        return self.max_tokens == 0
+
+    def sampling(self) -> SamplingParams:
+        """The SamplingParams of this body, after the rules that tie its fields together."""
+        if not self.prompt:
+            raise bad_request("prompt must not be an empty list", "prompt")
+        if self.max_tokens == 0 and not self.echo:
+            raise bad_request("max_tokens must be at least 1 (0 is allowed only with echo)", "max_tokens")
+        if self.suffix:
+            raise bad_request("suffix is not supported (no fill-in-the-middle model)", "suffix")
+        echoed = self.logprobs if self.echo else None  # the prompt's logprobs come back with the echoed prompt
+        return self._sampling(self.max_tokens or 1, self.logprobs,
+                              self.prompt_logprobs if self.prompt_logprobs is not None else echoed)
+
+
+class TextPart(_Model):
+    type: Literal["text"]
+    text: str
+
+
+class Message(_Model):
+    role: Literal["system", "developer", "user", "assistant", "tool", "function"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+
+class ResponseFormat(_Model):
+    type: Literal["text"]
+
+
+class ChatRequest(_Request):
+    """A /v1/chat/completions body."""
+
+    messages: list[Message]
+    max_completion_tokens: Int | None = None
+    logprobs: bool = False
+    top_logprobs: Int | None = None
+    tools: list | None = None
+    functions: list | None = None
+    response_format: ResponseFormat | None = None
+    add_generation_prompt: bool = True
+
+    def template_messages(self) -> list[dict[str, str]]:
+        """The messages as chat templates take them: text parts joined, a null assistant content empty."""
+        out = []
+        for m in self.messages:
+            content = m.content if isinstance(m.content, str) else "".join(p.text for p in m.content or ())
+            out.append({"role": m.role, "content": content} | ({"name": m.name} if m.name is not None else {}))
+        return out
+
+    def sampling(self) -> SamplingParams:
+        """The SamplingParams of this body, after the rules that tie its fields together."""
+        if not self.messages:
+            raise bad_request("messages must be a non-empty list of {role, content} objects", "messages")
+        for i, m in enumerate(self.messages):
+            if m.content is None and m.role != "assistant":
+                raise bad_request(f"messages[{i}].content is required for role {m.role!r}", f"messages[{i}].content")
+        for name in ("tools", "functions"):
+            if getattr(self, name):
+                raise bad_request(f"{name} (function calling) is not supported by this server", name)
+        if self.top_logprobs and not self.logprobs:
+            raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
+        given = "max_tokens" if self.max_completion_tokens is None else "max_completion_tokens"
+        max_tokens = self.max_tokens if self.max_completion_tokens is None else self.max_completion_tokens
+        return self._sampling(max_tokens, (self.top_logprobs or 0) if self.logprobs else None,
+                              renamed={"max_tokens": given, "logprobs": "top_logprobs"})
+
+
+# the names a path is made of; pydantic's loc also holds union-member tags ("list[int]") and "[key]"
+_FIELDS = set().union(*(m.model_fields for m in (CompletionRequest, ChatRequest, Message, TextPart, StreamOptions)))
+
+
+def parse(model: type[_Request], raw: bytes, endpoint: str) -> tuple[Any, SamplingParams]:
+    """Decode and validate a request body into the model and its SamplingParams, or a 400 naming the field."""
     if not raw:
         raise bad_request("the request body is empty; send a JSON object")
     try:
-        body = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise bad_request(f"the request body is not valid JSON: {e}", code="invalid_json") from None
-    if not isinstance(body, dict):
-        raise bad_request(f"the request body must be a JSON object, got {type(body).__name__}")
-    return body
+        req = model.model_validate_json(raw)
+    except ValidationError as e:
+        raise _bad_body(e) from None
+    extra = [k for k in req.model_extra if k not in IGNORED_FIELDS]
+    if extra:
+        log.debug("%s: ignoring unknown field(s) %s", endpoint, ", ".join(sorted(extra)))
+    return req, req.sampling()
 
 
-class Fields:
-    """Typed access to a request's fields; each getter raises a 400 naming the field."""
-
-    def __init__(self, body: dict[str, Any], known: set[str], endpoint: str):
-        self.body = body
-        extra = [k for k in body if k not in known and k not in IGNORED_FIELDS]
-        if extra:
-            log.debug("%s: ignoring unknown field(s) %s", endpoint, ", ".join(sorted(extra)))
-
-    def raw(self, name: str, default: Any = None) -> Any:
-        v = self.body.get(name, _MISSING)
-        return default if v is _MISSING or v is None else v
-
-    def int(self, name: str, default: Any = None, lo: int | None = None, hi: int | None = None) -> Any:
-        v = self.raw(name, _MISSING)
-        if v is _MISSING:
-            return default
-        if isinstance(v, float) and v.is_integer():
-            v = int(v)
-        if isinstance(v, bool) or not isinstance(v, int):
-            raise bad_request(f"{name} must be an integer, got {json.dumps(v)}", name)
-        _range(name, v, lo, hi)
-        return v
-
-    def float(self, name: str, default: Any = None, lo: float | None = None, hi: float | None = None) -> Any:
-        v = self.raw(name, _MISSING)
-        if v is _MISSING:
-            return default
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
-            raise bad_request(f"{name} must be a number, got {json.dumps(v)}", name)
-        _range(name, v, lo, hi)
-        return float(v)
-
-    def bool(self, name: str, default: bool = False) -> bool:
-        v = self.raw(name, _MISSING)
-        if v is _MISSING:
-            return default
-        if not isinstance(v, bool):
-            raise bad_request(f"{name} must be true or false, got {json.dumps(v)}", name)
-        return v
+def _bad_body(e: ValidationError):
+    """The 400 for pydantic's errors under the first bad field; `param` is its path, less union-member tags."""
+    errors = e.errors(include_url=False)
+    first = errors[0]
+    if first["type"] == "json_invalid":
+        return bad_request(f"the request body is not valid JSON: {first['msg']}", code="invalid_json")
+    if not first["loc"]:
+        return bad_request("the request body must be a JSON object")
+    # a union reports one error per member type: say each, and name the path they share as `param`
+    shared, parts = None, []
+    for x in errors:
+        if x["loc"][:1] != first["loc"][:1]:
+            continue
+        loc = [p for p in x["loc"] if isinstance(p, int) or p in _FIELDS]
+        shared = loc if shared is None else [a for a, b in itertools.takewhile(lambda ab: ab[0] == ab[1],
+                                                                               zip(shared, loc))]
+        got = "" if isinstance(x["input"], (dict, list)) else f", got {json.dumps(x['input'])[:80]}"
+        parts.append(f"{_path(loc)}: {x['msg']}{got}")
+    return bad_request("; or ".join(dict.fromkeys(parts)), _path(shared))
 
 
-def _range(name: str, v: float, lo: float | None, hi: float | None) -> None:
-    if lo is not None and v < lo or hi is not None and v > hi:
-        if lo is not None and hi is not None:
-            raise bad_request(f"{name} must be between {lo} and {hi}, got {v}", name)
-        if lo is not None:
-            raise bad_request(f"{name} must be at least {lo}, got {v}", name)
-        raise bad_request(f"{name} must be at most {hi}, got {v}", name)
+def _path(loc: list) -> str:
+    return "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in loc).lstrip(".")
 
 
-@dataclass(slots=True)
-class CommonParams:
-    """What both endpoints share: the model, sampling parameters, streaming and scheduling."""
+@functools.cache  # the models do not change while the server runs
+def openapi() -> dict[str, Any]:
+    """The OpenAPI document of the two generation endpoints, from the request models."""
+    refs, schemas = models_json_schema([(CompletionRequest, "validation"), (ChatRequest, "validation")],
+                                       ref_template="#/components/schemas/{model}")
 
-    model: str | None
-    sampling: SamplingParams
-    max_tokens_given: bool
-    stream: bool
-    include_usage: bool
-    priority: int
+    def post(model: type[_Request], summary: str) -> dict[str, Any]:
+        error = {"description": "OpenAI's error body: {\"error\": {\"message\", \"type\", \"param\", \"code\"}}"}
+        return {"post": {"summary": summary, "requestBody": {"required": True, "content": {
+            "application/json": {"schema": refs[(model, "validation")]}}},
+            "responses": {"200": {"description": "the completion, or server-sent events when stream is true"},
+                          "400": error, "404": error, "429": error, "503": error}}}
 
-
-def _stop(f: Fields) -> list[str]:
-    v = f.raw("stop", [])
-    if isinstance(v, str):
-        return [v] if v else []
-    if isinstance(v, list) and all(isinstance(s, str) for s in v):
-        return [s for s in v if s]
-    raise bad_request("stop must be a string or a list of strings", "stop")
-
-
-def _stop_token_ids(f: Fields) -> list[int]:
-    v = f.raw("stop_token_ids", [])
-    if not isinstance(v, list) or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in v):
-        raise bad_request("stop_token_ids must be a list of non-negative integers", "stop_token_ids")
-    return list(v)
-
-
-def _logit_bias(f: Fields) -> dict[int, float] | None:
-    v = f.raw("logit_bias", None)
-    if v is None:
-        return None
-    if not isinstance(v, dict):
-        raise bad_request("logit_bias must be an object mapping token ids to a bias in [-100, 100]", "logit_bias")
-    out: dict[int, float] = {}
-    for k, b in v.items():
-        try:
-            tok = int(k)
-        except (TypeError, ValueError):
-            raise bad_request(f"logit_bias keys must be token ids, got {k!r}", "logit_bias") from None
-        if tok < 0:
-            raise bad_request(f"logit_bias keys must be non-negative token ids, got {k!r}", "logit_bias")
-        if isinstance(b, bool) or not isinstance(b, (int, float)) or not -100 <= b <= 100:
-            raise bad_request(f"logit_bias values must be numbers in [-100, 100], got {b!r} for token {k}",
-                              "logit_bias")
-        out[tok] = float(b)
-    return out or None
-
-
-def parse_common(f: Fields, max_tokens: int | None, max_tokens_given: bool) -> CommonParams:
-    """The sampling fields; `max_tokens` is resolved by the caller (the two endpoints differ)."""
-    model = f.raw("model", None)
-    if model is not None and not isinstance(model, str):
-        raise bad_request("model must be a string", "model")
-    n = f.int("n", 1, 1, 128)
-    best_of = f.int("best_of", None)
-    if best_of is not None and best_of != n:
-        raise bad_request(f"best_of other than n is not supported (got best_of={best_of}, n={n})", "best_of")
-    stream = f.bool("stream", False)
-    so = f.raw("stream_options", None)
-    include_usage = False
-    if so is not None:
-        if not isinstance(so, dict):
-            raise bad_request("stream_options must be an object", "stream_options")
-        if not stream:
-            raise bad_request("stream_options may only be set when stream is true", "stream_options")
-        iu = so.get("include_usage", False)
-        if not isinstance(iu, bool):
-            raise bad_request("stream_options.include_usage must be true or false", "stream_options.include_usage")
-        include_usage = iu
-    top_k = f.int("top_k", 0, -1)
-    sp = SamplingParams(
-        max_tokens=max_tokens,
-        temperature=f.float("temperature", 1.0, 0.0, 2.0),
-        top_p=f.float("top_p", 1.0, 0.0, 1.0),
-        top_k=0 if top_k == -1 else top_k,
-        min_p=f.float("min_p", 0.0, 0.0, 1.0),
-        repetition_penalty=f.float("repetition_penalty", 1.0),
-        presence_penalty=f.float("presence_penalty", 0.0, -2.0, 2.0),
-        frequency_penalty=f.float("frequency_penalty", 0.0, -2.0, 2.0),
-        logit_bias=_logit_bias(f),
-        seed=f.int("seed", None),
-        stop=_stop(f),
-        stop_token_ids=_stop_token_ids(f),
-        include_stop_str_in_output=f.bool("include_stop_str_in_output", False),
-        ignore_eos=f.bool("ignore_eos", False),
-        min_tokens=f.int("min_tokens", 0, 0),
-        n=n,
-        skip_special_tokens=f.bool("skip_special_tokens", True),
-    )
-    if sp.top_p == 0.0:
-        raise bad_request("top_p must be greater than 0", "top_p")
-    if sp.repetition_penalty <= 0:
-        raise bad_request("repetition_penalty must be greater than 0", "repetition_penalty")
-    return CommonParams(model=model, sampling=sp, max_tokens_given=max_tokens_given, stream=stream,
-                        include_usage=include_usage, priority=f.int("priority", 0))
-
-
-@dataclass(slots=True)
-class CompletionRequest:
-    """A validated /v1/completions request; prompts are strings or token-id lists."""
-
-    common: CommonParams
-    prompts: list[str | list[int]]
-    echo: bool
-    logprobs: int | None
-
-
-def _prompts(v: Any) -> list[str | list[int]]:
-    def is_ids(x: Any) -> bool:
-        return isinstance(x, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
-
-    if v is _MISSING or v is None:
-        raise bad_request("prompt is required", "prompt")
-    if isinstance(v, str):
-        return [v]
-    if isinstance(v, list):
-        if not v:
-            raise bad_request("prompt must not be an empty list", "prompt")
-        if is_ids(v):
-            return [list(v)]
-        if all(isinstance(x, str) for x in v):
-            return list(v)
-        if all(is_ids(x) for x in v):
-            return [list(x) for x in v]
-    raise bad_request("prompt must be a string, a list of strings, a list of token ids or a list of "
-                      "token-id lists", "prompt")
-
-
-def parse_completion(body: dict[str, Any]) -> CompletionRequest:
-    """Validate a /v1/completions body."""
-    f = Fields(body, COMPLETION_FIELDS, "/v1/completions")
-    prompts = _prompts(body.get("prompt", _MISSING))
-    echo = f.bool("echo", False)
-    max_tokens = f.int("max_tokens", 16, 0)
-    if max_tokens == 0 and not echo:
-        raise bad_request("max_tokens must be at least 1 (0 is allowed only with echo)", "max_tokens")
-    suffix = f.raw("suffix", None)
-    if suffix:
-        raise bad_request("suffix is not supported (no fill-in-the-middle model)", "suffix")
-    logprobs = f.int("logprobs", None, 0, 5)
-    common = parse_common(f, max_tokens, "max_tokens" in body and body["max_tokens"] is not None)
-    sp = common.sampling
-    sp.logprobs = logprobs
-    if echo and logprobs is not None:
-        sp.prompt_logprobs = logprobs
-    plp = f.int("prompt_logprobs", None, 0, 20)
-    if plp is not None:
-        sp.prompt_logprobs = plp
-    return CompletionRequest(common, prompts, echo, logprobs)
-
-
-@dataclass(slots=True)
-class ChatRequest:
-    """A validated /v1/chat/completions request."""
-
-    common: CommonParams
-    messages: list[dict[str, Any]]
-    logprobs: bool
-    top_logprobs: int
-    add_generation_prompt: bool = True
-
-
-_ROLES = {"system", "developer", "user", "assistant", "tool", "function"}
-
-
-def _messages(v: Any) -> list[dict[str, Any]]:
-    if not isinstance(v, list) or not v:
-        raise bad_request("messages must be a non-empty list of {role, content} objects", "messages")
-    out = []
-    for i, m in enumerate(v):
-        where = f"messages[{i}]"
-        if not isinstance(m, dict):
-            raise bad_request(f"{where} must be an object with role and content", where)
-        role = m.get("role")
-        if role not in _ROLES:
-            raise bad_request(f"{where}.role must be one of {', '.join(sorted(_ROLES))}, got {role!r}",
-                              f"{where}.role")
-        content = m.get("content")
-        if isinstance(content, list):
-            parts = []
-            for j, p in enumerate(content):
-                if not isinstance(p, dict) or p.get("type") != "text" or not isinstance(p.get("text"), str):
-                    kind = p.get("type") if isinstance(p, dict) else type(p).__name__
-                    raise bad_request(f"{where}.content[{j}]: only text parts are supported, got {kind!r}",
-                                      f"{where}.content")
-                parts.append(p["text"])
-            content = "".join(parts)
-        elif content is None:
-            if role != "assistant":
-                raise bad_request(f"{where}.content is required for role {role!r}", f"{where}.content")
-            content = ""
-        elif not isinstance(content, str):
-            raise bad_request(f"{where}.content must be a string or a list of text parts", f"{where}.content")
-        msg = {"role": role, "content": content}
-        if isinstance(m.get("name"), str):
-            msg["name"] = m["name"]
-        out.append(msg)
-    return out
-
-
-def parse_chat(body: dict[str, Any]) -> ChatRequest:
-    """Validate a /v1/chat/completions body."""
-    f = Fields(body, CHAT_FIELDS, "/v1/chat/completions")
-    messages = _messages(body.get("messages"))
-    for name in ("tools", "functions"):
-        if f.raw(name, None):
-            raise bad_request(f"{name} (function calling) is not supported by this server", name)
-    rf = f.raw("response_format", None)
-    if rf is not None and (not isinstance(rf, dict) or rf.get("type") != "text"):
-        raise bad_request("response_format: only {\"type\": \"text\"} is supported", "response_format")
-    mct = f.int("max_completion_tokens", None, 1)
-    mt = f.int("max_tokens", None, 1)
-    max_tokens = mct if mct is not None else mt
-    common = parse_common(f, max_tokens, max_tokens is not None)
-    logprobs = f.bool("logprobs", False)
-    top = f.int("top_logprobs", None, 0, 20)
-    if top is not None and top > 0 and not logprobs:
-        raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
-    if logprobs:
-        common.sampling.logprobs = top or 0
-    return ChatRequest(common, messages, logprobs, top or 0, f.bool("add_generation_prompt", True))
+    return {"openapi": "3.1.0", "info": {"title": "llmserve", "version": "1"},
+            "paths": {"/v1/completions": post(CompletionRequest, "Create a completion"),
+                      "/v1/chat/completions": post(ChatRequest, "Create a chat completion")},
+            "components": {"schemas": schemas.get("$defs", {})}}

@@ -12,11 +12,13 @@ from sse_starlette import EventSourceResponse
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from llmserve.request import FinishReason, RequestOutput
-from llmserve.server.errors import ApiError, bad_request, error_body
+from llmserve.async_engine import AsyncEngine
+from llmserve.limits import check_request
+from llmserve.request import FinishReason, RequestOutput, SamplingParams
+from llmserve.server.errors import bad_request, error_body
 from llmserve.server.generation import ClientGone, Generation, guarded, map_error
 from llmserve.server.logprobs import CompletionLogprobs, TokenText, chat_logprobs
-from llmserve.server.protocol import parse_chat, parse_completion, parse_json
+from llmserve.server.protocol import ChatRequest, CompletionRequest, openapi, parse
 from llmserve.server.state import ServerState
 
 # ASCII-only JSON: raw U+0085 / U+2028 / U+2029 in a chunk would split it for clients that break lines
@@ -28,18 +30,19 @@ def _state(request: Request) -> ServerState:
     return request.app.state.llm
 
 
-async def _admit(request: Request, parse) -> tuple[ServerState, Any]:
-    """The shared start of a generation endpoint: admission, body, validation, model name."""
+async def _admit(request: Request, model) -> tuple[ServerState, AsyncEngine, Any, SamplingParams]:
+    """The shared start of a generation endpoint, each step once: admission, body, validation, model name."""
     st = _state(request)
-    st.admit()
-    req = parse(parse_json(await _read_body(request)))
-    st.check_model(req.common.model)
-    return st, req
-
-
-async def _read_body(request: Request) -> bytes:
+    aengine = st.admit()
     # the body limit is enforced by BodyLimitMiddleware while this reads
-    return await request.body()
+    req, sp = parse(model, await request.body(), request.url.path)
+    st.check_model(req.model)
+    return st, aengine, req, sp
+
+
+def _check(st: ServerState, ids: list[int], sp: SamplingParams, param: str) -> None:
+    """The engine's own vocabulary and context checks, run before submitting so every prompt is checked."""
+    check_request(ids, sp, st.engine.backend.vocab_size, st.max_model_len, param)
 
 
 _BIG_TEXT = 16_384  # characters; longer texts are tokenized off the event loop
@@ -85,15 +88,6 @@ def _merge(batch: list[RequestOutput]) -> dict[int, list[RequestOutput]]:
     for o in batch:
         by.setdefault(o.index, []).append(o)
     return by
-
-
-async def _start(request: Request, st: ServerState, prompts: list[list[int]], common, rid: str) -> Generation:
-    aengine = st.admit()
-    try:
-        common.sampling.validate()
-    except Exception as e:
-        raise map_error(e) from None
-    return Generation(aengine, prompts, common.sampling, common.priority, st.config.server.request_timeout, rid)
 
 
 async def _first(request: Request, gen: Generation):
@@ -156,9 +150,7 @@ def _sse(gen: Generation, events) -> Response:
 
 async def completions(request: Request) -> Response:
     """POST /v1/completions."""
-    st, req = await _admit(request, parse_completion)
-    c = req.common
-    sp = c.sampling
+    st, aengine, req, sp = await _admit(request, CompletionRequest)
     tok = st.tokenizer
     prompt_ids: list[list[int]] = []
     prompt_texts: list[str] = []
@@ -172,16 +164,13 @@ async def completions(request: Request) -> Response:
         else:
             ids = p
             text = tok.decode(ids, skip_special_tokens=False) if (tok is not None and req.echo) else ""
-        st.check_ids(ids, param)
-        st.check_fit(len(ids), max(sp.max_tokens or 0, 1) if sp.max_tokens is not None else None, param)
+        _check(st, ids, sp, param)
         prompt_ids.append(ids)
         prompt_texts.append(text)
-    zero_gen = sp.max_tokens == 0  # echo with max_tokens 0: score the prompt, generate nothing
-    if zero_gen:
-        sp.max_tokens = 1
+    zero_gen = req.scores_only
     rid = f"cmpl-{uuid.uuid4().hex}"
     created = int(time.time())
-    gen = await _start(request, st, prompt_ids, c, rid)
+    gen = Generation(aengine, prompt_ids, sp, req.priority, st.config.server.request_timeout, rid)
     try:
         first = await _first(request, gen)
     except ClientGone:
@@ -215,13 +204,13 @@ async def completions(request: Request) -> Response:
                 ch.stop_reason = None if zero_gen else o.stop_reason
         ch.text.append(text)
         # streamed chunks carry only the new entries; a whole answer keeps them all
-        lp_delta = ch.lp.take() if (ch.lp is not None and c.stream) else None
+        lp_delta = ch.lp.take() if (ch.lp is not None and req.stream) else None
         return idx, text, lp_delta, (ch.finish if outs[-1].finished else None), ch.stop_reason
 
     def usage() -> dict:
         return _usage(sum(prompt_tokens), sum(ch.num_output for ch in choices))
 
-    if not c.stream:
+    if not req.stream:
         def apply_batch(batch):
             pi, outs = batch
             for group in _merge(outs).values():
@@ -240,7 +229,7 @@ async def completions(request: Request) -> Response:
         }
         return Response(_dumps(body), media_type="application/json")
 
-    include_usage = c.include_usage
+    include_usage = req.include_usage
 
     async def events():
         batch = first
@@ -270,23 +259,20 @@ async def completions(request: Request) -> Response:
 
 async def chat_completions(request: Request) -> Response:
     """POST /v1/chat/completions."""
-    st, req = await _admit(request, parse_chat)
-    c = req.common
+    st, aengine, req, sp = await _admit(request, ChatRequest)
     tok = st.tokenizer
     if tok is None:
         raise bad_request("this server has no tokenizer, so it cannot render chat messages; "
                           "use /v1/completions with token ids", "messages")
     try:
-        prompt = tok.apply_chat_template(req.messages, add_generation_prompt=req.add_generation_prompt)
+        prompt = tok.apply_chat_template(req.template_messages(), add_generation_prompt=req.add_generation_prompt)
     except NotImplementedError as e:
         raise bad_request(str(e), "messages") from None
     ids = await _encode(tok, prompt, add_special_tokens=False)
-    st.check_ids(ids, "messages")
-    sp = c.sampling
-    st.check_fit(len(ids), sp.max_tokens, "messages")
+    _check(st, ids, sp, "messages")
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     created = int(time.time())
-    gen = await _start(request, st, [ids], c, rid)
+    gen = Generation(aengine, [ids], sp, req.priority, st.config.server.request_timeout, rid)
     try:
         first = await _first(request, gen)
     except ClientGone:
@@ -304,7 +290,7 @@ async def chat_completions(request: Request) -> Response:
             lps = []
             for o in outs:
                 if o.new_token_ids:
-                    lps.extend(chat_logprobs(tt, o.new_token_ids, o.logprobs, req.top_logprobs))
+                    lps.extend(chat_logprobs(tt, o.new_token_ids, o.logprobs, req.top_logprobs or 0))
             ch.chat_lp.extend(lps)
         last = outs[-1]
         ch.num_output = last.num_output_tokens
@@ -318,7 +304,7 @@ async def chat_completions(request: Request) -> Response:
     def usage() -> dict:
         return _usage(len(ids), sum(ch.num_output for ch in choices))
 
-    if not c.stream:
+    if not req.stream:
         def apply_batch(batch):
             for group in _merge(batch[1]).values():
                 apply(group)
@@ -336,7 +322,7 @@ async def chat_completions(request: Request) -> Response:
         }
         return Response(_dumps(body), media_type="application/json")
 
-    include_usage = c.include_usage
+    include_usage = req.include_usage
 
     def chunk(index: int, delta: dict, lps, fin, sr=None) -> str:
         d = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": st.model_name,
@@ -385,11 +371,13 @@ async def list_models(request: Request) -> Response:
 async def get_model(request: Request) -> Response:
     """GET /v1/models/{model}."""
     st = _state(request)
-    model = request.path_params["model"]
-    if model not in (st.model_name, st.config.model.model):
-        raise ApiError(404, f"the model {model!r} does not exist; this server serves {st.model_name!r}",
-                       param="model", code="model_not_found")
+    st.check_model(request.path_params["model"])
     return JSONResponse(_model_card(st))
+
+
+async def openapi_json(request: Request) -> Response:
+    """GET /openapi.json: the request schemas of the generation endpoints (from the pydantic models)."""
+    return JSONResponse(openapi())
 
 
 async def health(request: Request) -> Response:

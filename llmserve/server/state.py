@@ -1,4 +1,4 @@
-"""ServerState: the engine, readiness and draining, and the admission checks every /v1 request passes."""
+"""ServerState: the engine, readiness and draining, and the admission check every /v1 request passes once."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from typing import Any
 
 from llmserve.async_engine import AsyncEngine
 from llmserve.config import EngineConfig
-from llmserve.server.errors import ApiError, bad_request
+from llmserve.server.errors import ApiError
 
 log = logging.getLogger("llmserve.server")
 
@@ -66,25 +66,3 @@ class ServerState:
             return
         raise ApiError(404, f"the model {model!r} does not exist; this server serves {self.model_name!r}",
                        param="model", code="model_not_found")
-
-    def check_fit(self, num_prompt: int, max_tokens: int | None, prompt_param: str) -> None:
-        """400 when the prompt plus max_tokens cannot fit the context, naming both numbers."""
-        limit = self.max_model_len
-        if num_prompt >= limit:
-            raise bad_request(f"This model's maximum context length is {limit} tokens. However, your prompt has "
-                              f"{num_prompt} tokens, which leaves no room for the completion. Please reduce the "
-                              "length of the prompt.", prompt_param, code="context_length_exceeded")
-        if max_tokens is not None and num_prompt + max_tokens > limit:
-            raise bad_request(f"This model's maximum context length is {limit} tokens. However, you requested "
-                              f"{num_prompt + max_tokens} tokens ({num_prompt} in the prompt, {max_tokens} for the "
-                              "completion). Please reduce the prompt or max_tokens.", "max_tokens",
-                              code="context_length_exceeded")
-
-    def check_ids(self, ids: list[int], param: str) -> None:
-        """400 for a token id outside the vocabulary, or an empty prompt."""
-        if not ids:
-            raise bad_request(f"{param} is empty: it has no tokens", param)
-        vocab = self.engine.backend.vocab_size
-        for t in ids:
-            if not 0 <= t < vocab:
-                raise bad_request(f"token id {t} in {param} is outside the vocabulary [0, {vocab})", param)

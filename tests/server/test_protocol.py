@@ -2,35 +2,42 @@
 
 from __future__ import annotations
 
+import json
 import logging
 
 import pytest
 
 from llmserve.server.errors import ApiError
-from llmserve.server.protocol import parse_chat, parse_completion, parse_json
+from llmserve.server.protocol import ChatRequest, CompletionRequest, parse
+
+
+def parse_completion(body):
+    return parse(CompletionRequest, json.dumps(body).encode(), "/v1/completions")
+
+
+def parse_chat(body):
+    return parse(ChatRequest, json.dumps(body).encode(), "/v1/chat/completions")
 
 
 def test_completion_fields_become_sampling_params():
-    r = parse_completion({"prompt": "hi", "max_tokens": 7, "temperature": 0, "top_p": 0.5, "n": 2, "stop": "x",
+    r, sp = parse_completion({"prompt": "hi", "max_tokens": 7, "temperature": 0, "top_p": 0.5, "n": 2, "stop": "x",
                           "seed": 3, "logit_bias": {"65": -100, "66": 2.5}, "logprobs": 2, "echo": True,
                           "top_k": -1, "min_p": 0.1, "repetition_penalty": 1.2, "stop_token_ids": [5],
                           "ignore_eos": True, "min_tokens": 1, "priority": 4, "stream": True,
                           "stream_options": {"include_usage": True}, "best_of": 2})
-    sp = r.common.sampling
     assert (sp.max_tokens, sp.temperature, sp.top_p, sp.n, sp.stop, sp.seed) == (7, 0.0, 0.5, 2, ["x"], 3)
     assert sp.logit_bias == {65: -100.0, 66: 2.5} and sp.logprobs == 2 and sp.prompt_logprobs == 2
     assert (sp.top_k, sp.min_p, sp.repetition_penalty, sp.stop_token_ids) == (0, 0.1, 1.2, [5])
     assert sp.ignore_eos and sp.min_tokens == 1
-    assert r.common.priority == 4 and r.common.stream and r.common.include_usage and r.echo
-    sp.validate()
+    assert r.priority == 4 and r.stream and r.include_usage and r.echo
 
 
 def test_defaults_follow_openai():
-    c = parse_completion({"prompt": [1, 2, 3]})
-    assert c.prompts == [[1, 2, 3]] and c.common.sampling.max_tokens == 16 and c.common.sampling.temperature == 1.0
-    chat = parse_chat({"messages": [{"role": "user", "content": "x"}]})
-    assert chat.common.sampling.max_tokens is None  # up to the context length
-    assert chat.common.model is None and not chat.logprobs
+    c, sp = parse_completion({"prompt": [1, 2, 3], "temperature": None, "stop": None})  # null: the default
+    assert c.prompts == [[1, 2, 3]] and sp.max_tokens == 16 and sp.temperature == 1.0 and sp.stop == []
+    chat, sp = parse_chat({"messages": [{"role": "user", "content": "x"}]})
+    assert sp.max_tokens is None  # up to the context length
+    assert chat.model is None and not chat.logprobs and sp.logprobs is None
 
 
 def test_unknown_fields_are_ignored_with_a_debug_log(caplog):
@@ -55,6 +62,14 @@ def test_unknown_fields_are_ignored_with_a_debug_log(caplog):
     ({}, "prompt"),
     ({"prompt": "x", "echo": "yes"}, "echo"),
     ({"prompt": "x", "seed": "1"}, "seed"),
+    ({"prompt": "x", "temperature": float("nan")}, "temperature"),
+    ({"prompt": "x", "top_p": 0}, "top_p"),
+    ({"prompt": "x", "logprobs": 21}, "logprobs"),
+    ({"prompt": "x", "stop_token_ids": [3, -1]}, "stop_token_ids"),
+    ({"prompt": "x", "stop_token_ids": [3, "4"]}, "stop_token_ids[1]"),
+    ({"prompt": "x", "logit_bias": {"x": 1}}, "logit_bias"),
+    ({"prompt": "x", "suffix": "y"}, "suffix"),
+    ({"prompt": "x", "max_tokens": 0}, "max_tokens"),
 ])
 def test_completion_errors_name_the_field(body, param):
     with pytest.raises(ApiError) as e:
@@ -70,6 +85,9 @@ def test_completion_errors_name_the_field(body, param):
     ({"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 0}, "max_completion_tokens"),
     ({"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
     ({"messages": [{"role": "user", "content": "x"}], "functions": [{"name": "f"}]}, "functions"),
+    ({"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_object"}},
+     "response_format.type"),
+    ({"messages": []}, "messages"),
 ])
 def test_chat_errors_name_the_field(body, param):
     with pytest.raises(ApiError) as e:
@@ -77,20 +95,44 @@ def test_chat_errors_name_the_field(body, param):
     assert e.value.param == param
 
 
+def test_a_bad_field_inside_a_message_is_named_by_its_path():
+    ok = {"role": "user", "content": "x"}
+    with pytest.raises(ApiError) as e:
+        parse_chat({"messages": [ok, ok, {"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]})
+    # content is a string or a list of text parts: the error says what each alternative wanted
+    assert e.value.status == 400 and e.value.param == "messages[2].content"
+    assert "messages[2].content[0].type: Input should be 'text', got \"image_url\"" in e.value.message
+    with pytest.raises(ApiError) as e:
+        parse_chat({"messages": [ok, {"role": "robot", "content": "x"}]})
+    assert e.value.param == "messages[1].role" and "robot" in e.value.message
+    with pytest.raises(ApiError) as e:
+        parse_chat({"messages": [ok, {"role": "user", "content": [{"type": "text", "text": 5}]}]})
+    assert e.value.param == "messages[1].content" and "messages[1].content[0].text: Input should be a valid " \
+        "string, got 5" in e.value.message
+
+
+def test_a_whole_number_is_an_integer_but_a_string_is_not():
+    _, sp = parse_completion({"prompt": "x", "max_tokens": 8.0, "n": 2.0})
+    assert (sp.max_tokens, sp.n) == (8, 2) and isinstance(sp.max_tokens, int)
+    with pytest.raises(ApiError) as e:
+        parse_completion({"prompt": "x", "max_tokens": "8"})
+    assert e.value.param == "max_tokens" and 'got "8"' in e.value.message
+
+
 def test_chat_messages_are_normalized_for_templates():
-    r = parse_chat({"messages": [
+    r, sp = parse_chat({"messages": [
         {"role": "system", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
         {"role": "assistant", "content": None, "name": "bot"},
         {"role": "user", "content": "q"}], "max_completion_tokens": 5, "max_tokens": 9,
         "logprobs": True, "top_logprobs": 3, "response_format": {"type": "text"}, "tool_choice": "none"})
-    assert r.messages == [{"role": "system", "content": "ab"}, {"role": "assistant", "content": "", "name": "bot"},
+    assert r.template_messages() == [{"role": "system", "content": "ab"}, {"role": "assistant", "content": "", "name": "bot"},
                           {"role": "user", "content": "q"}]
-    assert r.common.sampling.max_tokens == 5 and r.common.sampling.logprobs == 3
+    assert sp.max_tokens == 5 and sp.logprobs == 3
 
 
-def test_parse_json_rejects_what_is_not_an_object():
-    for raw in (b"", b"[1]", b"{bad", b"\xff\xfe"):
-        with pytest.raises(ApiError) as e:
-            parse_json(raw)
-        assert e.value.status == 400
-    assert parse_json(b'{"a": 1}') == {"a": 1}
+@pytest.mark.parametrize("raw,code", [(b"", None), (b"[1]", None), (b"{bad", "invalid_json"),
+                                      (b"\xff\xfe", "invalid_json")])
+def test_a_body_that_is_not_a_json_object_is_a_400(raw, code):
+    with pytest.raises(ApiError) as e:
+        parse(CompletionRequest, raw, "/v1/completions")
+    assert e.value.status == 400 and e.value.code == code and e.value.param is None
