@@ -96,7 +96,6 @@ def run(args: argparse.Namespace, config) -> dict[str, Any]:
     engine = Engine.from_config(config)
     items = make_workload(args, engine.backend.vocab_size)
     max_len = engine.max_model_len
-    alloc = engine.allocator
     show = not args.no_progress and not args.json and sys.stderr.isatty()
     bar = None
     if show:
@@ -109,7 +108,7 @@ def run(args: argparse.Namespace, config) -> dict[str, Any]:
     out_tokens = prompt_tokens = 0
     completed = failed = 0
     errors: dict[str, int] = {}
-    full = engine.scheduler.max_num_seqs if hasattr(engine.scheduler, "max_num_seqs") else config.scheduler.max_num_seqs
+    full = engine.scheduler_stats().max_num_seqs or config.scheduler.max_num_seqs
     start = time.perf_counter()
     pending = sorted(items, key=lambda it: it.arrival)
     nxt = 0
@@ -150,19 +149,17 @@ def run(args: argparse.Namespace, config) -> dict[str, Any]:
                 overhead_full.append(m.overhead_seconds)
             peak_usage = max(peak_usage, m.kv_cache_usage)
         # fragmentation is read between steps so its cost is not counted as engine overhead
-        if hasattr(alloc, "internal_fragmentation"):
-            peak_int = max(peak_int, alloc.internal_fragmentation)
-        if steps % 16 == 0 and hasattr(alloc, "external_fragmentation"):
-            peak_ext = max(peak_ext, alloc.external_fragmentation())
+        c = engine.scheduler_stats().cache
+        peak_int = max(peak_int, c.internal_fragmentation)
+        peak_ext = max(peak_ext, c.external_fragmentation)
     elapsed = time.perf_counter() - start
     if bar is not None:
         bar.close()
 
     snap = engine.metrics_snapshot()
-    cache = alloc.stats()
+    cache = engine.scheduler_stats().cache
     ms = lambda d: {k: (v * 1e3 if isinstance(v, float) else v) for k, v in d.items()}  # noqa: E731
     total_prompt = sum(len(it.prompt) for it in items)
-    hits = cache.get("prefix_cache_hits", 0)
     report = {
         "workload": {
             "requests": args.requests, "prompt_len": args.prompt_len, "output_len": args.output_len,
@@ -173,7 +170,7 @@ def run(args: argparse.Namespace, config) -> dict[str, Any]:
             "backend": config.backend.name, "model": config.model.model, "scheduler": config.scheduler.name,
             "policy": config.scheduler.policy, "max_num_seqs": config.scheduler.max_num_seqs,
             "max_num_batched_tokens": config.scheduler.max_num_batched_tokens,
-            "cache": config.cache.name, "block_size": config.cache.block_size, "num_blocks": alloc.num_blocks,
+            "cache": config.cache.name, "block_size": config.cache.block_size, "num_blocks": cache.num_blocks,
             "prefix_caching": config.cache.enable_prefix_caching,
         },
         "backend": engine.backend.describe(),
@@ -199,14 +196,14 @@ def run(args: argparse.Namespace, config) -> dict[str, Any]:
             "peak_internal_fragmentation": peak_int,
             "peak_external_fragmentation": peak_ext,
             "preemptions": snap["preemptions"],
-            "blocks_total": cache["num_blocks"],
-            "blocks_used_at_end": cache["used_blocks"],
-            "all_blocks_free_at_end": cache["used_blocks"] == 0,
+            "blocks_total": cache.num_blocks,
+            "blocks_used_at_end": cache.used_blocks,
+            "all_blocks_free_at_end": cache.used_blocks == 0,
         },
         "prefix_cache": {
-            "hit_rate": cache.get("prefix_cache_hit_rate", 0.0),
-            "queried_tokens": cache.get("prefix_cache_queries", 0),
-            "hit_tokens": hits,
+            "hit_rate": cache.prefix_hit_rate,
+            "queried_tokens": cache.prefix_queries,
+            "hit_tokens": cache.prefix_hits,
             "prompt_tokens_total": total_prompt,
             # prefill work actually done: recomputation after preemption adds to it, cache hits save
             "prefill_tokens_computed": prefill_computed,

@@ -70,11 +70,11 @@ def test_abort_frees_blocks_before_the_next_step():
         try:
             s = ae.add_request(list(range(40)), SamplingParams(max_tokens=500, ignore_eos=True))
             await s.__anext__()
-            used = await ae.call(lambda e: e.allocator.stats()["used_blocks"])
+            used = await ae.call(lambda e: e.scheduler_stats().cache.used_blocks)
             assert used >= 3  # 40 prompt tokens in 16-token blocks
             ae.abort(s.request_id)
             # the call is queued behind the abort, so it runs after the abort and before any step
-            used, running = await ae.call(lambda e: (e.allocator.stats()["used_blocks"], e.num_running))
+            used, running = await ae.call(lambda e: (e.scheduler_stats().cache.used_blocks, e.num_running))
             assert (used, running) == (0, 0)
             rest = [o async for o in s]  # the stream ends at once
             assert all(not o.finished for o in rest)
@@ -140,7 +140,7 @@ def test_engine_errors_fail_in_flight_requests_and_the_loop_survives():
             with pytest.raises(RuntimeError, match="scheduler bug"):
                 await _collect(s)
             after = await _collect(ae.add_request([4, 5], SamplingParams(max_tokens=4, ignore_eos=True)))
-            used = await ae.call(lambda e: e.allocator.stats()["used_blocks"])
+            used = await ae.call(lambda e: e.scheduler_stats().cache.used_blocks)
             return after, used
         finally:
             await ae.shutdown()
