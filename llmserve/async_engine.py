@@ -193,14 +193,14 @@ class AsyncEngine:
     # --- requests (call these on the event loop) ----------------------------------------------
 
     def add_request(self, prompt_token_ids: Sequence[int], params: SamplingParams,
-                    request_id: str | None = None, priority: int = 0) -> RequestStream:
+                    request_id: str | None = None, priority: int = 0, cache_salt: str | None = None) -> RequestStream:
         """Queue a request for the engine thread and return its stream at once."""
         if self._loop is None or not self.running:
             raise EngineDeadError(f"the engine is not running{f': {self.dead}' if self.dead else ''}")
         rid = request_id or f"req-{next(_ids)}-{time.monotonic_ns():x}"
         stream = RequestStream(rid, params.n, self._loop)
         self._streams[rid] = stream
-        self._submit(("add", (rid, list(prompt_token_ids), params, priority, time.perf_counter())))
+        self._submit(("add", (rid, list(prompt_token_ids), params, priority, cache_salt, time.perf_counter())))
         return stream
 
     def abort(self, request_id: str) -> None:
@@ -307,9 +307,10 @@ class AsyncEngine:
     def _apply(self, kind: str, arg: Any) -> None:
         eng = self.engine
         if kind == "add":
-            rid, prompt, params, priority, arrival = arg
+            rid, prompt, params, priority, salt, arrival = arg
             try:
-                eng.add_request(prompt, params, request_id=rid, priority=priority, arrival_time=arrival)
+                eng.add_request(prompt, params, request_id=rid, priority=priority, arrival_time=arrival,
+                                cache_salt=salt)
             except Exception as e:  # InvalidRequestError and friends go back to that caller only
                 self._loop.call_soon_threadsafe(self._deliver_error, rid, e)
                 return

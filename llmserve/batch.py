@@ -1,7 +1,7 @@
-"""The data that crosses the scheduler → backend boundary each step.
+"""The data that crosses the scheduler → backend → scheduler boundary each step.
 
-The scheduler fills a ScheduledBatch; the backend reads it and returns a ModelOutput.
-Neither side reaches into the other's internals.
+The scheduler returns a SchedulerOutput; the backend reads it and returns a ModelOutput, which
+goes back to the scheduler's update_from_output. Neither side reaches into the other's internals.
 """
 
 from __future__ import annotations
@@ -34,15 +34,13 @@ class ScheduledRequest:
 
 
 @dataclass(slots=True)
-class ScheduledBatch:
+class SchedulerOutput:
     """Everything the backend needs for one forward pass over a flattened, mixed batch."""
 
     requests: list[ScheduledRequest] = field(default_factory=list)
     num_prefill_tokens: int = 0
     num_decode_tokens: int = 0
     block_size: int = 16
-    # copy-on-write: copy the K/V of block src into block dst before the forward
-    block_copies: list[tuple[int, int]] = field(default_factory=list)
     # sequences that ended or were preempted since the last batch: drop any per-sequence state
     finished_request_ids: list[str] = field(default_factory=list)
     preempted_request_ids: list[str] = field(default_factory=list)
@@ -57,7 +55,7 @@ class ScheduledBatch:
 
 @dataclass(slots=True)
 class ModelOutput:
-    """The backend's answer, aligned with ScheduledBatch.requests."""
+    """The backend's answer, aligned with SchedulerOutput.requests."""
 
     sampled_token_ids: list[int | None]  # None where do_sample was False
     # Logprob of each sampled token with its top alternatives, where sampling.logprobs is set

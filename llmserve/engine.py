@@ -3,13 +3,17 @@
     add_request → WAITING → PREFILL (one or more chunks) → DECODE → FINISHED | FAILED
                      ↑______ preempted: blocks freed, recomputed later ______|
 
-Each step asks the scheduler for a batch, runs it on the backend, then appends tokens, checks
-stop conditions, detokenizes and reports metrics. The engine is not thread-safe: the async
-wrapper (async_engine.py) drives it from a single thread.
+Each step asks the scheduler for its output, runs it on the backend, hands the model output
+back to the scheduler (which advances computed tokens and caches full KV blocks), then appends
+tokens, checks stop conditions, detokenizes and reports metrics. The scheduler owns the KV
+cache: the engine never touches it. A request with n > 1 is a fan-out of n sequences that share
+the prompt through the prefix cache. The engine is not thread-safe: the async wrapper
+(async_engine.py) builds and drives it from a single thread.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 import uuid
@@ -20,10 +24,12 @@ from typing import Any
 from llmserve.config import EngineConfig, config_from_dict
 from llmserve.detokenize import IncrementalDetokenizer
 from llmserve.errors import InvalidRequestError, PluginError
-from llmserve.interfaces import CacheAllocator, MetricSink, ModelBackend, Scheduler, Tokenizer
+from llmserve.interfaces import MetricSink, ModelBackend, Scheduler, Tokenizer
+from llmserve.limits import check_prompt
 from llmserve.metrics import MetricsCollector, RequestMetrics, StepMetrics
 from llmserve.plugins import PluginSet, load_plugins
 from llmserve.request import FinishReason, Request, RequestOutput, RequestStatus, SamplingParams
+from llmserve.stats import SchedulerStats
 from llmserve.threads import ThreadOwner
 
 log = logging.getLogger("llmserve.engine")
@@ -39,10 +45,11 @@ class StepOutput:
 
 @dataclass(slots=True)
 class _Group:
-    """The caller's request: its n sequences."""
+    """The caller's request: its n sequences, and those held back until the first has computed the prompt."""
 
     seq_ids: list[str]
     unfinished: int
+    held: list[Request] = field(default_factory=list)
 
 
 class Engine:
@@ -54,7 +61,7 @@ class Engine:
         # the thread that builds the engine must be the one that steps it (llmserve/threads.py)
         self.threads = ThreadOwner()
         t0 = time.perf_counter()
-        self.tokenizer: Tokenizer | None = self._build_tokenizer()
+        # the backend first: a missing checkpoint is reported as such, not as a tokenizer error
         self.backend: ModelBackend = self._factory("backend", config.backend.name)(config)
         cc = config.cache
         num_blocks = cc.num_blocks or self.backend.num_kv_blocks(cc.block_size)
@@ -62,8 +69,10 @@ class Engine:
             raise PluginError(f"the KV cache budget holds no block of {cc.block_size} tokens; "
                               "raise backend.kv_cache_memory or set cache.num_blocks")
         self.backend.init_kv_cache(num_blocks, cc.block_size)
-        self.allocator: CacheAllocator = self._factory("cache", cc.name)(config, num_blocks)
-        self.scheduler: Scheduler = self._factory("scheduler", config.scheduler.name)(config, self.allocator)
+        # the scheduler owns the KV cache built for it: the engine never calls it
+        kv_cache = self._factory("cache", cc.name)(config, num_blocks)
+        self.scheduler: Scheduler = self._factory("scheduler", config.scheduler.name)(config, kv_cache)
+        self.tokenizer: Tokenizer | None = self._build_tokenizer()
         self.metric_sinks: list[MetricSink] = [
             self._factory("metric_sink", s.name)(config, dict(s.options)) for s in config.metrics.sinks
         ]
@@ -77,6 +86,7 @@ class Engine:
         self.collector = MetricsCollector()
         self._seqs: dict[str, Request] = {}
         self._groups: dict[str, _Group] = {}
+        self._holding: dict[str, _Group] = {}  # groups whose other sequences wait for the first's prompt
         self._pending: list[RequestOutput] = []  # outputs made outside step() (immediate failures)
         self._step_no = 0
         self._prefix_q = self._prefix_h = 0
@@ -98,13 +108,20 @@ class Engine:
 
     def _build_tokenizer(self) -> Tokenizer | None:
         name = self.config.tokenizer.name
+        if name == "auto":  # the model's own: the backend knows what it loaded
+            name = self.backend.default_tokenizer
+            if name is None:
+                log.warning("the %s backend names no tokenizer: the engine takes token ids only",
+                            self.config.backend.name)
+                return None
         if name == "none":
             return None
-        if name not in self.plugins.registries["tokenizer"]:
-            if name == "auto":
-                log.warning("no tokenizer plugin provides 'auto': the engine takes token ids only")
-                return None
         return self._factory("tokenizer", name)(self.config)
+
+    def add_metric_sink(self, sink: MetricSink) -> None:
+        """Attach a sink after construction (a plugin's route hook serving it, say); it gets every later event."""
+        self.metric_sinks.append(sink)
+        sink.on_scheduler_stats(self.scheduler.stats())
 
     # --- requests -----------------------------------------------------------------------------
 
@@ -115,68 +132,69 @@ class Engine:
         request_id: str | None = None,
         priority: int = 0,
         arrival_time: float | None = None,
+        cache_salt: str | None = None,
     ) -> str:
-        """Queue a request; return its id. Bad input raises InvalidRequestError (nothing queued)."""
+        """Queue a request with validated params; return its id. Bad input raises InvalidRequestError (nothing queued)."""
         sp = sampling_params or SamplingParams()
-        sp.validate()
         rid = request_id or uuid.uuid4().hex
         if rid in self._groups:
             raise InvalidRequestError(f"request id {rid!r} is already in use", param="request_id")
         prompt = list(prompt_token_ids)
-        if not prompt:
-            raise InvalidRequestError("the prompt is empty", param="prompt")
-        vocab = self.backend.vocab_size
-        for t in prompt:
-            if not isinstance(t, int) or not 0 <= t < vocab:
-                raise InvalidRequestError(f"token id {t!r} is outside the vocabulary [0, {vocab})", param="prompt")
-        if sp.logit_bias:
-            for t in sp.logit_bias:
-                if not 0 <= t < vocab:
-                    raise InvalidRequestError(f"logit_bias token {t} is outside the vocabulary", param="logit_bias")
+        # SamplingParams.validate ran where the params were made (the server's protocol layer, or
+        # the offline caller); what only the engine knows is checked here, by the shared rule
+        check_prompt(prompt, sp, self.backend.vocab_size, self.max_model_len)
         now = time.perf_counter() if arrival_time is None else arrival_time
-        if len(prompt) >= self.max_model_len:
-            # can never run: fail at once (reported by the next step), holding nothing
-            msg = (f"the prompt has {len(prompt)} tokens but the engine's maximum context is "
-                   f"{self.max_model_len} tokens (model context and KV-cache capacity), "
-                   "which leaves no room to generate")
-            for i in range(sp.n):
-                self._pending.append(RequestOutput(rid, i, [], finished=True, finish_reason=FinishReason.ERROR,
-                                                   error=msg, num_prompt_tokens=len(prompt)))
-            self.collector.requests_finished["error"] = self.collector.requests_finished.get("error", 0) + sp.n
-            return rid
         max_total = self.max_model_len if sp.max_tokens is None else min(self.max_model_len, len(prompt) + sp.max_tokens)
-
-        def seq(sid: str, index: int, tokens: list[int] | None = None, parent: bool = False) -> Request:
-            r = Request(sid, prompt, sp, now, priority=priority, group_id=rid, index=index,
-                        token_ids=list(tokens if tokens is not None else prompt), is_fork_parent=parent,
-                        max_total_tokens=max_total)
-            self._seqs[sid] = r
-            return r
-
-        if sp.n > 1 and len(prompt) > 1 and sp.prompt_logprobs is None:
-            # compute the prompt once (all but its last token), then fork into n children
-            seqs = [seq(f"{rid}#p", 0, prompt[:-1], parent=True)]
-            ids = [f"{rid}#{i}" for i in range(sp.n)]
-        elif sp.n > 1:
-            seqs = [seq(f"{rid}#{i}", i) for i in range(sp.n)]
-            ids = [r.request_id for r in seqs]
+        ids = [rid] if sp.n == 1 else [f"{rid}#{i}" for i in range(sp.n)]
+        seqs = []
+        for i, sid in enumerate(ids):
+            # n samples from one seed must differ: each sequence draws from its own stream
+            p = sp if i == 0 or sp.seed is None else dataclasses.replace(sp, seed=sp.seed + i)
+            seqs.append(Request(sid, prompt, p, now, priority=priority, group_id=rid, index=i,
+                                max_total_tokens=max_total, cache_salt=cache_salt))
+        for r in seqs[1:]:
+            r.arrival_seq = seqs[0].arrival_seq  # one arrival: the policy orders the n together
+        self.scheduler.add(seqs[0])  # the policy may refuse it (InvalidRequestError): nothing is held yet
+        group = _Group(ids, sp.n)
+        # fan-out: the others wait until the first has computed the prompt, then hit its cached
+        # blocks; without prefix reuse (caching off, prompt logprobs) they would gain nothing
+        if self._shares_prompt(sp, prompt):
+            group.held = seqs[1:]
+            self._holding[rid] = group
         else:
-            seqs = [seq(rid, 0)]
-            ids = [rid]
-        self._groups[rid] = _Group(ids, sp.n)
+            for r in seqs[1:]:
+                self.scheduler.add(r)
+        self._groups[rid] = group
         for r in seqs:
-            self.scheduler.add(r)
+            self._seqs[r.request_id] = r
         return rid
+
+    def _shares_prompt(self, sp: SamplingParams, prompt: list[int]) -> bool:
+        return (sp.n > 1 and sp.prompt_logprobs is None and self.config.cache.enable_prefix_caching
+                and len(prompt) > self.config.cache.block_size)
+
+    def _release_held(self) -> None:
+        """Admit the held sequences of each group whose first sequence has computed its prompt."""
+        for rid, g in list(self._holding.items()):
+            first = self._seqs.get(g.seq_ids[0])
+            if first is not None and first.num_computed_tokens < first.num_prompt_tokens:
+                continue
+            del self._holding[rid]
+            held, g.held = g.held, []
+            for r in held:
+                if not r.status.is_done:
+                    self.scheduler.add(r)
 
     def abort(self, request_id: str) -> bool:
         """Cancel every sequence of the request; blocks are freed now. False if it is not running."""
         group = self._groups.get(request_id)
         if group is None:
             return False
-        for sid in list(group.seq_ids) + [f"{request_id}#p"]:
+        for sid in list(group.seq_ids):
             r = self._seqs.get(sid)
             if r is not None and not r.status.is_done:
                 self._finish(r, FinishReason.ABORT, out=self._pending)
+        self._report_state()
         return True
 
     @property
@@ -195,16 +213,14 @@ class Engine:
 
     def _end(self, r: Request, now: float) -> None:
         """Release the sequence everywhere and report its metrics."""
-        self.scheduler.finish(r)
+        self.scheduler.finish((r.request_id,))
         self._seqs.pop(r.request_id, None)
-        forked = r.is_fork_parent and r.status is RequestStatus.FINISHED and r.finish_reason is FinishReason.STOP
-        if forked:
-            return  # the parent handed its blocks to its children: no sequence of the caller's ended
         g = self._groups.get(r.group_id)
         if g is not None:
-            g.unfinished -= r.sampling.n if r.is_fork_parent else 1
+            g.unfinished -= 1
             if g.unfinished <= 0:
                 del self._groups[r.group_id]
+                self._holding.pop(r.group_id, None)
         m = RequestMetrics(
             request_id=r.group_id, index=r.index,
             finish_reason=r.finish_reason.value if r.finish_reason else None, error=r.error,
@@ -218,13 +234,6 @@ class Engine:
         for s in self.metric_sinks:
             s.on_request_finished(m)
 
-    def _outputs_for_end(self, r: Request, text: str) -> list[RequestOutput]:
-        """The final delta(s): a fork parent that ends early ends all n of the caller's sequences."""
-        if not r.is_fork_parent:
-            return [self._delta(r, text, finished=True)]
-        return [RequestOutput(r.group_id, i, [], finished=True, finish_reason=r.finish_reason, error=r.error,
-                              num_prompt_tokens=r.num_prompt_tokens) for i in range(r.sampling.n)]
-
     def _finish(self, r: Request, reason: FinishReason, out: list[RequestOutput], stop_reason=None,
                 text: str = "") -> None:
         r.status = RequestStatus.FINISHED
@@ -232,15 +241,20 @@ class Engine:
         r.stop_reason = stop_reason
         if r.detok is not None and reason is not FinishReason.ABORT and not isinstance(stop_reason, str):
             text += r.detok.flush()  # the text held back for stop strings is final now
-        out.extend(self._outputs_for_end(r, text))
+        out.append(self._delta(r, text, finished=True))
         self._end(r, time.perf_counter())
 
     def _fail(self, r: Request, message: str) -> None:
-        r.status = RequestStatus.FAILED
-        r.finish_reason = FinishReason.ERROR
-        r.error = message
-        self._pending.extend(self._outputs_for_end(r, ""))
-        self._end(r, time.perf_counter())
+        """Fail the sequence, and the sequences of its request still held back (a failed request ends whole)."""
+        g = self._holding.get(r.group_id)
+        for seq in [r] + (g.held if g is not None else []):
+            if seq.status.is_done:
+                continue
+            seq.status = RequestStatus.FAILED
+            seq.finish_reason = FinishReason.ERROR
+            seq.error = message
+            self._pending.append(self._delta(seq, "", finished=True))
+            self._end(seq, time.perf_counter())
 
     def _delta(self, r: Request, text: str, finished: bool = False) -> RequestOutput:
         o = RequestOutput(
@@ -267,7 +281,6 @@ class Engine:
         outputs, self._pending = self._pending, []
         batch = self.scheduler.schedule()
         backend_s = 0.0
-        forks: list[Request] = []
         if batch.requests:
             tb = time.perf_counter()
             try:
@@ -284,29 +297,21 @@ class Engine:
                 return StepOutput(outputs, self._report_step(batch, t0, backend_s))
             now = time.perf_counter()
             backend_s = now - tb
-            self._postprocess(batch, mo, now, t0, outputs, forks)
-            for parent in forks:
-                self._fork(parent, now)
+            self.scheduler.update_from_output(batch, mo)
+            self._postprocess(batch, mo, now, t0, outputs)
+            if self._holding:
+                self._release_held()
         outputs.extend(self._pending)
         self._pending = []
         return StepOutput(outputs, self._report_step(batch, t0, backend_s))
 
-    def _postprocess(self, batch, mo, now: float, t0: float, outputs: list[RequestOutput],
-                     forks: list[Request]) -> None:
-        bs = batch.block_size
-        alloc = self.allocator
-        caching = self.config.cache.enable_prefix_caching
+    def _postprocess(self, batch, mo, now: float, t0: float, outputs: list[RequestOutput]) -> None:
         eos = self.eos_token_id
         sampled = mo.sampled_token_ids
         lps = mo.logprobs
         plps = mo.prompt_logprobs
         for i, sr in enumerate(batch.requests):
             r = self._seqs[sr.request_id]
-            before = r.num_computed_tokens
-            after = before + sr.num_new_tokens
-            r.num_computed_tokens = after
-            if caching and after // bs > before // bs:
-                alloc.cache_full_blocks(r.request_id, r.token_ids, after)
             if r.first_scheduled_time is None:
                 r.first_scheduled_time = t0
             if plps is not None and plps[i] is not None:
@@ -314,10 +319,6 @@ class Engine:
                     r.prompt_logprobs = [None]  # the first prompt token has no logprob
                 if len(r.prompt_logprobs) < r.num_prompt_tokens:
                     r.prompt_logprobs.extend(plps[i][: r.num_prompt_tokens - len(r.prompt_logprobs)])
-            if r.is_fork_parent:
-                if after >= len(r.token_ids):
-                    forks.append(r)
-                continue
             tok = sampled[i]
             if tok is None:
                 continue
@@ -352,51 +353,36 @@ class Engine:
                 continue
             outputs.append(self._delta(r, text))
 
-    def _fork(self, parent: Request, now: float) -> None:
-        """The parent's prompt KV is computed: hand it to n children, then retire the parent."""
-        sp = parent.sampling
-        for i in range(sp.n):
-            child = Request(f"{parent.group_id}#{i}", parent.prompt_token_ids, sp, parent.arrival_time,
-                            priority=parent.priority, group_id=parent.group_id, index=i,
-                            max_total_tokens=parent.max_total_tokens, arrival_seq=parent.arrival_seq)
-            child.num_computed_tokens = parent.num_computed_tokens
-            child.num_cached_tokens = parent.num_cached_tokens
-            child.first_scheduled_time = parent.first_scheduled_time
-            child.status = RequestStatus.PREFILL
-            if sp.seed is not None:
-                # n samples from one seed must differ: each child draws from its own stream
-                child.sampling = _with_seed(sp, sp.seed + i)
-            self.allocator.fork(parent.request_id, child.request_id)
-            self._seqs[child.request_id] = child
-            self.scheduler.add_running(child)
-        parent.status = RequestStatus.FINISHED
-        parent.finish_reason = FinishReason.STOP
-        self._end(parent, now)
-
     def _report_step(self, batch, t0: float, backend_s: float) -> StepMetrics | None:
         if not batch.requests and not batch.preempted_request_ids:
             return None
         self._step_no += 1
-        a = self.allocator
-        q = getattr(a, "prefix_queries", 0)
-        h = getattr(a, "prefix_hits", 0)
-        dq, dh = q - self._prefix_q, h - self._prefix_h
-        self._prefix_q, self._prefix_h = q, h
+        st = self.scheduler.stats()
+        c = st.cache
+        dq, dh = c.prefix_queries - self._prefix_q, c.prefix_hits - self._prefix_h
+        self._prefix_q, self._prefix_h = c.prefix_queries, c.prefix_hits
         step_s = time.perf_counter() - t0
         m = StepMetrics(
             step=self._step_no, timestamp=time.time(), batch_size=len(batch.requests),
             num_scheduled_tokens=batch.num_prefill_tokens + batch.num_decode_tokens,
             num_prefill_tokens=batch.num_prefill_tokens, num_decode_tokens=batch.num_decode_tokens,
-            num_running=self.scheduler.num_running, num_waiting=self.scheduler.num_waiting,
+            num_running=st.num_running, num_waiting=st.num_waiting,
             num_preempted=len(batch.preempted_request_ids), step_seconds=step_s,
             backend_seconds=backend_s, overhead_seconds=step_s - backend_s,
-            kv_cache_usage=_usage(a),
-            prefix_cache_queries=dq, prefix_cache_hits=dh,
+            kv_cache_usage=c.usage, prefix_cache_queries=dq, prefix_cache_hits=dh,
         )
         self.collector.on_step(m)
         for s in self.metric_sinks:
             s.on_step(m)
+            s.on_scheduler_stats(st)
         return m
+
+    def _report_state(self) -> None:
+        """Tell the sinks the present queue and cache state (after an abort, outside any step)."""
+        if self.metric_sinks:
+            st = self.scheduler.stats()
+            for s in self.metric_sinks:
+                s.on_scheduler_stats(st)
 
     # --- reporting ----------------------------------------------------------------------------
 
@@ -404,23 +390,30 @@ class Engine:
         """Counters and p50/p95/p99 of queue time, TTFT, ITL, e2e latency and step overhead."""
         return self.collector.snapshot()
 
+    def scheduler_stats(self) -> SchedulerStats:
+        """The scheduler's typed stats, with its cache's (what benches and tests read)."""
+        return self.scheduler.stats()
+
     def stats(self) -> dict[str, Any]:
         """Queue, running, cache and prefix-cache state plus the metrics snapshot (for /stats)."""
-        sched = self.scheduler.stats() if hasattr(self.scheduler, "stats") else {}
+        sched = self.scheduler.stats().to_dict()
+        cache = sched.pop("cache")
         return {
             "model": self.config.served_model_name,
             "backend": self.backend.describe(),
             "max_model_len": self.max_model_len,
-            "waiting": self.scheduler.num_waiting,
-            "running": self.scheduler.num_running,
+            "waiting": sched["num_waiting"],
+            "running": sched["num_running"],
             "scheduler": sched,
-            "cache": self.allocator.stats(),
+            "cache": cache,
             "threads": self.threads.layout(),
             "metrics": self.metrics_snapshot(),
         }
 
     def generate(self, prompts: list[list[int]], sampling_params: SamplingParams | None = None) -> list[list[int]]:
         """Run prompts to completion offline; return each one's output token ids (n=1)."""
+        if sampling_params is not None:
+            sampling_params.validate()  # add_request trusts its caller to have done this once
         ids = [self.add_request(p, sampling_params) for p in prompts]
         result: dict[str, list[int]] = {i: [] for i in ids}
         while self.has_unfinished:
@@ -436,16 +429,3 @@ class Engine:
         for s in self.metric_sinks:
             s.close()
         self.backend.shutdown()
-
-
-def _usage(allocator: CacheAllocator) -> float:
-    used = getattr(allocator, "num_used_blocks", None)
-    if used is None:
-        return 1.0 - allocator.num_free_blocks() / allocator.num_blocks
-    return used / allocator.num_blocks
-
-
-def _with_seed(sp: SamplingParams, seed: int) -> SamplingParams:
-    from dataclasses import replace
-
-    return replace(sp, seed=seed)

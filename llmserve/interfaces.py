@@ -7,42 +7,39 @@ objects directly, so no pluggy call sits on the per-token path.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from llmserve.batch import ModelOutput, ScheduledBatch
+    from llmserve.batch import ModelOutput, SchedulerOutput
     from llmserve.metrics import RequestMetrics, StepMetrics
     from llmserve.request import Request
+    from llmserve.stats import CacheStats, SchedulerStats
 
 
 class CacheAllocator(ABC):
-    """Hands out KV-cache block ids to sequences; never touches tensors (the backend owns those)."""
+    """Hands out KV-cache block ids to sequences for its scheduler; never touches tensors (the backend does)."""
 
     block_size: int
     num_blocks: int
 
     @abstractmethod
-    def lookup_prefix(self, token_ids: Sequence[int]) -> int:
+    def lookup_prefix(self, token_ids: Sequence[int], salt: str | None = None) -> int:
         """Return how many leading tokens are already cached (whole blocks, always < len(token_ids)); no state change."""
 
     @abstractmethod
     def allocate(self, seq_id: str, token_ids: Sequence[int], num_tokens: int,
-                 use_prefix_cache: bool = True) -> int | None:
+                 use_prefix_cache: bool = True, salt: str | None = None) -> int | None:
         """Reserve slots for positions [0, num_tokens) of seq_id; all or nothing.
 
         On a sequence's first allocation (and when use_prefix_cache), reuse the cached prefix
-        blocks first and return how many tokens they cover; later allocations return 0.
-        Return None, changing nothing, when there are not enough free blocks.
+        blocks of the same salt first and return how many tokens they cover; later allocations
+        return 0. Return None, changing nothing, when there are not enough free blocks.
         """
 
     @abstractmethod
     def cache_full_blocks(self, seq_id: str, token_ids: Sequence[int], num_computed_tokens: int) -> None:
         """Make the sequence's blocks that are full of computed tokens findable by prefix lookup."""
-
-    @abstractmethod
-    def fork(self, parent_id: str, child_id: str) -> None:
-        """Give child_id the parent's blocks (shared, ref-counted; a shared partial block is copied on write)."""
 
     @abstractmethod
     def free(self, seq_id: str) -> None:
@@ -53,43 +50,39 @@ class CacheAllocator(ABC):
         """The sequence's block ids in position order (the live list: read only)."""
 
     @abstractmethod
-    def take_block_copies(self) -> list[tuple[int, int]]:
-        """Return and clear the copy-on-write (src, dst) pairs made since the last call."""
-
-    @abstractmethod
     def num_free_blocks(self) -> int:
         """Blocks a new allocation can take now (free plus evictable cached ones)."""
 
     @abstractmethod
-    def stats(self) -> dict[str, Any]:
-        """Used / free / cached blocks, utilization, fragmentation and prefix-cache counters."""
+    def stats(self) -> CacheStats:
+        """Used / free / cached blocks, fragmentation, prefix-cache counters and evictions."""
 
     def reset_prefix_cache(self) -> None:  # noqa: B027 - optional
         """Forget every cached block that no sequence holds."""
 
 
 class Scheduler(ABC):
-    """Decides, each step, which sequences run and how many tokens each computes."""
+    """Owns the waiting and running sequences and their KV blocks; decides each step's work."""
 
     @abstractmethod
     def add(self, request: Request) -> None:
-        """Queue a new (WAITING) sequence."""
+        """Queue a new sequence; raise InvalidRequestError (naming the field) for one this policy cannot take."""
 
     @abstractmethod
-    def add_running(self, request: Request) -> None:
-        """Take a sequence that already holds blocks (a forked child) straight into the running set."""
+    def schedule(self) -> SchedulerOutput:
+        """Pick this step's work within the token budget; allocate, preempt, and return it."""
 
     @abstractmethod
-    def schedule(self) -> ScheduledBatch:
-        """Pick this step's work within the token budget; allocate, preempt, and return the batch."""
+    def update_from_output(self, output: SchedulerOutput, model_output: ModelOutput) -> None:
+        """After the forward: advance each scheduled sequence's computed tokens and cache its full blocks."""
 
     @abstractmethod
-    def finish(self, request: Request) -> None:
-        """Remove a done sequence (finished, failed or aborted) and free its blocks."""
+    def finish(self, request_ids: Iterable[str]) -> None:
+        """Drop ended sequences (finished, failed or aborted) and free their blocks; unknown ids are ignored."""
 
     @abstractmethod
-    def get(self, request_id: str) -> Request | None:
-        """The queued or running sequence with this id, if any."""
+    def stats(self) -> SchedulerStats:
+        """Queue lengths, preemptions and the cache's stats, as declared types."""
 
     @property
     @abstractmethod
@@ -112,6 +105,7 @@ class ModelBackend(ABC):
     vocab_size: int
     max_model_len: int
     eos_token_id: int | None = None
+    default_tokenizer: str | None = None  # the registered tokenizer that tokenizer "auto" means for this model
 
     @abstractmethod
     def num_kv_blocks(self, block_size: int) -> int:
@@ -122,7 +116,7 @@ class ModelBackend(ABC):
         """Allocate the KV tensors for num_blocks blocks."""
 
     @abstractmethod
-    def execute(self, batch: ScheduledBatch) -> ModelOutput:
+    def execute(self, batch: SchedulerOutput) -> ModelOutput:
         """Run one forward over the batch, write K/V through the block tables, sample."""
 
     def describe(self) -> dict[str, Any]:
@@ -164,6 +158,9 @@ class MetricSink(ABC):
 
     def on_request_finished(self, metrics: RequestMetrics) -> None:  # noqa: B027 - optional
         """Called once per finished, failed or aborted sequence."""
+
+    def on_scheduler_stats(self, stats: SchedulerStats) -> None:  # noqa: B027 - optional
+        """Called whenever running, waiting or cache usage change: after each step, abort, and when idle."""
 
     def close(self) -> None:  # noqa: B027 - optional
         """Flush and close."""

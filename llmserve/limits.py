@@ -1,7 +1,9 @@
 """The checks only an engine can make: token ids against its vocabulary, length against its context.
 
-One rule for both callers: Engine.add_request, and the server before it submits, so that a bad
-prompt is a 400 with OpenAI's wording before the engine or a stream is involved.
+check_prompt is the engine's rule (Engine.add_request calls it); the server calls check_request,
+which adds the API's rule that prompt + max_tokens must fit, before it submits anything, so a
+bad prompt is a 400 with OpenAI's wording before a stream starts. Offline, the engine instead
+stops a generation at the context length, as vLLM's offline engine does.
 """
 
 from __future__ import annotations
@@ -12,9 +14,9 @@ from llmserve.errors import InvalidRequestError
 from llmserve.request import SamplingParams
 
 
-def check_request(prompt_token_ids: Sequence[int], params: SamplingParams, vocab_size: int, max_model_len: int,
-                  param: str = "prompt") -> None:
-    """Raise InvalidRequestError unless the ids are in the vocabulary and prompt + max_tokens fit the context."""
+def check_prompt(prompt_token_ids: Sequence[int], params: SamplingParams, vocab_size: int, max_model_len: int,
+                 param: str = "prompt") -> None:
+    """Raise InvalidRequestError unless the ids are in the vocabulary and the prompt leaves room to generate."""
     n = len(prompt_token_ids)
     if not n:
         raise InvalidRequestError(f"{param} is empty: it has no tokens", param=param)
@@ -32,6 +34,13 @@ def check_request(prompt_token_ids: Sequence[int], params: SamplingParams, vocab
             f"This model's maximum context length is {max_model_len} tokens. However, your prompt has {n} tokens, "
             "which leaves no room for the completion. Please reduce the length of the prompt.",
             param=param, code="context_length_exceeded")
+
+
+def check_request(prompt_token_ids: Sequence[int], params: SamplingParams, vocab_size: int, max_model_len: int,
+                  param: str = "prompt") -> None:
+    """check_prompt, and the API's rule: prompt + max_tokens must fit the context (a 400, as OpenAI answers)."""
+    check_prompt(prompt_token_ids, params, vocab_size, max_model_len, param)
+    n = len(prompt_token_ids)
     if params.max_tokens is not None and n + params.max_tokens > max_model_len:
         raise InvalidRequestError(
             f"This model's maximum context length is {max_model_len} tokens. However, you requested "

@@ -103,7 +103,7 @@ _seq_counter = itertools.count()
 class Request:
     """The engine's state of one sequence; the scheduler and allocator read it, only the engine writes tokens."""
 
-    request_id: str  # unique per sequence (a parent id, or "<parent>#<i>" for the i-th of n)
+    request_id: str  # unique per sequence: the caller's id, or "<id>#<i>" for the i-th of n
     prompt_token_ids: list[int]
     sampling: SamplingParams
     arrival_time: float
@@ -118,8 +118,8 @@ class Request:
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
     error: str | None = None
     max_total_tokens: int = 0  # prompt + output may not exceed this (max_tokens and context length)
-    # a fork parent only computes the prompt's KV, then the engine forks it into n children
-    is_fork_parent: bool = False
+    # prefix-cache blocks are shared only between requests of the same salt (vLLM's cache_salt)
+    cache_salt: str | None = None
     num_preemptions: int = 0
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at first admission
     arrival_seq: int = field(default_factory=lambda: next(_seq_counter))  # FCFS tie-breaker

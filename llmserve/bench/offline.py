@@ -43,20 +43,6 @@ def thread_layout(engine) -> dict[str, Any]:
     return {**engine.threads.layout(), "torch_threads": engine.backend.describe().get("threads")}
 
 
-def _cache_reading(engine) -> dict[str, Any]:
-    """The KV cache between steps, and the batch limit: every read of allocator and scheduler internals."""
-    stats = engine.allocator.stats()
-    return {
-        "max_num_seqs": getattr(engine.scheduler, "max_num_seqs", None),
-        "num_blocks": engine.allocator.num_blocks,
-        "used_blocks": stats.get("used_blocks", 0),
-        "internal_fragmentation": stats.get("internal_fragmentation", 0.0),
-        "external_fragmentation": stats.get("external_fragmentation", 0.0),
-        "prefix_queries": stats.get("prefix_cache_queries", 0),
-        "prefix_hits": stats.get("prefix_cache_hits", 0),
-    }
-
-
 def drive(engine, items: list[Item], concurrency: int, bar, detokenize: bool = True,
           on_step: Callable[[Any], None] | None = None) -> tuple[list[Result], float]:
     """Step `engine` until every item is done: each added at its arrival, at most `concurrency` in flight.
@@ -110,7 +96,7 @@ def run(args: argparse.Namespace, config) -> dict[str, Any]:
 
     engine = Engine.from_config(config)
     items = make_workload(args, engine.backend.vocab_size)
-    full = _cache_reading(engine)["max_num_seqs"] or config.scheduler.max_num_seqs
+    full = engine.scheduler_stats().max_num_seqs or config.scheduler.max_num_seqs
     ran: list = []  # the metrics of the steps that ran a batch
     peak = {"internal": 0.0, "external": 0.0}
     steps = 0
@@ -121,14 +107,14 @@ def run(args: argparse.Namespace, config) -> dict[str, Any]:
         if so.metrics is not None and so.metrics.batch_size:
             ran.append(so.metrics)
         # read between steps, so its cost is not counted as engine overhead
-        c = _cache_reading(engine)
-        peak["internal"] = max(peak["internal"], c["internal_fragmentation"])
-        peak["external"] = max(peak["external"], c["external_fragmentation"])
+        c = engine.scheduler_stats().cache
+        peak["internal"] = max(peak["internal"], c.internal_fragmentation)
+        peak["external"] = max(peak["external"], c.external_fragmentation)
 
     results, elapsed = drive(engine, items, len(items), progress_bar(args, len(items), "bench offline"),
                              detokenize=False, on_step=on_step)
     snap = engine.metrics_snapshot()
-    cache = _cache_reading(engine)
+    cache = engine.scheduler_stats().cache
     total_prompt = sum(len(it.prompt) for it in items)
     summary = summarize_results(results, elapsed)
     prompt_tokens = sum(r.prompt_tokens for r in results if r.ok)
@@ -140,7 +126,7 @@ def run(args: argparse.Namespace, config) -> dict[str, Any]:
             "backend": config.backend.name, "model": config.model.model, "scheduler": config.scheduler.name,
             "policy": config.scheduler.policy, "max_num_seqs": config.scheduler.max_num_seqs,
             "max_num_batched_tokens": config.scheduler.max_num_batched_tokens,
-            "cache": config.cache.name, "block_size": config.cache.block_size, "num_blocks": cache["num_blocks"],
+            "cache": config.cache.name, "block_size": config.cache.block_size, "num_blocks": cache.num_blocks,
             "prefix_caching": config.cache.enable_prefix_caching,
         },
         "backend": engine.backend.describe(),
@@ -163,14 +149,14 @@ def run(args: argparse.Namespace, config) -> dict[str, Any]:
             "peak_internal_fragmentation": peak["internal"],
             "peak_external_fragmentation": peak["external"],
             "preemptions": snap["preemptions"],
-            "blocks_total": cache["num_blocks"],
-            "blocks_used_at_end": cache["used_blocks"],
-            "all_blocks_free_at_end": cache["used_blocks"] == 0,
+            "blocks_total": cache.num_blocks,
+            "blocks_used_at_end": cache.used_blocks,
+            "all_blocks_free_at_end": cache.used_blocks == 0,
         },
         "prefix_cache": {
-            "hit_rate": cache["prefix_hits"] / cache["prefix_queries"] if cache["prefix_queries"] else 0.0,
-            "queried_tokens": cache["prefix_queries"],
-            "hit_tokens": cache["prefix_hits"],
+            "hit_rate": cache.prefix_hit_rate,
+            "queried_tokens": cache.prefix_queries,
+            "hit_tokens": cache.prefix_hits,
             "prompt_tokens_total": total_prompt,
             # prefill work actually done: recomputation after preemption adds to it, cache hits save
             "prefill_tokens_computed": prefill_computed,

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import copy
-import importlib.util
 import logging
 import os
 
@@ -15,29 +13,13 @@ from starlette.middleware.cors import CORSMiddleware
 from starlette.routing import Route
 
 from llmserve.async_engine import AsyncEngine
-from llmserve.config import EngineConfig, SinkConfig
+from llmserve.config import EngineConfig
 from llmserve.server import routes
 from llmserve.server.errors import EXCEPTION_HANDLERS
 from llmserve.server.middleware import ApiKeyMiddleware, BodyLimitMiddleware
 from llmserve.server.state import ServerState
 
 log = logging.getLogger("llmserve.server")
-
-PROMETHEUS_SINK = "prometheus"
-
-
-def with_default_sinks(config: EngineConfig) -> EngineConfig:
-    """A copy of config whose metrics.sinks names the Prometheus sink (the server's default).
-
-    Added only when its plugin is importable, so a machine without prometheus-client still serves.
-    """
-    if any(s.name == PROMETHEUS_SINK for s in config.metrics.sinks):
-        return config
-    if importlib.util.find_spec("llmserve_prometheus") is None or importlib.util.find_spec("prometheus_client") is None:
-        return config
-    cfg = copy.deepcopy(config)
-    cfg.metrics.sinks.append(SinkConfig(PROMETHEUS_SINK))
-    return cfg
 
 
 def api_key(config: EngineConfig) -> str | None:
@@ -60,8 +42,6 @@ def create_app(config: EngineConfig, engine=None) -> Starlette:
     """The HTTP app. engine: None (built from config on the engine thread at start-up; /health says 503
     meanwhile), a started AsyncEngine (what `serve` passes), or a built Engine (tests)."""
     if engine is None:
-        config = with_default_sinks(config)
-
         def build():
             from llmserve.engine import Engine
 
@@ -78,6 +58,7 @@ def create_app(config: EngineConfig, engine=None) -> Starlette:
         Route("/v1/models/{model:path}", routes.get_model, methods=["GET"]),
         Route("/health", routes.health, methods=["GET"]),
         Route("/stats", routes.stats, methods=["GET"]),
+        Route("/openapi.json", routes.openapi_json, methods=["GET"]),
     ]
 
     async def attach_when_built(app: Starlette) -> None:

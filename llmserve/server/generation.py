@@ -20,7 +20,7 @@ class Generation:
     """Submits one engine request per prompt and yields their deltas as (prompt index, batch)."""
 
     def __init__(self, aengine: AsyncEngine, prompts: Sequence[list[int]], sp: SamplingParams, priority: int,
-                 timeout: float | None, request_id: str):
+                 timeout: float | None, request_id: str, cache_salt: str | None = None):
         self.aengine = aengine
         self.streams = []
         self._pending: dict[asyncio.Future, int] = {}
@@ -29,7 +29,8 @@ class Generation:
         try:
             for i, ids in enumerate(prompts):
                 rid = request_id if len(prompts) == 1 else f"{request_id}-{i}"
-                self.streams.append(aengine.add_request(ids, copy.copy(sp), request_id=rid, priority=priority))
+                self.streams.append(aengine.add_request(ids, copy.copy(sp), request_id=rid, priority=priority,
+                                                    cache_salt=cache_salt))
         except Exception as e:  # the engine stopped after admission: no prompt of this request runs
             self.abort()
             raise map_error(e) from None

@@ -65,6 +65,8 @@ class _Request(_Model):
     ignore_eos: bool = False
     min_tokens: Int = 0
     priority: Int = 0
+    # vLLM's field: prefix-cache blocks are shared only between requests with the same salt
+    cache_salt: str | None = Field(default=None, min_length=1)
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
 

@@ -62,21 +62,24 @@ def _finish(o: RequestOutput) -> str | None:
     return r.value if isinstance(r, FinishReason) else str(r)
 
 
-def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+def _usage(prompt_tokens: int, choices: list[_Choice], n: int) -> dict[str, Any]:
+    """OpenAI's usage; cached_tokens counts each prompt once (its first choice), as prompt_tokens does."""
+    completion = sum(ch.num_output for ch in choices)
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion, "total_tokens": prompt_tokens + completion,
+            "prompt_tokens_details": {"cached_tokens": sum(ch.num_cached for ch in choices[::n])}}
 
 
 class _Choice:
     """The accumulated state of one choice (one of n completions of one prompt)."""
 
-    __slots__ = ("text", "finish", "stop_reason", "num_output", "lp", "chat_lp", "started")
+    __slots__ = ("text", "finish", "stop_reason", "num_output", "num_cached", "lp", "chat_lp", "started")
 
     def __init__(self) -> None:
         self.text: list[str] = []
         self.finish: str | None = None
         self.stop_reason: Any = None
         self.num_output = 0
+        self.num_cached = 0  # prompt tokens served from the prefix cache
         self.lp: CompletionLogprobs | None = None
         self.chat_lp: list[dict] = []
         self.started = False
@@ -170,7 +173,7 @@ async def completions(request: Request) -> Response:
     zero_gen = req.scores_only
     rid = f"cmpl-{uuid.uuid4().hex}"
     created = int(time.time())
-    gen = Generation(aengine, prompt_ids, sp, req.priority, st.config.server.request_timeout, rid)
+    gen = Generation(aengine, prompt_ids, sp, req.priority, st.config.server.request_timeout, rid, req.cache_salt)
     try:
         first = await _first(request, gen)
     except ClientGone:
@@ -199,6 +202,7 @@ async def completions(request: Request) -> Response:
                 if ch.lp is not None and o.new_token_ids:
                     ch.lp.add_many(o.new_token_ids, o.logprobs)
                 ch.num_output = o.num_output_tokens
+            ch.num_cached = o.num_cached_tokens
             if o.finished:
                 ch.finish = "length" if zero_gen else _finish(o)
                 ch.stop_reason = None if zero_gen else o.stop_reason
@@ -208,7 +212,7 @@ async def completions(request: Request) -> Response:
         return idx, text, lp_delta, (ch.finish if outs[-1].finished else None), ch.stop_reason
 
     def usage() -> dict:
-        return _usage(sum(prompt_tokens), sum(ch.num_output for ch in choices))
+        return _usage(sum(prompt_tokens), choices, n)
 
     if not req.stream:
         def apply_batch(batch):
@@ -272,7 +276,7 @@ async def chat_completions(request: Request) -> Response:
     _check(st, ids, sp, "messages")
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     created = int(time.time())
-    gen = Generation(aengine, [ids], sp, req.priority, st.config.server.request_timeout, rid)
+    gen = Generation(aengine, [ids], sp, req.priority, st.config.server.request_timeout, rid, req.cache_salt)
     try:
         first = await _first(request, gen)
     except ClientGone:
@@ -294,6 +298,7 @@ async def chat_completions(request: Request) -> Response:
             ch.chat_lp.extend(lps)
         last = outs[-1]
         ch.num_output = last.num_output_tokens
+        ch.num_cached = last.num_cached_tokens
         fin = None
         if last.finished:
             fin = ch.finish = _finish(last)
@@ -302,7 +307,7 @@ async def chat_completions(request: Request) -> Response:
         return ch, outs[0].index, text, lps, fin
 
     def usage() -> dict:
-        return _usage(len(ids), sum(ch.num_output for ch in choices))
+        return _usage(len(ids), choices, sp.n)
 
     if not req.stream:
         def apply_batch(batch):

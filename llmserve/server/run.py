@@ -15,9 +15,8 @@ def serve(config) -> int:
 
     from llmserve.async_engine import AsyncEngine
     from llmserve.engine import Engine
-    from llmserve.server.app import create_app, with_default_sinks
+    from llmserve.server.app import create_app
 
-    config = with_default_sinks(config)
     # built on the engine thread, which then steps it (one thread owns torch: llmserve/threads.py),
     # and before listening, so a bad config or model fails the command with its message
     aengine = AsyncEngine(lambda: Engine.from_config(config))

@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from llmserve.batch import ModelOutput, ScheduledBatch
+from llmserve.batch import ModelOutput, SchedulerOutput
 from llmserve.interfaces import ModelBackend
 from llmserve.request import Logprob
 
@@ -30,6 +30,8 @@ def next_token(token_ids: list[int], end: int, vocab_size: int, eos_token_id: in
 class FakeBackend(ModelBackend):
     """Deterministic, dependency-free stand-in for a model."""
 
+    default_tokenizer = "byte"  # its default vocabulary (257) is the byte-level one
+
     def __init__(
         self,
         vocab_size: int = 257,
@@ -45,7 +47,6 @@ class FakeBackend(ModelBackend):
         self._num_blocks = num_blocks
         self.step_cost_s = step_cost_s
         self.token_cost_s = token_cost_s
-        self.block_copies_done: list[tuple[int, int]] = []
         self.steps = 0
         self.fail_next: Exception | None = None  # tests inject a backend failure here
 
@@ -55,12 +56,11 @@ class FakeBackend(ModelBackend):
     def init_kv_cache(self, num_blocks: int, block_size: int) -> None:
         self._num_blocks = num_blocks
 
-    def execute(self, batch: ScheduledBatch) -> ModelOutput:
+    def execute(self, batch: SchedulerOutput) -> ModelOutput:
         self.steps += 1
         if self.fail_next is not None:
             err, self.fail_next = self.fail_next, None
             raise err
-        self.block_copies_done.extend(batch.block_copies)
         cost = self.step_cost_s + self.token_cost_s * batch.num_tokens
         if cost > 0:
             time.sleep(cost)

@@ -1,16 +1,21 @@
 """Default KV-cache allocator plugin: paged blocks with automatic prefix caching."""
 
 from llmserve.hookspecs import hookimpl
-from llmserve_paged_cache.allocator import PagedAllocator, block_hash
+from llmserve_paged_cache.allocator import BLOCK_KEYS, PagedAllocator, block_hash
 
 __all__ = ["PagedAllocator", "block_hash"]
+
+OPTIONS = {"block_key": "sha256"}  # sha256 | builtin (exact tuple keys: a hit compares the tokens)
 
 
 def _build(config, num_blocks: int) -> PagedAllocator:
     from llmserve.config import check_options
+    from llmserve.errors import ConfigError
 
-    check_options(config.cache.options, {}, "cache.options (paged)")
-    return PagedAllocator(num_blocks, config.cache.block_size, config.cache.enable_prefix_caching)
+    o = check_options(config.cache.options, OPTIONS, "cache.options (paged)")
+    if o["block_key"] not in BLOCK_KEYS:
+        raise ConfigError(f"cache.options.block_key: must be one of {', '.join(BLOCK_KEYS)}, got {o['block_key']!r}")
+    return PagedAllocator(num_blocks, config.cache.block_size, config.cache.enable_prefix_caching, o["block_key"])
 
 
 @hookimpl

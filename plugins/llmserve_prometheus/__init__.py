@@ -21,10 +21,7 @@ def find_sink(engine):
     """The engine's PrometheusSink, or None when the engine was built without one."""
     from llmserve_prometheus.sink import PrometheusSink
 
-    for s in getattr(engine, "metric_sinks", []):
-        if isinstance(s, PrometheusSink):
-            return s
-    return None
+    return next((s for s in engine.metric_sinks if isinstance(s, PrometheusSink)), None)
 
 
 @hookimpl
@@ -35,16 +32,15 @@ def register_metric_sinks(register):
 
 @hookimpl
 def register_routes(register, engine):
-    """Serve the engine's Prometheus registry at GET /metrics (404-free even without the sink)."""
+    """Serve the engine's Prometheus registry at GET /metrics; a served engine gets the sink if its config has none."""
     from starlette.responses import Response
 
     from llmserve_prometheus.sink import CONTENT_TYPE, PrometheusSink
 
     sink = find_sink(engine)
-    if sink is None:
-        # the engine was built without the sink: add one so /metrics is never empty-handed
+    if sink is None:  # the one place that gives a server its Prometheus metrics
         sink = PrometheusSink(model_name=engine.config.served_model_name)
-        engine.metric_sinks.append(sink)
+        engine.add_metric_sink(sink)
 
     async def metrics(request):
         return Response(sink.render(), media_type=CONTENT_TYPE)

@@ -57,10 +57,7 @@ class PrometheusSink(MetricSink):
         self._success_by_reason: dict[str, Counter] = {}
 
     def on_step(self, m) -> None:
-        """Gauges, the batch-size histogram and the per-step counters."""
-        self.running.set(m.num_running)
-        self.waiting.set(m.num_waiting)
-        self.kv_usage.set(m.kv_cache_usage)
+        """The batch-size histogram and the per-step counters."""
         self.batch.observe(m.batch_size)
         if m.prefix_cache_queries:
             self.prefix_queries.inc(m.prefix_cache_queries)
@@ -68,6 +65,12 @@ class PrometheusSink(MetricSink):
             self.prefix_hits.inc(m.prefix_cache_hits)
         if m.num_preempted:
             self.preemptions.inc(m.num_preempted)
+
+    def on_scheduler_stats(self, st) -> None:
+        """The gauges: set whenever the state changes (steps, aborts), so an idle server shows zeros."""
+        self.running.set(st.num_running)
+        self.waiting.set(st.num_waiting)
+        self.kv_usage.set(st.cache.usage)
 
     def on_request_finished(self, m) -> None:
         """Latency histograms, token counters and the finish-reason counter."""

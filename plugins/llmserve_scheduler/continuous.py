@@ -3,37 +3,40 @@
 Each step shares one token budget between the running sequences (decodes and unfinished
 prefill chunks, best first) and new admissions from the waiting queue. A running sequence that
 cannot grow preempts the worst running one (its blocks are freed and it is recomputed later)
-instead of failing. The waiting queue's order is the policy: FCFS, or priority then FCFS.
+instead of failing. The scheduler owns the KV-cache allocator: it allocates before the forward
+and caches full blocks after it (update_from_output). The waiting queue's order is the policy,
+an `order_key`: FCFS here, priority then FCFS in PriorityScheduler.
 """
 
 from __future__ import annotations
 
 import bisect
 import heapq
-from typing import Any
+from collections.abc import Iterable
 
-from llmserve.batch import ScheduledBatch, ScheduledRequest
+from llmserve.batch import ModelOutput, ScheduledRequest, SchedulerOutput
+from llmserve.errors import InvalidRequestError
 from llmserve.interfaces import CacheAllocator, Scheduler
 from llmserve.request import Request, RequestStatus
+from llmserve.stats import SchedulerStats
 
 
 class ContinuousScheduler(Scheduler):
-    """FCFS or priority continuous batching; subclass and override `order_key` for other policies."""
+    """FCFS continuous batching; subclass and override `order_key` (and `policy`) for other orders."""
+
+    policy = "fcfs"
+    uses_priority = False  # a request's priority changes nothing here: non-zero is refused, not ignored
 
     def __init__(
         self,
         allocator: CacheAllocator,
         max_num_seqs: int = 64,
         max_num_batched_tokens: int = 512,
-        policy: str = "fcfs",
         enable_chunked_prefill: bool = True,
     ):
-        if policy not in ("fcfs", "priority"):
-            raise ValueError(f"unknown scheduling policy {policy!r} (expected 'fcfs' or 'priority')")
         self.allocator = allocator
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
-        self.policy = policy
         self.enable_chunked_prefill = enable_chunked_prefill
         self._waiting: list[tuple[tuple, Request]] = []  # heap of (order_key, request)
         self._num_waiting = 0  # live entries (aborted ones are dropped lazily from the heap)
@@ -47,23 +50,20 @@ class ContinuousScheduler(Scheduler):
 
     def order_key(self, request: Request) -> tuple:
         """Smaller runs first: admission order for the waiting queue, survival order when preempting."""
-        if self.policy == "priority":
-            return (request.priority, request.arrival_seq, request.index)
         return (request.arrival_seq, request.index)
 
     # --- queue management ---------------------------------------------------------------------
 
     def add(self, request: Request) -> None:
+        if request.priority and not self.uses_priority:
+            raise InvalidRequestError(f"priority {request.priority} was given, but the scheduling policy "
+                                      f"{self.policy!r} ignores priorities (serve with --policy priority)",
+                                      param="priority")
         assert request.request_id not in self._by_id, f"duplicate sequence id {request.request_id}"
         request.status = RequestStatus.WAITING
         self._by_id[request.request_id] = request
         heapq.heappush(self._waiting, (self.order_key(request), request))
         self._num_waiting += 1
-
-    def add_running(self, request: Request) -> None:
-        assert request.request_id not in self._by_id, f"duplicate sequence id {request.request_id}"
-        self._by_id[request.request_id] = request
-        self._insert_running(request)
 
     def _insert_running(self, request: Request) -> None:
         key = self.order_key(request)
@@ -76,19 +76,17 @@ class ContinuousScheduler(Scheduler):
         del self._running[i]
         del self._running_keys[i]
 
-    def finish(self, request: Request) -> None:
-        rid = request.request_id
-        if self._by_id.pop(rid, None) is None:
-            return
-        if request in self._running:
-            self._remove_running(request)
-        else:
-            self._num_waiting -= 1  # its heap entry is skipped when it surfaces
-        self.allocator.free(rid)
-        self._finished_ids.append(rid)
-
-    def get(self, request_id: str) -> Request | None:
-        return self._by_id.get(request_id)
+    def finish(self, request_ids: Iterable[str]) -> None:
+        for rid in request_ids:
+            request = self._by_id.pop(rid, None)
+            if request is None:
+                continue
+            if request in self._running:
+                self._remove_running(request)
+            else:
+                self._num_waiting -= 1  # its heap entry is skipped when it surfaces
+            self.allocator.free(rid)
+            self._finished_ids.append(rid)
 
     @property
     def num_waiting(self) -> int:
@@ -98,11 +96,7 @@ class ContinuousScheduler(Scheduler):
     def num_running(self) -> int:
         return len(self._running)
 
-    def running(self) -> list[Request]:
-        """The running sequences, best first (a copy)."""
-        return list(self._running)
-
-    def _preempt(self, victim: Request, batch: ScheduledBatch) -> None:
+    def _preempt(self, victim: Request, batch: SchedulerOutput) -> None:
         """Free the victim's blocks and queue it for recomputation from scratch."""
         self._remove_running(victim)
         self.allocator.free(victim.request_id)
@@ -125,21 +119,20 @@ class ContinuousScheduler(Scheduler):
             num_new_tokens=n,
             block_table=self.allocator.block_table(req.request_id),
             sampling=req.sampling,
-            do_sample=start + n == len(req.token_ids) and not req.is_fork_parent,
+            do_sample=start + n == len(req.token_ids),
             num_prompt_tokens=len(req.prompt_token_ids),
             num_output_tokens=len(req.token_ids) - len(req.prompt_token_ids),
         )
 
-    def schedule(self) -> ScheduledBatch:
+    def schedule(self) -> SchedulerOutput:
         alloc = self.allocator
-        batch = ScheduledBatch(block_size=alloc.block_size)
+        batch = SchedulerOutput(block_size=alloc.block_size)
         batch.finished_request_ids, self._finished_ids = self._finished_ids, []
         budget = self.max_num_batched_tokens
         out = batch.requests
         prefill = decode = 0
 
         # 1. running sequences, best first: a decode token each, or the next prefill chunk
-        #    (forked children can make the running set larger than a batch: the rest wait a step)
         i = 0
         max_seqs = self.max_num_seqs
         while i < len(self._running) and budget > 0 and len(out) < max_seqs:
@@ -175,18 +168,17 @@ class ContinuousScheduler(Scheduler):
                 if req.status is not RequestStatus.WAITING or req.request_id not in self._by_id:
                     heapq.heappop(waiting)  # aborted while waiting
                     continue
-                seats = req.sampling.n if req.is_fork_parent else 1
-                if self._running and len(self._running) + seats > self.max_num_seqs:
-                    break
+                # prompt logprobs need every prompt position computed: no prefix reuse
                 use_cache = req.sampling.prompt_logprobs is None
-                cached = alloc.lookup_prefix(req.token_ids) if use_cache else 0
+                cached = alloc.lookup_prefix(req.token_ids, req.cache_salt) if use_cache else 0
                 remaining = len(req.token_ids) - cached
                 n = min(remaining, budget)
                 if n < remaining and not self.enable_chunked_prefill:
                     # a whole prompt must fit; if it can never fit in one step, chunk it anyway
                     if remaining <= self.max_num_batched_tokens or out:
                         break
-                got = alloc.allocate(req.request_id, req.token_ids, cached + n, use_prefix_cache=use_cache)
+                got = alloc.allocate(req.request_id, req.token_ids, cached + n, use_prefix_cache=use_cache,
+                                     salt=req.cache_salt)
                 if got is None:
                     break  # not enough blocks: wait for running sequences to finish
                 assert got == cached, f"prefix lookup {cached} != allocation {got}"
@@ -203,16 +195,34 @@ class ContinuousScheduler(Scheduler):
 
         batch.num_prefill_tokens = prefill
         batch.num_decode_tokens = decode
-        batch.block_copies = alloc.take_block_copies()
         return batch
 
-    def stats(self) -> dict[str, Any]:
-        """Queue lengths and policy, for /stats."""
-        return {
-            "policy": self.policy,
-            "waiting": self._num_waiting,
-            "running": len(self._running),
-            "max_num_seqs": self.max_num_seqs,
-            "max_num_batched_tokens": self.max_num_batched_tokens,
-            "preemptions": self.num_preemptions,
-        }
+    def update_from_output(self, output: SchedulerOutput, model_output: ModelOutput) -> None:
+        bs = output.block_size
+        alloc = self.allocator
+        by_id = self._by_id
+        for sr in output.requests:
+            req = by_id.get(sr.request_id)
+            if req is None:
+                continue  # ended meanwhile (aborted): nothing to advance
+            before = req.num_computed_tokens
+            after = before + sr.num_new_tokens
+            req.num_computed_tokens = after
+            if after // bs > before // bs:
+                alloc.cache_full_blocks(req.request_id, req.token_ids, after)
+
+    def stats(self) -> SchedulerStats:
+        return SchedulerStats(num_running=len(self._running), num_waiting=self._num_waiting,
+                              cache=self.allocator.stats(), num_preemptions=self.num_preemptions,
+                              max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
+                              policy=self.policy)
+
+
+class PriorityScheduler(ContinuousScheduler):
+    """Lower priority numbers first, FCFS within a level (vLLM's convention)."""
+
+    policy = "priority"
+    uses_priority = True
+
+    def order_key(self, request: Request) -> tuple:
+        return (request.priority, request.arrival_seq, request.index)

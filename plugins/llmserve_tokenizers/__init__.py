@@ -1,6 +1,6 @@
-"""Default tokenizers: "byte" (offline byte-level), "hf" (transformers AutoTokenizer) and "auto".
+"""Default tokenizers: "byte" (offline byte-level) and "hf" (transformers AutoTokenizer).
 
-"auto" picks "byte" for the embedded default model and the fake backend, "hf" otherwise.
+Tokenizer "auto" is the backend's choice (ModelBackend.default_tokenizer), not this plugin's.
 Heavy imports (tiktoken, transformers) happen inside the factories.
 """
 
@@ -21,18 +21,8 @@ def _hf_factory(config):
     return HFTokenizer.from_config(config)
 
 
-def uses_byte_tokenizer(config) -> bool:
-    """True when "auto" resolves to the byte-level tokenizer (embedded model or fake backend)."""
-    return config.model.model == "embedded" or config.backend.name == "fake"
-
-
-def _auto_factory(config):
-    return _byte_factory(config) if uses_byte_tokenizer(config) else _hf_factory(config)
-
-
 @hookimpl
 def register_tokenizers(register):
-    """Register the byte, hf and auto tokenizers."""
+    """Register the byte and hf tokenizers."""
     register("byte", _byte_factory)
     register("hf", _hf_factory)
-    register("auto", _auto_factory)

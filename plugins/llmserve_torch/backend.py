@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from llmserve.batch import ModelOutput, ScheduledBatch
+from llmserve.batch import ModelOutput, SchedulerOutput
 from llmserve.config import EngineConfig, check_options
 from llmserve.errors import ConfigError
 from llmserve.interfaces import ModelBackend
@@ -51,6 +51,8 @@ class TorchBackend(ModelBackend):
             limit = mc.max_model_len
         self.max_model_len = limit
         self.eos_token_id = self.arch.eos_token_id
+        # the embedded model's vocabulary is the byte-level tokenizer's; a checkpoint ships its own
+        self.default_tokenizer = "byte" if mc.model == "embedded" else "hf"
         self.sampler = Sampler(self.device, seed=mc.seed, eos_token_id=self.eos_token_id)
         self.kv: KVCache | None = None
         self.attention = None
@@ -83,7 +85,7 @@ class TorchBackend(ModelBackend):
 
     # --- one step -------------------------------------------------------------------------------
 
-    def _metadata(self, batch: ScheduledBatch):
+    def _metadata(self, batch: SchedulerOutput):
         """Flatten the batch: token ids, positions, slots, block tables, rows to compute logits for."""
         bs = self.kv.block_size
         ids: list[int] = []
@@ -135,29 +137,25 @@ class TorchBackend(ModelBackend):
         )
         return torch.tensor(ids, dtype=torch.long, device=dev), meta, sample_rows
 
-    def _forward(self, batch: ScheduledBatch):
+    def _forward(self, batch: SchedulerOutput):
         """Metadata once per step, then the model over every flattened token: hidden [T, hidden]."""
         ids, meta, sample_rows = self._metadata(batch)
         step = self.model.prepare_step(meta.tok_pos.long())
         self.attention.begin_step(meta)
         return self.model.forward(ids, step, self.attention), meta, sample_rows
 
-    def compute_logits(self, batch: ScheduledBatch) -> torch.Tensor:
+    def compute_logits(self, batch: SchedulerOutput) -> torch.Tensor:
         """Float32 logits of every token the batch computes, [T, vocab] (for tests and debugging; writes K/V)."""
         if self.kv is None:
             raise RuntimeError("init_kv_cache() must be called before compute_logits()")
-        if batch.block_copies:
-            self.kv.copy_blocks(batch.block_copies)
         with torch.inference_mode():
             hidden, _, _ = self._forward(batch)
             return self.model.logits(hidden)
 
-    def execute(self, batch: ScheduledBatch) -> ModelOutput:
+    def execute(self, batch: SchedulerOutput) -> ModelOutput:
         """Copy-on-write blocks, run the forward, sample the requests that want a token."""
         if self.kv is None:
             raise RuntimeError("init_kv_cache() must be called before execute()")
-        if batch.block_copies:
-            self.kv.copy_blocks(batch.block_copies)
         reqs = batch.requests
         if not reqs:
             return ModelOutput(sampled_token_ids=[])

@@ -74,15 +74,6 @@ class KVCache:
     def nbytes(self) -> int:
         return self.k.numel() * self.k.element_size() * 2
 
-    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
-        """Copy-on-write: block src's K/V (every layer) into block dst."""
-        if not pairs:
-            return
-        src = torch.tensor([p[0] for p in pairs], dtype=torch.long, device=self.k.device)
-        dst = torch.tensor([p[1] for p in pairs], dtype=torch.long, device=self.k.device)
-        for t in (self.k, self.v):
-            t.index_copy_(1, dst, t.index_select(1, src))
-
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store the new tokens' K/V ([T, kv_heads*head_dim]) at their slots."""
         self.k_flat[layer].index_copy_(0, slots, k)

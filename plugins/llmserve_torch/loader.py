@@ -69,10 +69,13 @@ def resolve_model_dir(mc: ModelConfig) -> Path:
     except ImportError:  # pragma: no cover - huggingface_hub ships with transformers
         raise ConfigError(f"model.model: {mc.model!r} is not a local directory and huggingface_hub is not installed")
     patterns = ["*.json", "*.safetensors", "*.bin", "*.txt", "*.model", "*.tiktoken", "merges.txt", "vocab.*"]
+    # without a network the hub client retries for about a minute: look in the local cache only
+    unreachable = os.environ.get("HF_HUB_OFFLINE", "") in ("", "0") and not _hub_reachable()
     try:
-        return Path(snapshot_download(mc.model, revision=mc.revision, allow_patterns=patterns))
+        return Path(snapshot_download(mc.model, revision=mc.revision, allow_patterns=patterns,
+                                      local_files_only=unreachable))
     except Exception as e:  # offline, unknown repo, gated repo, network down ...
-        offline = os.environ.get("HF_HUB_OFFLINE", "") not in ("", "0") or "offline" in str(e).lower()
+        offline = unreachable or os.environ.get("HF_HUB_OFFLINE", "") not in ("", "0") or "offline" in str(e).lower()
         why = "the Hugging Face hub is offline (HF_HUB_OFFLINE is set or no network)" if offline else \
             f"it could not be fetched from the Hugging Face hub ({type(e).__name__}: {str(e).splitlines()[0][:200]})"
         raise ConfigError(
@@ -80,6 +83,21 @@ def resolve_model_dir(mc: ModelConfig) -> Path:
             f"Download it where there is network, e.g. `huggingface-cli download {mc.model} --local-dir ./models/x`, "
             f"then pass that directory: --model ./models/x (or model.model: ./models/x in the config file)"
         ) from None
+
+
+def _hub_reachable(timeout: float = 3.0) -> bool:
+    """Whether the hub endpoint (HF_ENDPOINT) accepts a TCP connection within timeout seconds."""
+    import socket
+    from urllib.parse import urlsplit
+
+    from huggingface_hub import constants
+
+    u = urlsplit(constants.ENDPOINT)
+    try:
+        socket.create_connection((u.hostname, u.port or (443 if u.scheme == "https" else 80)), timeout).close()
+        return True
+    except OSError:
+        return False
 
 
 def read_arch(model_dir: Path, trust_remote_code: bool = False) -> ArchConfig:

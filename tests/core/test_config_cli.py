@@ -64,9 +64,14 @@ def test_bad_value_names_the_key(tmp_path):
     f.write_text("cache:\n  block_size: 12\n")
     with pytest.raises(ConfigError, match=r"cache\.block_size: must be a power of two"):
         load_config(f)
-    f.write_text("scheduler:\n  policy: lifo\n")
-    with pytest.raises(ConfigError, match=r"scheduler\.policy"):
-        load_config(f)
+    # a policy is the scheduler plugin's business: the plugin names the key and its choices
+    f.write_text("scheduler:\n  policy: lifo\nbackend:\n  name: fake\n")
+    cfg = load_config(f)
+    from llmserve.engine import Engine
+
+    with pytest.raises(ConfigError, match=r"bad\.yaml: scheduler\.policy: the continuous scheduler knows 'fcfs', "
+                                          r"'priority', got 'lifo'"):
+        Engine.from_config(cfg)
 
 
 def test_overrides_beat_the_file(tmp_path):

@@ -102,15 +102,13 @@ def test_max_model_len_caps_generation():
     assert final[(rid, 0)].num_output_tokens == 2
 
 
-def test_prompt_that_can_never_fit_fails_at_once_with_a_message():
+def test_prompt_that_can_never_fit_is_refused_with_a_message():
     eng = engine(num_blocks=4)  # 16 slots
-    rid = eng.add_request(list(range(20)), SamplingParams(max_tokens=4))
-    out = eng.step().outputs
-    assert len(out) == 1 and out[0].request_id == rid
-    assert out[0].finish_reason is FinishReason.ERROR
-    assert "20 tokens" in out[0].error and "16" in out[0].error
+    with pytest.raises(InvalidRequestError) as e:
+        eng.add_request(list(range(20)), SamplingParams(max_tokens=4))
+    assert e.value.code == "context_length_exceeded" and "16 tokens" in str(e.value) and "20 tokens" in str(e.value)
     assert not eng.has_unfinished
-    assert eng.allocator.stats()["used_blocks"] == 0
+    assert eng.scheduler_stats().cache.used_blocks == 0
 
 
 def test_bad_input_raises_and_queues_nothing():
@@ -122,7 +120,7 @@ def test_bad_input_raises_and_queues_nothing():
         eng.add_request([], SamplingParams())
     assert e.value.param == "prompt"
     with pytest.raises(InvalidRequestError) as e:
-        eng.add_request([1], SamplingParams(temperature=-1))
+        eng.generate([[1]], SamplingParams(temperature=-1))  # the offline convenience validates; add_request trusts
     assert e.value.param == "temperature"
     eng.add_request([1], SamplingParams(), request_id="dup")
     with pytest.raises(InvalidRequestError):
@@ -136,28 +134,65 @@ def test_abort_frees_blocks_within_the_step():
     b = eng.add_request(list(range(10)), SamplingParams(max_tokens=5, ignore_eos=True))
     eng.step()
     eng.step()
-    used_before = eng.allocator.stats()["used_blocks"]
+    used_before = eng.scheduler_stats().cache.used_blocks
     assert eng.abort(a)
-    assert eng.allocator.stats()["used_blocks"] < used_before
+    assert eng.scheduler_stats().cache.used_blocks < used_before
     got, final = drain(eng)
     assert final[(a, 0)].finish_reason is FinishReason.ABORT
     assert final[(b, 0)].finish_reason is FinishReason.LENGTH
-    assert eng.allocator.stats()["used_blocks"] == 0
+    assert eng.scheduler_stats().cache.used_blocks == 0
     assert not eng.abort(a)  # gone
 
 
-def test_n_completions_fork_the_prompt_blocks():
+def test_n_completions_fan_out_and_share_the_prompt_through_the_prefix_cache():
     eng = engine()
-    prompt = list(range(1, 11))  # 10 tokens: 2 full blocks + a partial one shared by the children
+    prompt = list(range(1, 11))  # 10 tokens: 2 full blocks of 4, then 2 more
     rid = eng.add_request(prompt, SamplingParams(max_tokens=5, n=3, ignore_eos=True))
-    got, final = drain(eng)
+    prefill = []
+    got, final = {}, {}
+    while eng.has_unfinished:
+        so = eng.step()
+        prefill.append(so.metrics.num_prefill_tokens)
+        for o in so.outputs:
+            got.setdefault((o.request_id, o.index), []).append(o)
+            if o.finished:
+                final[(o.request_id, o.index)] = o
     assert sorted(k[1] for k in final) == [0, 1, 2]
     exp = expected_tokens(prompt, 5)
     for i in range(3):
         assert [t for o in got[(rid, i)] for t in o.new_token_ids] == exp
-    # every child wrote its last prompt token into its own copy of the shared partial block
-    assert len(eng.backend.block_copies_done) == 2
-    assert eng.allocator.stats()["used_blocks"] == 0
+    # the first computes the whole prompt; the others, admitted after it, reuse its 2 full blocks
+    assert prefill[:2] == [10, 2 + 2]
+    assert [final[(rid, i)].num_cached_tokens for i in range(3)] == [0, 8, 8]
+    assert eng.scheduler_stats().cache.used_blocks == 0
+
+
+def test_n_completions_without_prefix_caching_compute_the_prompt_n_times():
+    cfg = {"backend": {"name": "fake"}, "tokenizer": {"name": "none"},
+           "cache": {"num_blocks": 64, "block_size": 4, "enable_prefix_caching": False}}
+    eng = Engine.from_config(cfg)
+    eng.add_request(list(range(1, 11)), SamplingParams(max_tokens=2, n=3, ignore_eos=True))
+    assert eng.step().metrics.num_prefill_tokens == 30  # all three at once, each its own prompt
+    drain(eng)
+
+
+def test_n_completions_end_together_when_the_first_fails_before_the_others_start():
+    eng = engine()
+    rid = eng.add_request(list(range(1, 11)), SamplingParams(max_tokens=3, n=3, ignore_eos=True))
+    eng.backend.fail_next = RuntimeError("boom")
+    out = eng.step().outputs
+    assert sorted(o.index for o in out) == [0, 1, 2]
+    assert all(o.finish_reason is FinishReason.ERROR and "boom" in o.error for o in out)
+    assert not eng.has_unfinished and eng.scheduler_stats().cache.used_blocks == 0
+    assert not eng.abort(rid)
+
+
+def test_a_priority_under_a_policy_that_ignores_it_is_refused_naming_priority():
+    eng = engine()
+    with pytest.raises(InvalidRequestError) as e:
+        eng.add_request([1, 2, 3], SamplingParams(), priority=2)
+    assert e.value.param == "priority" and "fcfs" in str(e.value)
+    assert not eng.has_unfinished
 
 
 def test_backend_failure_fails_that_batch_only_and_engine_continues():
@@ -166,7 +201,7 @@ def test_backend_failure_fails_that_batch_only_and_engine_continues():
     eng.backend.fail_next = RuntimeError("boom")
     out = eng.step().outputs
     assert out and out[0].finish_reason is FinishReason.ERROR and "boom" in out[0].error
-    assert eng.allocator.stats()["used_blocks"] == 0
+    assert eng.scheduler_stats().cache.used_blocks == 0
     b = eng.add_request([1, 2, 3], SamplingParams(max_tokens=3, ignore_eos=True))
     _, final = drain(eng)
     assert final[(b, 0)].finish_reason is FinishReason.LENGTH

@@ -29,7 +29,7 @@ def test_llmserve_plugins_json_lists_the_installed_example(subprocess_env, tmp_p
     plugins = {p["name"]: p for p in json.loads(proc.stdout)["plugins"]}
     ex = plugins["example"]
     assert ex["source"] == "entry point (llmserve-example-plugin 0.1.0)"
-    assert ex["components"] == {"scheduler": ["sjf"], "metric_sink": ["csv"]}
+    assert ex["components"] == {"scheduler": ["sjf"], "cache": ["simple"], "metric_sink": ["csv"]}
     assert "register_commands" in ex["hooks"]
     assert plugins["llmserve_scheduler"]["source"] == "default"
 

@@ -29,8 +29,9 @@ def test_example_plugin_is_listed_with_its_components(installed_example):
     ps = load_plugins()
     info = _plugin(ps, "example")
     assert info["source"] == "entry point (llmserve-example-plugin 0.1.0)"
-    assert info["components"] == {"scheduler": ["sjf"], "metric_sink": ["csv"]}
-    assert info["hooks"] == ["register_commands", "register_metric_sinks", "register_schedulers"]
+    assert info["components"] == {"scheduler": ["sjf"], "cache": ["simple"], "metric_sink": ["csv"]}
+    assert info["hooks"] == ["register_cache_allocators", "register_commands", "register_metric_sinks",
+                             "register_schedulers"]
     assert "error" not in info
     assert ps.get("scheduler", "sjf").plugin == "example"
     # the defaults are still there beside it
@@ -75,7 +76,7 @@ def test_config_selecting_sjf_and_csv_serves_through_them(installed_example, tmp
     assert type(engine.scheduler).__name__ == "ShortestJobFirstScheduler"
     assert engine.plugins.sources["example"].startswith("entry point (llmserve-example-plugin")
     assert type(engine.metric_sinks[0]).__name__ == "CsvSink"
-    assert engine.scheduler.stats()["policy"] == "sjf"
+    assert engine.scheduler_stats().policy == "sjf"
     engine.shutdown()
 
     fcfs = load_config(EXAMPLE_CONFIG, {"scheduler.name": "continuous", "scheduler.options": {},
@@ -114,7 +115,7 @@ def test_sjf_respect_priority_orders_by_priority_first(installed_example, tmp_pa
     cfg = load_config(EXAMPLE_CONFIG, {"scheduler.max_num_seqs": 1, "metrics.sinks": [],
                                        "scheduler.options": {"respect_priority": True}})
     engine = Engine.from_config(cfg)
-    assert engine.scheduler.stats()["policy"] == "sjf+priority"
+    assert engine.scheduler_stats().policy == "sjf+priority"
     sp = SamplingParams(max_tokens=1, ignore_eos=True)
     engine.add_request([1] * 2, sp, request_id="short-low", priority=5)
     engine.add_request([1] * 40, sp, request_id="long-high", priority=0)
@@ -123,6 +124,39 @@ def test_sjf_respect_priority_orders_by_priority_first(installed_example, tmp_pa
     while engine.has_unfinished:
         order += [o.request_id for o in engine.step().outputs if o.finished]
     assert order == ["mid-high", "long-high", "short-low"]
+
+
+def test_the_example_packages_own_suite_runs_the_conformance_kit(subprocess_env):
+    """The example's tests/ (a few lines calling llmserve.testing) pass against its sjf and simple cache."""
+    import subprocess
+    import sys
+
+    suite = ROOT / "examples" / "llmserve-example-plugin" / "tests"
+    p = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(suite)],
+                       capture_output=True, text=True, env=subprocess_env, cwd=suite, timeout=600)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-2000:]
+    assert "3 passed" in p.stdout
+
+
+def test_the_example_cache_reports_prefix_hits_in_metrics(installed_example):
+    """An allocator written from docs/plugins.md alone: its hits reach /metrics through CacheStats."""
+    import httpx
+
+    from tests.server.conftest import start_server
+
+    s = start_server({"backend": {"name": "fake"}, "cache": {"name": "simple", "num_blocks": 64, "block_size": 4}})
+    try:
+        system = "You are a helpful assistant. " * 3
+        for q in ("hi", "hello"):
+            s.client().completions.create(model="embedded", prompt=system + q, max_tokens=2)
+        s.wait_idle()
+        text = httpx.get(s.url + "/metrics").text
+        hits = next(float(x.rsplit(" ", 1)[1]) for x in text.splitlines()
+                    if x.startswith("llmserve_prefix_cache_hits_total{"))
+        assert hits >= 80  # the second prompt reused the first's full blocks of the shared system text
+        assert type(s.state.engine.scheduler.allocator).__name__ == "SimplePrefixCache"
+    finally:
+        s.stop()
 
 
 # --- plugins that fail --------------------------------------------------------------------------

@@ -49,7 +49,7 @@ def test_hook_register_backends():
                                 extra_plugins=[p])
     assert seen["config"] is engine.config
     assert isinstance(engine.backend, ConstantBackend)
-    assert engine.allocator.num_blocks == 64  # the core asked this backend how much KV it holds
+    assert engine.scheduler_stats().cache.num_blocks == 64  # the core asked this backend how much KV it holds
     assert engine.generate([[1, 2, 3]], SamplingParams(max_tokens=4)) == [[65, 65, 65, 65]]
     assert engine.plugins.get("backend", "constant").plugin == "constant_plugin"
 
@@ -70,7 +70,7 @@ def test_hook_register_schedulers():
 
     p = plugin("lifo_plugin", register_schedulers=lambda register: register("lifo", factory))
     engine = Engine.from_config({**FAKE, "scheduler": {"name": "lifo", "max_num_seqs": 1}}, extra_plugins=[p])
-    assert seen["args"] == (engine.config, engine.allocator)
+    assert seen["args"][0] is engine.config and engine.scheduler.allocator is seen["args"][1]
     for i in range(3):
         engine.add_request([5, 6, 7], SamplingParams(max_tokens=2, ignore_eos=True), request_id=f"r{i}")
     order = []
@@ -99,7 +99,7 @@ def test_hook_register_cache_allocators():
     engine = Engine.from_config({**FAKE, "cache": {"name": "counting", "num_blocks": 40, "block_size": 8}},
                                 extra_plugins=[p])
     assert seen["args"] == (engine.config, 40)
-    assert engine.scheduler.allocator is engine.allocator
+    assert isinstance(engine.scheduler.allocator, CountingAllocator)  # the scheduler owns it
     engine.generate([[1] * 20], SamplingParams(max_tokens=3, ignore_eos=True))
     assert CountingAllocator.calls >= 3  # the prompt's step, then a decode step per further token
     stats = engine.stats()["cache"]  # the engine reports this allocator's state

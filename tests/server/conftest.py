@@ -15,7 +15,6 @@ import uvicorn
 from llmserve.config import config_from_dict
 from llmserve.engine import Engine
 from llmserve.server import create_app
-from llmserve.server.app import with_default_sinks
 
 # the fake backend with the byte tokenizer: deterministic and instant
 FAKE = {"backend": {"name": "fake"}, "model": {"max_model_len": 512},
@@ -74,7 +73,7 @@ class LiveServer:
 
 def start_server(config: dict, extra_plugins: list | None = None, build_engine: bool = True) -> LiveServer:
     """Build the engine (or let the app build it), start uvicorn in a thread, wait until it listens."""
-    cfg = with_default_sinks(config_from_dict(config, source="<test>"))
+    cfg = config_from_dict(config, source="<test>")
     engine = Engine.from_config(cfg, extra_plugins=extra_plugins) if build_engine else None
     app = create_app(cfg, engine)
     port = free_port()

@@ -70,11 +70,11 @@ def test_abort_frees_blocks_before_the_next_step():
         try:
             s = ae.add_request(list(range(40)), SamplingParams(max_tokens=500, ignore_eos=True))
             await s.__anext__()
-            used = await ae.call(lambda e: e.allocator.stats()["used_blocks"])
+            used = await ae.call(lambda e: e.scheduler_stats().cache.used_blocks)
             assert used >= 3  # 40 prompt tokens in 16-token blocks
             ae.abort(s.request_id)
             # the call is queued behind the abort, so it runs after the abort and before any step
-            used, running = await ae.call(lambda e: (e.allocator.stats()["used_blocks"], e.num_running))
+            used, running = await ae.call(lambda e: (e.scheduler_stats().cache.used_blocks, e.num_running))
             assert (used, running) == (0, 0)
             rest = [o async for o in s]  # the stream ends at once
             assert all(not o.finished for o in rest)
@@ -140,7 +140,7 @@ def test_engine_errors_fail_in_flight_requests_and_the_loop_survives():
             with pytest.raises(RuntimeError, match="scheduler bug"):
                 await _collect(s)
             after = await _collect(ae.add_request([4, 5], SamplingParams(max_tokens=4, ignore_eos=True)))
-            used = await ae.call(lambda e: e.allocator.stats()["used_blocks"])
+            used = await ae.call(lambda e: e.scheduler_stats().cache.used_blocks)
             return after, used
         finally:
             await ae.shutdown()
@@ -165,18 +165,21 @@ def test_invalid_request_fails_only_its_stream():
     assert len(run(main())[0]) == 2
 
 
-def test_too_long_prompt_finishes_with_an_error_output():
+def test_a_prompt_the_engine_refuses_fails_only_its_own_stream():
     async def main():
         ae = AsyncEngine(Engine.from_config({"backend": {"name": "fake"}, "model": {"max_model_len": 16},
                                              "tokenizer": {"name": "byte"}}))
         ae.start()
         try:
-            return [o async for o in ae.add_request(list(range(20)), SamplingParams(max_tokens=2))]
+            good = ae.add_request([1, 2, 3], SamplingParams(max_tokens=2, ignore_eos=True))
+            with pytest.raises(InvalidRequestError, match="20 tokens") as e:
+                [o async for o in ae.add_request(list(range(20)), SamplingParams(max_tokens=2))]
+            return e.value, await _collect(good)
         finally:
             await ae.shutdown()
 
-    (o,) = run(main())
-    assert o.finished and o.finish_reason is FinishReason.ERROR and "20 tokens" in o.error
+    err, good = run(main())
+    assert err.code == "context_length_exceeded" and len(good[0]) == 2
 
 
 def test_shutdown_drains_then_refuses():

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import time
+
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from llmserve.config import config_from_dict
-from llmserve.server.app import with_default_sinks
+from tests.server.conftest import FAKE, start_server
 
 NAMES = [
     "llmserve_time_to_first_token_seconds", "llmserve_inter_token_latency_seconds",
@@ -26,7 +27,9 @@ def _samples(text: str) -> dict[tuple[str, tuple], float]:
 
 
 def test_prometheus_sink_is_on_by_default_and_counts_requests(fake_server):
-    assert any(s.name == "prometheus" for s in fake_server.engine.config.metrics.sinks)
+    from llmserve_prometheus.sink import PrometheusSink
+
+    assert any(isinstance(s, PrometheusSink) for s in fake_server.state.engine.metric_sinks)
     client = fake_server.client()
     shared = "a shared system prompt that is long enough to fill two blocks. "
     for i in range(3):
@@ -65,12 +68,52 @@ def test_each_engine_has_its_own_registry():
     assert 'llmserve_request_failure_total{model_name="b"} 1.0' in b.render().decode()
 
 
-def test_default_sinks_are_added_once():
-    cfg = config_from_dict({"metrics": {"sinks": ["jsonl"]}})
-    out = with_default_sinks(cfg)
-    assert [s.name for s in out.metrics.sinks] == ["jsonl", "prometheus"]
-    assert [s.name for s in cfg.metrics.sinks] == ["jsonl"]  # the caller's config is untouched
-    assert with_default_sinks(out) is out
+def test_one_prometheus_sink_whether_or_not_the_config_names_it():
+    from llmserve_prometheus.sink import PrometheusSink
+
+    for sinks in ([], ["prometheus"]):
+        s = start_server({**FAKE, "metrics": {"sinks": sinks}})
+        try:
+            assert sum(isinstance(x, PrometheusSink) for x in s.state.engine.metric_sinks) == 1
+            s.client().completions.create(model="embedded", prompt="once", max_tokens=3,
+                                          extra_body={"ignore_eos": True})
+            s.wait_idle()
+            text = httpx.get(s.url + "/metrics").text
+            assert 'llmserve_generation_tokens_total{model_name="embedded"} 3.0' in text  # counted once
+        finally:
+            s.stop()
+
+
+def test_gauges_show_zero_within_a_second_after_streaming_clients_disconnect():
+    s = start_server({**FAKE, "backend": {"name": "fake", "options": {"step_cost_s": 0.02}}})
+    try:
+        body = {"prompt": "hold on", "max_tokens": 400, "stream": True, "ignore_eos": True}
+        with httpx.Client(base_url=s.url, timeout=30) as c:
+            streams = [c.stream("POST", "/v1/completions", json=body) for _ in range(20)]
+            # keep each line iterator alive: a dropped one closes its connection early
+            lines = [st.__enter__().iter_lines() for st in streams]
+            for it in lines:  # every stream is producing tokens
+                next(it)
+            gauge = _gauge(httpx.get(s.url + "/metrics").text, "llmserve_num_requests_running")
+            assert gauge > 0
+            for st in streams:
+                st.__exit__(None, None, None)
+        deadline = time.monotonic() + 1.0
+        while True:
+            text = httpx.get(s.url + "/metrics").text
+            running = _gauge(text, "llmserve_num_requests_running")
+            usage = _gauge(text, "llmserve_kv_cache_usage_ratio")
+            if (running, usage) == (0.0, 0.0) or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+        assert (running, usage) == (0.0, 0.0)
+    finally:
+        s.stop()
+
+
+def _gauge(text: str, name: str) -> float:
+    line = next(x for x in text.splitlines() if x.startswith(name + "{"))
+    return float(line.rsplit(" ", 1)[1])
 
 
 def test_stats_reports_queue_cache_and_latencies(fake_server):

@@ -44,11 +44,17 @@ def test_byte_rejects_unknown_options():
         _build("byte", tokenizer={"name": "byte", "options": {"lowercase": True}})
 
 
-def test_auto_picks_byte_for_embedded_and_fake():
+def _engine_tokenizer(**config):
+    from llmserve.engine import Engine
+
+    return Engine.from_config({**config, "tokenizer": {"name": "auto"}}).tokenizer
+
+
+def test_auto_is_the_backends_choice_byte_for_embedded_and_fake():
     from llmserve_tokenizers.byte import ByteTokenizer
 
-    assert isinstance(_build("auto"), ByteTokenizer)  # model defaults to "embedded"
-    assert isinstance(_build("auto", model={"model": "/nonexistent"}, backend={"name": "fake"}), ByteTokenizer)
+    assert isinstance(_engine_tokenizer(backend={"kv_cache_memory": "4MiB"}), ByteTokenizer)  # torch, embedded
+    assert isinstance(_engine_tokenizer(model={"model": "/nonexistent"}, backend={"name": "fake"}), ByteTokenizer)
 
 
 @pytest.fixture(scope="module")
@@ -83,9 +89,13 @@ def test_hf_tokenizer_loads_a_local_directory(hf_dir):
 
 
 def test_auto_picks_hf_for_a_checkpoint_and_model_tokenizer_wins(hf_dir, tmp_path):
+    from transformers import GPT2Config
+
     from llmserve_tokenizers.hf import HFTokenizer
 
-    tok = _build("auto", model={"model": str(tmp_path), "tokenizer": str(hf_dir)})
+    GPT2Config(n_embd=16, n_layer=1, n_head=2, vocab_size=7, n_positions=64).save_pretrained(tmp_path)
+    tok = _engine_tokenizer(model={"model": str(tmp_path), "tokenizer": str(hf_dir), "load_format": "dummy"},
+                            backend={"kv_cache_memory": "4MiB"})
     assert isinstance(tok, HFTokenizer) and tok.encode("world") == [3]
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
@@ -109,6 +110,27 @@ def test_offline_hub_id_explains_how_to_use_a_local_directory(monkeypatch, tmp_p
     msg = str(e.value)
     assert "offline" in msg and "some-org/some-model-that-is-not-cached" in msg
     assert "--model" in msg and "local" in msg
+
+
+def test_an_unreachable_hub_fails_within_seconds_with_the_way_out(tmp_path):
+    """No HF_HUB_OFFLINE, no network: the hub endpoint (a closed local port here) refuses, and we say so fast."""
+    import socket
+    import subprocess
+    import sys
+    import time
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # closed once the with-block ends: nothing listens there
+    env = {k: v for k, v in os.environ.items() if k != "HF_HUB_OFFLINE"}
+    env.update(HF_ENDPOINT=f"http://127.0.0.1:{port}", HF_HOME=str(tmp_path), PYTHONPATH=os.pathsep.join(sys.path))
+    t0 = time.monotonic()
+    p = subprocess.run([sys.executable, "-c", "from llmserve.engine import Engine; "
+                        "Engine.from_config({'model': {'model': 'some-org/not-cached'}})"],
+                       capture_output=True, text=True, env=env, timeout=120)
+    elapsed = time.monotonic() - t0
+    assert p.returncode != 0 and "some-org/not-cached" in p.stderr and "--model" in p.stderr, p.stderr[-2000:]
+    assert "offline" in p.stderr and elapsed < 30
 
 
 def test_missing_directory_and_unsupported_architecture(tmp_path):

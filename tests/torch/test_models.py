@@ -90,21 +90,6 @@ def test_kernels_agree_on_bfloat16(gpt2_dir):
     torch.testing.assert_close(outs[1], outs[3], atol=3e-2, rtol=3e-2)
 
 
-def test_block_copies_are_applied_before_the_forward(gpt2_dir):
-    """A forked sequence whose partial block was copied on write reads the parent's K/V from the copy."""
-    path, hf = gpt2_dir
-    b = make_backend(str(path))
-    d = Driver(b)
-    ids = list(range(10, 20))  # 10 tokens: blocks of 4 → the third block is partial
-    b.compute_logits(batch_of([d.request("p", ids, 0, 10)]))
-    parent = d.tables["p"]
-    fresh = d.free.pop()
-    d.tables["c"] = parent[:2] + [fresh]  # shares two full blocks, copies the partial one
-    child = ids + [42]
-    logits = b.compute_logits(batch_of([d.request("c", child, 10, 1)], copies=[(parent[2], fresh)]))
-    torch.testing.assert_close(logits[0], hf_logits(hf, child)[-1], atol=2e-4, rtol=1e-4)
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_chunked_lm_head_equals_one_matmul(dtype):
     """The vocabulary-chunked LM head (uneven last chunk) gives float32 logits equal to one F.linear."""

@@ -7,7 +7,7 @@ import random
 import torch
 import transformers
 
-from llmserve.batch import ScheduledBatch, ScheduledRequest
+from llmserve.batch import SchedulerOutput, ScheduledRequest
 from llmserve.config import config_from_dict
 from llmserve.request import SamplingParams
 
@@ -77,9 +77,8 @@ class Driver:
                                 do_sample, prompt_len, max(0, len(token_ids) - prompt_len))
 
 
-def batch_of(reqs, copies=()):
-    """A ScheduledBatch with its token counts filled in."""
+def batch_of(reqs):
+    """A SchedulerOutput with its token counts filled in."""
     pre = sum(r.num_new_tokens for r in reqs if r.num_new_tokens > 1)
     dec = sum(r.num_new_tokens for r in reqs if r.num_new_tokens == 1)
-    return ScheduledBatch(requests=list(reqs), num_prefill_tokens=pre, num_decode_tokens=dec,
-                          block_copies=list(copies))
+    return SchedulerOutput(requests=list(reqs), num_prefill_tokens=pre, num_decode_tokens=dec)

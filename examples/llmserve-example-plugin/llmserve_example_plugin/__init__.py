@@ -1,4 +1,4 @@
-"""An example third-party llmserve plugin: the "sjf" scheduler, the "csv" metric sink, `llmserve csv-report`.
+"""An example third-party llmserve plugin: the "sjf" scheduler, the "simple" KV cache, the "csv" sink, `llmserve csv-report`.
 
 llmserve finds this module through the entry point in pyproject.toml and registers the
 @hookimpl functions below. Each hook only hands llmserve a name and a factory; llmserve calls
@@ -31,6 +31,14 @@ def build_sjf(config, allocator):
     )
 
 
+def build_simple_cache(config, num_blocks):
+    """cache-allocator factory: the engine says how many blocks the backend's memory holds."""
+    from llmserve_example_plugin.simple_cache import SimplePrefixCache
+
+    check_options(config.cache.options, {}, "cache.options (simple)")
+    return SimplePrefixCache(num_blocks, config.cache.block_size)
+
+
 def build_csv(config, options):
     """metric-sink factory: `options` is this sink's `options:` mapping from metrics.sinks."""
     from llmserve_example_plugin.csv_sink import CsvSink
@@ -43,6 +51,12 @@ def build_csv(config, options):
 def register_schedulers(register):
     """Register shortest-job-first as "sjf"."""
     register("sjf", build_sjf)
+
+
+@hookimpl
+def register_cache_allocators(register):
+    """Register the exact-prefix KV cache as "simple"."""
+    register("simple", build_simple_cache)
 
 
 @hookimpl

@@ -26,9 +26,15 @@ class ShortestJobFirstScheduler(ContinuousScheduler):
     When memory runs out the running sequence with the largest request is preempted first.
     """
 
+    policy = "sjf"
+
     def __init__(self, *args, respect_priority: bool = False, **kwargs):
-        super().__init__(*args, policy="fcfs", **kwargs)
+        super().__init__(*args, **kwargs)
         self.respect_priority = respect_priority
+        # a priority is a 400 unless this policy uses it (the base class checks uses_priority)
+        self.uses_priority = respect_priority
+        if respect_priority:
+            self.policy = "sjf+priority"
 
     def order_key(self, request: Request) -> tuple:
         """(priority?, requested tokens, arrival): smaller runs first; arrival breaks ties (FCFS)."""
@@ -36,9 +42,3 @@ class ShortestJobFirstScheduler(ContinuousScheduler):
         if self.respect_priority:
             return (request.priority, *key)
         return key
-
-    def stats(self) -> dict:
-        """The parent's queue statistics, with this policy's name."""
-        s = super().stats()
-        s["policy"] = "sjf+priority" if self.respect_priority else "sjf"
-        return s
