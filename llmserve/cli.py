@@ -32,6 +32,7 @@ class _Commands(argparse._SubParsersAction):
 
     def add_parser(self, name, **kwargs):
         kwargs.setdefault("parents", [_COMMON])
+        kwargs.setdefault("allow_abbrev", False)
         return super().add_parser(name, **kwargs)
 
     def __call__(self, parser, namespace, values, option_string=None):
@@ -89,7 +90,8 @@ def cmd_config(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     """The built-in commands, then those the plugins register."""
-    parser = argparse.ArgumentParser(prog="llmserve", parents=[_COMMON],
+    # no abbreviations: a command's own flag (bench offline --n) must never match a global one's prefix
+    parser = argparse.ArgumentParser(prog="llmserve", parents=[_COMMON], allow_abbrev=False,
                                      description="A plugin-based LLM serving engine with an OpenAI-compatible "
                                                  "API. With no command, `llmserve --config FILE` serves.")
     add_config_arguments(parser)

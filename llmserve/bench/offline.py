@@ -36,6 +36,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--request-rate", type=float, default=0.0,
                    help="Poisson arrivals per second (0: all requests arrive at once)")
     p.add_argument("--priorities", type=int, default=1, help="draw priorities from 0..N-1 (policy priority)")
+    p.add_argument("--n", type=int, default=1, help="completions per request (n > 1 shares the prompt's KV)")
 
 
 def thread_layout(engine) -> dict[str, Any]:
@@ -44,7 +45,7 @@ def thread_layout(engine) -> dict[str, Any]:
 
 
 def drive(engine, items: list[Item], concurrency: int, bar, detokenize: bool = True,
-          on_step: Callable[[Any], None] | None = None) -> tuple[list[Result], float]:
+          on_step: Callable[[Any], None] | None = None, n: int = 1) -> tuple[list[Result], float]:
     """Step `engine` until every item is done: each added at its arrival, at most `concurrency` in flight.
 
     Call it on the thread that built `engine`, exactly as `bench offline` and the server's engine
@@ -56,16 +57,16 @@ def drive(engine, items: list[Item], concurrency: int, bar, detokenize: bool = T
     pending = sorted(items, key=lambda it: it.arrival)  # stable: the same arrival keeps the order
     nxt = 0
     results: list[Result] = []
-    live: dict[str, Timing] = {}
+    live: dict[tuple[str, int], Timing] = {}  # per sequence: n of them per request
     start = time.perf_counter()
     while nxt < len(pending) or live:
         now = time.perf_counter()
         while nxt < len(pending) and len(live) < concurrency and pending[nxt].arrival <= now - start:
             it = pending[nxt]
             # the engine caps max_tokens at its context, and fails a prompt that fills it
-            sp = SamplingParams(max_tokens=it.max_tokens, temperature=0.0, ignore_eos=True, detokenize=detokenize)
-            live[engine.add_request(it.prompt, sp, priority=it.priority, arrival_time=start + it.arrival)] = \
-                Timing(now)
+            sp = SamplingParams(max_tokens=it.max_tokens, temperature=0.0, ignore_eos=True, detokenize=detokenize, n=n)
+            rid = engine.add_request(it.prompt, sp, priority=it.priority, arrival_time=start + it.arrival)
+            live.update({(rid, i): Timing(now) for i in range(n)})
             nxt += 1
         if not live:  # idle until the next arrival
             time.sleep(min(0.01, max(0.0, pending[nxt].arrival - (now - start))))
@@ -73,13 +74,13 @@ def drive(engine, items: list[Item], concurrency: int, bar, detokenize: bool = T
         so = engine.step()
         now = time.perf_counter()
         for o in so.outputs:
-            timing = live.get(o.request_id)
+            timing = live.get((o.request_id, o.index))
             if timing is None:
                 continue
             if o.new_token_ids:
                 timing.token(now)
             if o.finished:
-                del live[o.request_id]
+                del live[o.request_id, o.index]
                 results.append(Result(False, error=o.error) if o.error else
                                timing.result(now, o.num_output_tokens, o.num_prompt_tokens))
                 bar.update(1)
@@ -111,17 +112,19 @@ def run(args: argparse.Namespace, config) -> dict[str, Any]:
         peak["internal"] = max(peak["internal"], c.internal_fragmentation)
         peak["external"] = max(peak["external"], c.external_fragmentation)
 
-    results, elapsed = drive(engine, items, len(items), progress_bar(args, len(items), "bench offline"),
-                             detokenize=False, on_step=on_step)
+    results, elapsed = drive(engine, items, len(items) * args.n,
+                             progress_bar(args, len(items) * args.n, "bench offline"), detokenize=False,
+                             on_step=on_step, n=args.n)
     snap = engine.metrics_snapshot()
     cache = engine.scheduler_stats().cache
-    total_prompt = sum(len(it.prompt) for it in items)
+    total_prompt = sum(len(it.prompt) for it in items) * args.n  # every sequence's prompt: the fan-out total
     summary = summarize_results(results, elapsed)
     prompt_tokens = sum(r.prompt_tokens for r in results if r.ok)
     batch_sizes = [m.batch_size for m in ran]
     prefill_computed = sum(m.num_prefill_tokens for m in ran)
     report = {
-        "workload": {**workload_facts(args), "request_rate": args.request_rate, "priorities": args.priorities},
+        "workload": {**workload_facts(args), "request_rate": args.request_rate, "priorities": args.priorities,
+                     "n": args.n},
         "config": {
             "backend": config.backend.name, "model": config.model.model, "scheduler": config.scheduler.name,
             "policy": config.scheduler.policy, "max_num_seqs": config.scheduler.max_num_seqs,
