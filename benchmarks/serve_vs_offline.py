@@ -17,22 +17,16 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
+from shapes import SHAPES
+
 ROOT = Path(__file__).resolve().parent.parent
-SHAPES = {
-    "gpt2": dict(model_type="gpt2", vocab_size=50257, n_positions=1024, n_embd=768, n_layer=12, n_head=12,
-                 eos_token_id=50256, bos_token_id=50256),
-    "smollm2-135m": dict(model_type="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536,
-                         num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
-                         max_position_embeddings=8192, rope_theta=100000.0, rms_norm_eps=1e-5,
-                         tie_word_embeddings=True, bos_token_id=1, eos_token_id=2),
-}
+DEFAULT_SHAPES = ["gpt2", "smollm2-135m"]
 
 
 def save_shape(name: str, root: Path) -> Path:
@@ -62,33 +56,10 @@ def _cli(*args: str) -> dict:
     return json.loads(p.stdout)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def start_server(flags: list[str]) -> tuple[subprocess.Popen, str]:
-    import httpx
+    from llmserve.bench.serve import launch_server
 
-    port = _free_port()
-    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'plugins'}"}
-    proc = subprocess.Popen([sys.executable, "-m", "llmserve", "--log-level", "warning", "serve", *flags,
-                             "--port", str(port)], cwd=ROOT, env=env)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 300
-    while True:
-        if proc.poll() is not None:
-            raise RuntimeError(f"the server exited with {proc.returncode}")
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return proc, url
-        except httpx.TransportError:
-            pass
-        if time.monotonic() > deadline:
-            proc.kill()
-            raise RuntimeError("the server did not become healthy in 300 s")
-        time.sleep(0.2)
+    return launch_server(flags, env={**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'plugins'}"})
 
 
 def workload(requests: int) -> list[str]:
@@ -144,7 +115,7 @@ def _line(r: dict, clients: list[str]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    ap.add_argument("--shapes", nargs="+", default=DEFAULT_SHAPES, choices=list(SHAPES))
     ap.add_argument("--dtype", default="bfloat16", help="bfloat16 where the CPU has AVX512_BF16, else float32")
     ap.add_argument("--threads", type=int, nargs="+", default=[os.cpu_count() or 1], help="torch threads to try")
     ap.add_argument("--concurrency", type=int, nargs="+", default=[64, 1])

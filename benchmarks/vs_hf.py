@@ -35,14 +35,9 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
-MODELS = {
-    "gpt2": dict(model_type="gpt2", vocab_size=50257, n_positions=1024, n_embd=768, n_layer=12, n_head=12,
-                 eos_token_id=50256, bos_token_id=50256),
-    "qwen2.5-0.5b": dict(model_type="qwen2", vocab_size=151936, hidden_size=896, intermediate_size=4864,
-                         num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
-                         max_position_embeddings=32768, rope_theta=1000000.0, rms_norm_eps=1e-6,
-                         tie_word_embeddings=True, eos_token_id=151643, bos_token_id=151643),
-}
+from shapes import SHAPES  # noqa: E402
+
+MODELS = {k: SHAPES[k] for k in ("gpt2", "qwen2.5-0.5b")}
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 PEERS = ("hf-seq", "hf-static", "hf-cb")
 

@@ -66,21 +66,24 @@ def _api_key(args: argparse.Namespace) -> str | None:
 
 def _launch(args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
     """Start `llmserve serve` with this command's config flags; wait until /health says ok."""
+    flags = ["--config", args.config] if args.config else []
+    for key, v in flag_overrides(args).items():
+        if key not in ("server.port", "server.host"):
+            flags += ["--set", f"{key}={v if isinstance(v, str) else json.dumps(v)}"]
+    for s in args.set:
+        flags += ["--set", s]
+    return launch_server(flags)
+
+
+def launch_server(flags: list[str], env: dict[str, str] | None = None) -> tuple[subprocess.Popen, str]:
+    """`llmserve serve FLAGS` on a free 127.0.0.1 port; its process and URL once /health says ok."""
     import httpx  # here, not at the top: `llmserve --help` imports this module
 
     with socket.socket() as s:  # a free port
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    cmd = [sys.executable, "-m", "llmserve", "--log-level", "warning", "serve"]
-    if args.config:
-        cmd += ["--config", args.config]
-    for key, v in flag_overrides(args).items():
-        if key not in ("server.port", "server.host"):
-            cmd += ["--set", f"{key}={v if isinstance(v, str) else json.dumps(v)}"]
-    for s in args.set:
-        cmd += ["--set", s]
-    cmd += ["--host", "127.0.0.1", "--port", str(port)]
-    proc = subprocess.Popen(cmd)
+    proc = subprocess.Popen([sys.executable, "-m", "llmserve", "--log-level", "warning", "serve", *flags,
+                             "--host", "127.0.0.1", "--port", str(port)], env=env)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 300
     while True:
