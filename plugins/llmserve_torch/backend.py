@@ -212,6 +212,7 @@ class TorchBackend(ModelBackend):
             "layers": a.num_layers, "hidden_size": a.hidden_size, "heads": a.num_heads, "kv_heads": a.num_kv_heads,
             "vocab_size": a.vocab_size,
             "dtype": str(self.dtype).replace("torch.", ""),
+            "dtype_reason": self.loaded.dtype_reason,
             "device": str(self.device),
             "weights": self.loaded.weights,
             "linear": self.loaded.linear,

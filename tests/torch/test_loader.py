@@ -86,10 +86,19 @@ def test_dtypes(qwen2_dir, dtype, want):
     assert (got - ref).abs().max() < tol * max(1.0, ref.abs().max().item())
 
 
-def test_auto_dtype_follows_the_checkpoint(tmp_path):
-    hf = make_gpt2(seed=9).to(torch.bfloat16)
-    hf.save_pretrained(tmp_path)
-    assert make_backend(str(tmp_path), dtype="auto").dtype == torch.bfloat16
+@pytest.mark.parametrize("bf16, amx, want, words", [
+    (True, False, torch.bfloat16, "AVX512_BF16"),
+    (False, True, torch.bfloat16, "AMX"),
+    (False, False, torch.float32, "neither AVX512_BF16 nor AMX"),
+])
+def test_auto_dtype_is_what_the_cpu_runs_natively(monkeypatch, tmp_path, bf16, amx, want, words):
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: bf16)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx)
+    make_gpt2(seed=9).to(torch.bfloat16).save_pretrained(tmp_path)  # the checkpoint's dtype does not decide
+    d = make_backend(str(tmp_path), dtype="auto").describe()
+    assert d["dtype"] == str(want).replace("torch.", "") and words in d["dtype_reason"]
+    assert d["dtype_reason"].startswith("auto: ")
+    assert make_backend(str(tmp_path), dtype="float32").describe()["dtype_reason"] == "asked for"
 
 
 def test_dummy_weights_are_seeded(gpt2_dir):
