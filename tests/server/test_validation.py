@@ -109,3 +109,13 @@ def test_openapi_json_describes_the_request_bodies(fake_server):
     body = doc["paths"]["/v1/chat/completions"]["post"]["requestBody"]["content"]["application/json"]["schema"]
     assert body == {"$ref": "#/components/schemas/ChatRequest"}
     assert set(schemas["CompletionRequest"]["required"]) == {"prompt"}
+
+
+def test_a_priority_under_fcfs_is_a_400_naming_priority_streaming_or_not(fake_server):
+    for stream in (False, True):
+        r = httpx.post(fake_server.url + "/v1/completions",
+                       json={"prompt": "x", "max_tokens": 2, "priority": 3, "stream": stream})
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert err["param"] == "priority" and "fcfs" in err["message"]
+    assert fake_server.wait_idle()["cache"]["used_blocks"] == 0
