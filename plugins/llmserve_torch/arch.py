@@ -7,6 +7,9 @@ from typing import Any
 
 from llmserve.errors import ConfigError
 
+# RoPE types whose frequencies we compute exactly as transformers does (see rope_from_hf)
+ROPE_TYPES = ("default", "linear", "llama3", "dynamic")
+
 # HF model_type → our model family
 _FAMILIES = {
     "gpt2": "gpt2",
@@ -15,6 +18,18 @@ _FAMILIES = {
     "mistral": "decoder",
     "qwen3": "decoder",
 }
+
+
+@dataclass(frozen=True, slots=True)
+class Rope:
+    """RoPE as the checkpoint configures it: the base, and how a scaled type stretches the frequencies."""
+
+    theta: float = 10000.0
+    type: str = "default"  # one of ROPE_TYPES
+    factor: float = 1.0  # linear, llama3, dynamic
+    low_freq_factor: float = 1.0  # llama3
+    high_freq_factor: float = 4.0  # llama3
+    original_max_positions: int = 0  # llama3: the pretraining context; dynamic: max_position_embeddings
 
 
 @dataclass(slots=True)
@@ -32,13 +47,24 @@ class ArchConfig:
     intermediate_size: int
     max_position_embeddings: int
     norm_eps: float = 1e-5
-    rope_theta: float = 10000.0
+    rope: Rope = Rope()
     tie_word_embeddings: bool = True
     qkv_bias: bool = False
     qk_norm: bool = False  # Qwen3: RMSNorm on each head of q and k
     activation: str = "gelu_new"
     eos_token_id: int | None = None
     torch_dtype: str | None = None  # what the checkpoint says it was saved in
+
+    @property
+    def context_bound(self) -> str:
+        """Why max_model_len may not exceed max_position_embeddings, or "" where it may."""
+        if self.family == "gpt2":
+            return "GPT-2's learned positions"
+        if self.rope.type == "dynamic":
+            # past it transformers recomputes the frequencies from the longest position of each forward call,
+            # so a token's rotation would depend on how the engine batched and chunked it
+            return "the context where dynamic-NTK RoPE matches transformers"
+        return ""
 
     @property
     def q_size(self) -> int:
@@ -56,17 +82,50 @@ def _first_int(v: Any) -> int | None:
     return None if v is None else int(v)
 
 
-def _rope_theta(cfg: Any) -> float:
-    """rope_theta lives on the config (transformers 4) or in rope_parameters (transformers 5)."""
-    params = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {}
-    rope_type = params.get("rope_type", params.get("type", "default")) if isinstance(params, dict) else "default"
-    if rope_type not in ("default", None):
-        raise ConfigError(f"model {cfg.model_type}: RoPE scaling {rope_type!r} is not supported by the torch backend "
-                          "(supported: default)")
-    theta = getattr(cfg, "rope_theta", None)
-    if theta is None and isinstance(params, dict):
-        theta = params.get("rope_theta")
-    return float(theta or 10000.0)
+def _rope_dict(cfg: Any) -> dict:
+    """The RoPE settings dict: rope_parameters (transformers 5) or rope_scaling (transformers 4), else empty."""
+    for name in ("rope_parameters", "rope_scaling"):
+        params = getattr(cfg, name, None)
+        if isinstance(params, dict) and params:
+            return params
+    return {}
+
+
+def _rope_number(params: dict, key: str, rope_type: str, model_type: str) -> float:
+    """A setting the rope type needs; a checkpoint without it is refused rather than guessed."""
+    if params.get(key) is None:
+        raise ConfigError(f"model {model_type}: RoPE type {rope_type!r} needs {key!r} in rope_parameters")
+    return float(params[key])
+
+
+def rope_from_hf(cfg: Any) -> Rope:
+    """The RoPE settings of a transformers 4 or 5 config; a type we cannot compute exactly is refused."""
+    params = _rope_dict(cfg)
+    mt = cfg.model_type
+    rope_type = params.get("rope_type") or params.get("type") or "default"
+    if rope_type not in ROPE_TYPES:
+        raise ConfigError(f"model {mt}: RoPE type {rope_type!r} is not supported by the torch backend "
+                          f"(supported: {', '.join(ROPE_TYPES)})")
+    if float(params.get("partial_rotary_factor") or 1.0) != 1.0:
+        raise ConfigError(f"model {mt}: partial_rotary_factor {params['partial_rotary_factor']} is not supported "
+                          "(the torch backend rotates the whole head)")
+    theta = float(params.get("rope_theta") or getattr(cfg, "rope_theta", None) or 10000.0)
+    if rope_type == "default":
+        return Rope(theta=theta)
+    factor = _rope_number(params, "factor", rope_type, mt)
+    if rope_type == "linear":
+        return Rope(theta=theta, type=rope_type, factor=factor)
+    if rope_type == "dynamic":
+        # transformers scales dynamic NTK against max_position_embeddings, not an original length
+        return Rope(theta=theta, type=rope_type, factor=factor,
+                    original_max_positions=cfg.max_position_embeddings)
+    # llama3: like transformers, a top-level original_max_position_embeddings wins over the dict's
+    original = (getattr(cfg, "original_max_position_embeddings", None)
+                or params.get("original_max_position_embeddings") or cfg.max_position_embeddings)
+    return Rope(theta=theta, type=rope_type, factor=factor,
+                low_freq_factor=_rope_number(params, "low_freq_factor", rope_type, mt),
+                high_freq_factor=_rope_number(params, "high_freq_factor", rope_type, mt),
+                original_max_positions=int(original))
 
 
 def arch_from_hf(cfg: Any) -> ArchConfig:
@@ -101,7 +160,7 @@ def arch_from_hf(cfg: Any) -> ArchConfig:
         num_layers=cfg.num_hidden_layers, num_heads=heads,
         num_kv_heads=getattr(cfg, "num_key_value_heads", None) or heads, head_dim=head_dim,
         intermediate_size=cfg.intermediate_size, max_position_embeddings=cfg.max_position_embeddings,
-        norm_eps=cfg.rms_norm_eps, rope_theta=_rope_theta(cfg),
+        norm_eps=cfg.rms_norm_eps, rope=rope_from_hf(cfg),
         tie_word_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
         qkv_bias=mt == "qwen2" or bool(getattr(cfg, "attention_bias", False)), qk_norm=mt == "qwen3",
         activation="silu", eos_token_id=_first_int(cfg.eos_token_id), torch_dtype=dtype,

@@ -45,8 +45,8 @@ class TorchBackend(ModelBackend):
         self.vocab_size = self.arch.vocab_size
         limit = self.arch.max_position_embeddings
         if mc.max_model_len is not None:
-            if self.arch.family == "gpt2" and mc.max_model_len > limit:
-                raise ConfigError(f"model.max_model_len: {mc.max_model_len} exceeds GPT-2's learned positions "
+            if self.arch.context_bound and mc.max_model_len > limit:
+                raise ConfigError(f"model.max_model_len: {mc.max_model_len} exceeds {self.arch.context_bound} "
                                   f"({limit})")
             limit = mc.max_model_len
         self.max_model_len = limit

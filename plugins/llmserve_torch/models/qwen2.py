@@ -7,6 +7,7 @@ import torch.nn.functional as F
 
 from llmserve_torch.arch import ArchConfig
 from llmserve_torch.models.common import Linear, lm_head
+from llmserve_torch.models.rope import rope_tables
 
 
 def hf_shapes(a: ArchConfig) -> dict[str, tuple[int, ...]]:
@@ -38,15 +39,6 @@ def normalize_name(name: str) -> str | None:
     if "rotary_emb.inv_freq" in name:
         return None
     return name
-
-
-def rope_tables(arch: ArchConfig, max_len: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin of every position for the non-interleaved (rotate-half) RoPE: [max_len, head_dim/2], float32."""
-    d = arch.head_dim
-    inv_freq = 1.0 / (arch.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64, device=device).float() / d))
-    t = torch.arange(max_len, device=device, dtype=torch.float32)
-    freqs = torch.outer(t, inv_freq)
-    return freqs.cos(), freqs.sin()
 
 
 class Qwen2Model:
@@ -84,7 +76,7 @@ class Qwen2Model:
         self.norm = w("model.norm.weight").contiguous()
         head = self.embed if arch.tie_word_embeddings else w("lm_head.weight").contiguous()
         self.lm_head = Linear(head, None, pack, batch_hint)  # packed: a copy; embed stays for the lookup
-        self.cos, self.sin = rope_tables(arch, max_len, device)
+        self.cos, self.sin = rope_tables(arch.rope, arch.head_dim, max_len, device)
 
     def _rms(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         # HF normalizes in float32 and casts back before scaling by the weight
