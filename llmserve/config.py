@@ -20,7 +20,7 @@ from llmserve.errors import ConfigError
 
 @dataclass(slots=True)
 class ModelConfig:
-    # a local directory, a hub id, or "embedded" (the tiny offline default model)
+    # a local directory, a GGUF file, a hub id, or "embedded" (the tiny offline default model)
     model: str = "embedded"
     tokenizer: str | None = None  # defaults to the model's
     served_model_name: str | None = None  # the name clients send; defaults to `model`

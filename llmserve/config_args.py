@@ -10,7 +10,7 @@ from llmserve.errors import LLMServeError
 
 # flag → dotted config key; each flag overrides the config file
 CONFIG_FLAGS: dict[str, tuple[str, type, str]] = {
-    "--model": ("model.model", str, "local checkpoint directory, hub id, or 'embedded'"),
+    "--model": ("model.model", str, "local checkpoint directory, GGUF file, hub id, or 'embedded'"),
     "--tokenizer": ("model.tokenizer", str, "tokenizer directory or hub id (defaults to the model's)"),
     "--served-model-name": ("model.served_model_name", str, "the model name clients send"),
     "--dtype": ("model.dtype", str, "float32 | bfloat16 | float16 | auto"),

@@ -116,7 +116,11 @@ class Engine:
                 return None
         if name == "none":
             return None
-        return self._factory("tokenizer", name)(self.config)
+        config = self.config
+        if config.model.tokenizer is None and self.backend.tokenizer_path:  # a copy: the config is shared
+            config = dataclasses.replace(config, model=dataclasses.replace(config.model,
+                                                                           tokenizer=self.backend.tokenizer_path))
+        return self._factory("tokenizer", name)(config)
 
     def add_metric_sink(self, sink: MetricSink) -> None:
         """Attach a sink after construction (a plugin's route hook serving it, say); it gets every later event."""

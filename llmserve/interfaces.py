@@ -106,6 +106,9 @@ class ModelBackend(ABC):
     max_model_len: int
     eos_token_id: int | None = None
     default_tokenizer: str | None = None  # the registered tokenizer that tokenizer "auto" means for this model
+    # a local directory of tokenizer files the backend's model source produced (a GGUF's, say); the engine
+    # hands it to the tokenizer as model.tokenizer when the config names none
+    tokenizer_path: str | None = None
 
     @abstractmethod
     def num_kv_blocks(self, block_size: int) -> int:

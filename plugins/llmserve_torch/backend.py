@@ -53,6 +53,8 @@ class TorchBackend(ModelBackend):
         self.eos_token_id = self.arch.eos_token_id
         # the embedded model's vocabulary is the byte-level tokenizer's; a checkpoint ships its own
         self.default_tokenizer = "byte" if mc.model == "embedded" else "hf"
+        # a GGUF carries its tokenizer in metadata: its source saved it as files next to the converted weights
+        self.tokenizer_path = loaded.tokenizer_dir
         self.sampler = Sampler(self.device, seed=mc.seed, eos_token_id=self.eos_token_id)
         self.kv: KVCache | None = None
         self.attention = None

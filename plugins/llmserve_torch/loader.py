@@ -1,4 +1,4 @@
-"""Find a model (local directory, hub id or the embedded default), read its config and weights, build it."""
+"""Find a model through its source (sources.py), check its tensors, build it; the checkpoint readers sources use."""
 
 from __future__ import annotations
 
@@ -13,7 +13,6 @@ import torch
 
 from llmserve.config import ModelConfig
 from llmserve.errors import ConfigError
-from llmserve_torch import embedded
 from llmserve_torch.arch import ArchConfig, arch_from_hf
 from llmserve_torch.models import gpt2, qwen2
 from llmserve_torch.models.common import choose_packing
@@ -35,6 +34,7 @@ class LoadedModel:
     source: str  # the directory, "embedded", or the hub id and where it was cached
     weights: str  # the files read, or "dummy (seed N)"
     linear: str = "torch"  # how the matmuls run: onednn (pre-packed) or torch (F.linear)
+    tokenizer_dir: str | None = None  # tokenizer files the model source produced (a GGUF's cache directory)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -137,7 +137,7 @@ def read_arch(model_dir: Path, trust_remote_code: bool = False) -> ArchConfig:
     return arch
 
 
-def _weight_files(model_dir: Path, load_format: str) -> list[Path]:
+def weight_files(model_dir: Path, load_format: str) -> list[Path]:
     """The checkpoint files to read: safetensors first (auto), single or sharded via the index."""
     kinds = {"auto": ("safetensors", "pt"), "safetensors": ("safetensors",), "pt": ("pt",)}.get(load_format)
     if kinds is None:
@@ -195,14 +195,15 @@ def dummy_state_dict(shapes: dict[str, tuple[int, ...]], seed: int) -> dict[str,
     return sd
 
 
-def _family(arch: ArchConfig):
+def family(arch: ArchConfig):
+    """The models module (hf_shapes, normalize_name, the model class) for the arch's family."""
     return gpt2 if arch.family == "gpt2" else qwen2
 
 
 def build_model(arch: ArchConfig, sd: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device, max_len: int,
                 pack: bool = False, batch_hint: int = 64):
     """Instantiate the family's model, checking that every tensor it needs is present with the right shape."""
-    fam = _family(arch)
+    fam = family(arch)
     expected = fam.hf_shapes(arch)
     missing = [n for n in expected if n not in sd]
     if missing:
@@ -225,33 +226,20 @@ def load_model(mc: ModelConfig, linear: str = "auto", batch_hint: int = 64) -> L
         if mc.threads < 1:
             raise ConfigError(f"model.threads: must be >= 1, got {mc.threads}")
         torch.set_num_threads(mc.threads)
-    if mc.model == "embedded":
-        arch = embedded.arch()
-        source = "embedded"
-        load_format = "dummy"
-    else:
-        model_dir = resolve_model_dir(mc)
-        arch = read_arch(model_dir, mc.trust_remote_code)
-        source = str(model_dir)
-        load_format = mc.load_format
+    from llmserve_torch.sources import find_source  # sources builds on this module's readers
+
+    src = find_source(mc.model).load(mc)
+    arch = src.arch
     dtype, dtype_reason = resolve_dtype(mc.dtype, device)
     max_len = arch.max_position_embeddings if arch.family == "gpt2" else max(arch.max_position_embeddings,
                                                                               mc.max_model_len or 0)
-    fam = _family(arch)
-    if load_format == "dummy":
-        sd = dummy_state_dict(fam.hf_shapes(arch), mc.seed)
-        weights = f"dummy (seeded random, seed {mc.seed})"
-    else:
-        files = _weight_files(Path(source), load_format)
-        sd = read_state_dict(files, fam.normalize_name)
-        weights = ", ".join(f.name for f in files)
     try:
         pack = choose_packing(linear, device, dtype)
     except ValueError as e:
         raise ConfigError(str(e)) from None
-    model = build_model(arch, sd, dtype, device, max_len, pack, batch_hint)
-    log.info("loaded %s (%s) %s (%s) on %s: %s", source, arch.model_type, str(dtype).replace("torch.", ""),
-             dtype_reason, device, weights)
-    return LoadedModel(model=model, arch=arch, dtype=dtype, dtype_reason=dtype_reason, device=device, source=source,
-                       weights=weights,
-                       linear="onednn" if pack else "torch")
+    model = build_model(arch, src.state_dict, dtype, device, max_len, pack, batch_hint)
+    log.info("loaded %s (%s) %s (%s) on %s: %s", src.source, arch.model_type, str(dtype).replace("torch.", ""),
+             dtype_reason, device, src.weights)
+    return LoadedModel(model=model, arch=arch, dtype=dtype, dtype_reason=dtype_reason, device=device,
+                       source=src.source, weights=src.weights, linear="onednn" if pack else "torch",
+                       tokenizer_dir=src.tokenizer_dir)

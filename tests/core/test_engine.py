@@ -346,3 +346,42 @@ def test_streaming_keeps_the_space_after_a_skipped_special_token():
     streamed = "".join(d.add(t)[0] for t in ids) + d.flush()
     assert streamed == tok.decode([3] + ids)[len(tok.decode([3])):]
     assert streamed == " world user world"
+
+
+class TokenizerFilesPlugin:
+    """A fake backend whose model source produced tokenizer files, and a tokenizer that records its config."""
+
+    __name__ = "test-tokenizer-path"
+
+    def __init__(self):
+        self.seen: list[str | None] = []
+
+    @hookimpl
+    def register_backends(self, register):
+        from llmserve_fake.backend import FakeBackend
+
+        def build(config):
+            b = FakeBackend()
+            b.default_tokenizer = "test-record"
+            b.tokenizer_path = "/cache/converted"
+            return b
+
+        register("fake-with-tokenizer-files", build)
+
+    @hookimpl
+    def register_tokenizers(self, register):
+        def build(config):
+            self.seen.append(config.model.tokenizer)
+            return BytesTokenizer()
+
+        register("test-record", build)
+
+
+@pytest.mark.parametrize("configured, expected", [(None, "/cache/converted"), ("./mine", "./mine")])
+def test_backend_tokenizer_path_is_the_default_tokenizer_location(configured, expected):
+    plugin = TokenizerFilesPlugin()
+    cfg = {"backend": {"name": "fake-with-tokenizer-files"}, "cache": {"num_blocks": 16},
+           "model": {"tokenizer": configured}}
+    eng = Engine.from_config(cfg, extra_plugins=[plugin])
+    assert plugin.seen == [expected]
+    assert eng.config.model.tokenizer == configured  # the shared config is not rewritten

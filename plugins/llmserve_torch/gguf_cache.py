@@ -1,0 +1,157 @@
+"""The GGUF conversion cache: one checkpoint directory (config.json, model.safetensors, tokenizer files)
+per GGUF sha256, written once into a temporary directory and renamed into place."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+from llmserve.errors import ConfigError
+
+log = logging.getLogger("llmserve.torch")
+
+# bump when the conversion changes what it writes: caches of another format are rebuilt
+FORMAT = 1
+MARKER = "llmserve-gguf.json"  # written last: a directory without it is not a cache
+
+
+def cache_root() -> Path:
+    """$LLMSERVE_CACHE, else $XDG_CACHE_HOME/llmserve, else ~/.cache/llmserve."""
+    if os.environ.get("LLMSERVE_CACHE"):
+        return Path(os.environ["LLMSERVE_CACHE"]).expanduser()
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "llmserve"
+
+
+def file_sha256(path: Path, index: Path) -> str:
+    """The file's sha256, remembered in index by (path, size, mtime) so a large file is hashed once."""
+    st = path.stat()
+    key = str(path.resolve())
+    try:
+        known = json.loads(index.read_text())
+    except (OSError, ValueError):
+        known = {}
+    entry = known.get(key)
+    if entry and entry.get("size") == st.st_size and entry.get("mtime_ns") == st.st_mtime_ns:
+        return entry["sha256"]
+    log.info("GGUF %s: hashing its %.0f MB to find its converted cache", path.name, st.st_size / 1e6)
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 24):
+            h.update(chunk)
+    digest = h.hexdigest()
+    known[key] = {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "sha256": digest}
+    _write_atomic(index, json.dumps(known, indent=1))
+    return digest
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}-")
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)
+
+
+def _marker(d: Path) -> dict | None:
+    """The finished cache's record, or None when d is missing, half-written or of another format."""
+    try:
+        info = json.loads((d / MARKER).read_text())
+    except (OSError, ValueError):
+        return None
+    return info if info.get("format") == FORMAT else None
+
+
+def _remove_orphans(root: Path, sha: str) -> None:
+    """Delete temporary directories that killed first loads of this file left behind."""
+    for d in root.glob(f".tmp-{sha}-*"):
+        pid = d.name.rsplit("-", 1)[-1]
+        try:
+            os.kill(int(pid), 0)
+            continue  # that process still runs and may still be writing
+        except (ValueError, ProcessLookupError):
+            shutil.rmtree(d, ignore_errors=True)
+        except PermissionError:  # alive, another user's
+            continue
+
+
+def export_tokenizer(path: Path, out: Path) -> bool:
+    """Save the tokenizer and chat template transformers builds from the GGUF metadata; False when it cannot."""
+    from transformers import AutoTokenizer
+
+    try:
+        tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+        tok.save_pretrained(str(out))
+    except Exception as e:  # an unsupported tokenizer type, a malformed vocabulary ...
+        log.warning("GGUF %s: no tokenizer could be built from its metadata (%s: %s); set model.tokenizer to a "
+                    "directory holding the model's tokenizer files", path.name, type(e).__name__, e)
+        return False
+    return True
+
+
+def cached_checkpoint(path: Path) -> tuple[Path, bool]:
+    """The GGUF's converted checkpoint directory (converting on the first call) and whether it holds a tokenizer."""
+    from safetensors.torch import save_file
+
+    from llmserve_torch.gguf_file import GGUFCheckpoint
+
+    root = cache_root() / "gguf"
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ConfigError(f"cannot create the GGUF cache directory {root} ({e}); set LLMSERVE_CACHE to a writable "
+                          "directory") from None
+    sha = file_sha256(path, root / "sha256.json")
+    final = root / sha
+    info = _marker(final)
+    if info is not None:
+        log.info("GGUF %s: reading the converted checkpoint cached in %s", path.name, final)
+        return final, info["tokenizer"]
+    t0 = time.perf_counter()
+    log.info("GGUF %s: first load: converting it once into %s (later starts read that); reading the file",
+             path.name, final)
+    ckpt = GGUFCheckpoint(path)  # checks architecture and tensor types before any slow work
+    types = ", ".join(f"{n} {t}" for t, n in ckpt.type_counts().most_common())
+    log.info("GGUF %s: dequantizing %d tensors (%s), then building the tokenizer", path.name, len(ckpt.tensors),
+             types)
+    _remove_orphans(root, sha)
+    tmp = root / f".tmp-{sha}-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    try:
+        ckpt.hf_config().save_pretrained(str(tmp))
+        t1 = time.perf_counter()
+        sd = ckpt.state_dict()
+        t2 = time.perf_counter()
+        save_file(sd, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        del sd
+        log.info("GGUF %s: dequantized in %.1fs, wrote model.safetensors in %.1fs; building the tokenizer",
+                 path.name, t2 - t1, time.perf_counter() - t2)
+        has_tokenizer = export_tokenizer(path, tmp)
+        record = {"format": FORMAT, "sha256": sha, "source": str(path.resolve()), "tokenizer": has_tokenizer,
+                  "tensor_types": dict(ckpt.type_counts()), "seconds": round(time.perf_counter() - t0, 2)}
+        (tmp / MARKER).write_text(json.dumps(record, indent=1))
+        _publish(tmp, final)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    log.info("GGUF %s: converted in %.1fs into %s", path.name, time.perf_counter() - t0, final)
+    return final, has_tokenizer
+
+
+def _publish(tmp: Path, final: Path) -> None:
+    """Rename the finished directory into place; a concurrent load that finished first wins."""
+    if final.exists():
+        if _marker(final) is not None:
+            return
+        stale = final.with_name(f".stale-{final.name}-{os.getpid()}")  # an old format, or a foreign leftover
+        os.rename(final, stale)
+        shutil.rmtree(stale, ignore_errors=True)
+    try:
+        os.rename(tmp, final)
+    except OSError:
+        if _marker(final) is None:  # not a concurrent winner: a real failure
+            raise

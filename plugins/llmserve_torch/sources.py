@@ -1,0 +1,148 @@
+"""Model sources: where an architecture, its weights and its tokenizer come from.
+
+A source is one registration of one interface. The defaults, tried in order, are the embedded
+test model, a GGUF file (or a directory holding one) and a checkpoint directory or hub id; the
+model code only ever sees an ArchConfig and a state dict in Hugging Face tensor names.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import torch
+
+from llmserve.config import ModelConfig
+from llmserve.errors import ConfigError
+from llmserve_torch import embedded
+from llmserve_torch.arch import ArchConfig
+from llmserve_torch.loader import (
+    dummy_state_dict,
+    family,
+    read_arch,
+    read_state_dict,
+    resolve_model_dir,
+    weight_files,
+)
+
+
+@dataclass(slots=True)
+class SourceResult:
+    """What a source hands to the model builder."""
+
+    arch: ArchConfig
+    state_dict: dict[str, torch.Tensor]  # names as the model family's hf_shapes() lists them
+    source: str  # for logs and describe(): the directory, file or "embedded"
+    weights: str  # the files read, or "dummy (...)"
+    tokenizer_dir: str | None = None  # tokenizer files the source produced (None: the model path has them)
+
+
+class ModelSource(ABC):
+    """One kind of model location: says whether a model.model value is its kind, and loads it."""
+
+    name: str
+
+    @abstractmethod
+    def matches(self, model: str) -> bool:
+        """Whether model.model names a model of this kind (cheap: no reading beyond a directory listing)."""
+
+    @abstractmethod
+    def load(self, mc: ModelConfig) -> SourceResult:
+        """The architecture, the weights (or dummy ones for load_format dummy) and any tokenizer files."""
+
+
+def _dummy(arch: ArchConfig, seed: int) -> tuple[dict[str, torch.Tensor], str]:
+    return dummy_state_dict(family(arch).hf_shapes(arch), seed), f"dummy (seeded random, seed {seed})"
+
+
+class EmbeddedSource(ModelSource):
+    """The built-in tiny GPT-2 with seeded random weights."""
+
+    name = "embedded"
+
+    def matches(self, model: str) -> bool:
+        """Only the literal "embedded"."""
+        return model == "embedded"
+
+    def load(self, mc: ModelConfig) -> SourceResult:
+        """The embedded arch with dummy weights from model.seed."""
+        arch = embedded.arch()
+        sd, weights = _dummy(arch, mc.seed)
+        return SourceResult(arch, sd, "embedded", weights)
+
+
+class CheckpointSource(ModelSource):
+    """A directory with config.json and safetensors / .bin weights, or a hub id (the catch-all, tried last)."""
+
+    name = "checkpoint"
+
+    def matches(self, model: str) -> bool:
+        """Anything: resolving the directory or hub id explains what is wrong with it."""
+        return True
+
+    def load(self, mc: ModelConfig) -> SourceResult:
+        """Read config.json through transformers, then the weight files load_format names."""
+        model_dir = resolve_model_dir(mc)
+        arch = read_arch(model_dir, mc.trust_remote_code)
+        if mc.load_format == "dummy":
+            sd, weights = _dummy(arch, mc.seed)
+        else:
+            files = weight_files(model_dir, mc.load_format)
+            sd = read_state_dict(files, family(arch).normalize_name)
+            weights = ", ".join(f.name for f in files)
+        return SourceResult(arch, sd, str(model_dir), weights)
+
+
+class GGUFSource(ModelSource):
+    """A llama.cpp GGUF file, or a directory holding one, converted once into a cached checkpoint."""
+
+    name = "gguf"
+
+    def matches(self, model: str) -> bool:
+        """A path ending in .gguf, or a directory with a .gguf file and no config.json."""
+        p = Path(model).expanduser()
+        if p.suffix.lower() == ".gguf":
+            return True
+        return p.is_dir() and not (p / "config.json").is_file() and any(p.glob("*.gguf"))
+
+    def load(self, mc: ModelConfig) -> SourceResult:
+        """Dequantize into the cache on the first load; every load then reads the cached safetensors."""
+        from llmserve_torch import gguf_cache, gguf_file
+
+        path = gguf_file.resolve_gguf(mc.model)
+        if mc.load_format == "dummy":
+            arch = gguf_file.GGUFCheckpoint(path).arch()
+            sd, weights = _dummy(arch, mc.seed)
+            return SourceResult(arch, sd, str(path), weights)
+        if mc.load_format != "auto":
+            raise ConfigError(f"model.load_format: {mc.load_format!r} does not apply to a GGUF file "
+                              "(use auto, or dummy for random weights)")
+        cache_dir, has_tokenizer = gguf_cache.cached_checkpoint(path)
+        res = CheckpointSource().load(replace(mc, model=str(cache_dir), load_format="safetensors"))
+        res.source = str(path)
+        res.weights = f"{path.name} via the cache {cache_dir}"
+        res.tokenizer_dir = str(cache_dir) if has_tokenizer else None
+        return res
+
+
+# tried in order: the first whose matches() is true loads the model
+_SOURCES: list[ModelSource] = [EmbeddedSource(), GGUFSource(), CheckpointSource()]
+
+
+def register_source(source: ModelSource) -> None:
+    """Add a source ahead of the defaults, so it can claim model.model values before they do."""
+    _SOURCES.insert(0, source)
+
+
+def unregister_source(source: ModelSource) -> None:
+    """Remove a source added with register_source."""
+    _SOURCES.remove(source)
+
+
+def find_source(model: str) -> ModelSource:
+    """The first registered source that claims model.model."""
+    for s in _SOURCES:
+        if s.matches(model):
+            return s
+    raise ConfigError(f"model.model: no registered model source accepts {model!r}")

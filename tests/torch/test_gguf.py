@@ -1,0 +1,325 @@
+"""GGUF checkpoints: names, Q/K permutation and transposes undone, every supported type dequantized as
+gguf-py does, the tokenizer and chat template from metadata, the conversion cache, clear errors."""
+
+from __future__ import annotations
+
+import copy
+import logging
+from dataclasses import replace
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from gguf_helpers import VOCAB, dequantize, gguf_tensors, make_decoder, quantize, write_gguf
+from torch_helpers import Driver, batch_of, make_backend, make_gpt2, make_qwen2
+
+from llmserve.config import ModelConfig, config_from_dict
+from llmserve.engine import Engine
+from llmserve.errors import ConfigError
+from llmserve.request import SamplingParams
+from llmserve_torch import gguf_cache, gguf_file, sources
+from llmserve_torch.loader import load_model
+
+ARCHS = ["llama", "qwen2", "qwen3", "gpt2"]
+
+
+@pytest.fixture(autouse=True)
+def cache(tmp_path, monkeypatch):
+    """Every test converts into its own cache directory."""
+    d = tmp_path / "cache"
+    monkeypatch.setenv("LLMSERVE_CACHE", str(d))
+    return d
+
+
+def _hf(arch: str):
+    if arch == "gpt2":
+        return make_gpt2(vocab_size=VOCAB)
+    if arch == "qwen2":
+        return make_qwen2(vocab_size=VOCAB)
+    return make_decoder(arch)
+
+
+@pytest.fixture(scope="module", params=ARCHS)
+def f32_pair(request, tmp_path_factory):
+    """(safetensors dir, F32 GGUF path) of the same tiny model."""
+    hf = _hf(request.param)
+    d = tmp_path_factory.mktemp(f"st-{request.param}")
+    hf.save_pretrained(d)
+    return d, write_gguf(tmp_path_factory.mktemp("gguf") / f"{request.param}.gguf", hf)
+
+
+def _load(model: str):
+    return sources.find_source(model).load(ModelConfig(model=model))
+
+
+def test_f32_gguf_gives_the_safetensors_arch_and_tensors_bit_for_bit(f32_pair):
+    st_dir, path = f32_pair
+    ref, got = _load(str(st_dir)), _load(str(path))
+    # GGUF metadata holds floats as float32, as llama.cpp and transformers' GGUF loader read them
+    assert got.arch == replace(ref.arch, norm_eps=float(np.float32(ref.arch.norm_eps)))
+    assert got.state_dict.keys() == ref.state_dict.keys()
+    for name, t in ref.state_dict.items():
+        assert torch.equal(got.state_dict[name], t), name
+
+
+def _greedy(model: str, prompts, n: int = 12) -> list[list[int]]:
+    eng = Engine.from_config(config_from_dict({
+        "model": {"model": model}, "tokenizer": {"name": "none"}, "backend": {"kv_cache_memory": "4MiB"},
+        "cache": {"block_size": 4}}))
+    ids = [eng.add_request(p, SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)) for p in prompts]
+    got: dict[str, list[int]] = {i: [] for i in ids}
+    while eng.has_unfinished:
+        for o in eng.step().outputs:
+            got[o.request_id].extend(o.new_token_ids)
+    return [got[i] for i in ids]
+
+
+def test_f32_gguf_is_greedy_token_identical_to_safetensors(f32_pair):
+    st_dir, path = f32_pair
+    prompts = [[9, 40, 77, 3, 120], list(range(8, 40)), [200]]
+    assert _greedy(str(path), prompts) == _greedy(str(st_dir), prompts)
+
+
+# every supported type; K-quants need rows of 256, hence the wider model
+QUANT_TYPES = ["F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K"]
+
+
+@pytest.fixture(scope="module")
+def wide_llama():
+    return make_decoder("llama", hidden=256, seed=3)
+
+
+def _dequantized(hf, qtype: str):
+    """A copy of hf whose matrices hold gguf-py's dequantization of them quantized as the file holds them.
+
+    Quantization works on blocks within a row, so quantizing the unpermuted HF matrix gives the
+    file's blocks in another row order: the loader's unpermuted result must equal this exactly.
+    GPT-2's Conv1D matrices are stored transposed, so they are quantized that way.
+    """
+    gpt2 = hf.config.model_type == "gpt2"
+    out = copy.deepcopy(hf)
+    with torch.no_grad():
+        for name, p in out.named_parameters():  # a tied head is not listed twice
+            if p.ndim != 2:
+                continue
+            conv1d = gpt2 and not name.endswith(("wte.weight", "wpe.weight"))
+            w = p.numpy().T if conv1d else p.numpy()
+            w = dequantize(quantize(np.ascontiguousarray(w), qtype), qtype)
+            p.copy_(torch.from_numpy(np.ascontiguousarray(w.T) if conv1d else w))
+    return out
+
+
+def _check_against_dequantized(path, hf, qtype: str) -> None:
+    """Our weights equal gguf-py's dequantization, and our logits equal HF's with those weights."""
+    ref_model = _dequantized(hf, qtype)
+    ref = ref_model.state_dict()
+    prefix = "transformer." if hf.config.model_type == "gpt2" else ""
+    got = _load(str(path)).state_dict
+    for name, t in got.items():  # matrices dequantized, norms and biases as they were (float32)
+        assert torch.equal(t.float(), ref[prefix + name]), name
+    ids = [5, 17, 99, 140, 33, 60, 7, 250]
+    b = make_backend(str(path))
+    logits = b.compute_logits(batch_of([Driver(b).request("x", ids, 0, len(ids))]))
+    with torch.no_grad():
+        want = ref_model(torch.tensor([ids])).logits[0]
+    torch.testing.assert_close(logits, want, atol=2e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("qtype", QUANT_TYPES)
+def test_each_quant_type_loads_as_gguf_dequantizes_it(tmp_path, wide_llama, qtype):
+    path = write_gguf(tmp_path / f"{qtype}.gguf", wide_llama, qtype)
+    assert qtype in {t.tensor_type.name for t in gguf.GGUFReader(path).tensors}  # the file really holds it
+    _check_against_dequantized(path, wide_llama, qtype)
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "gpt2"])
+def test_quantized_qwen2_and_gpt2_load_as_gguf_dequantizes_them(tmp_path, arch):
+    hf = make_gpt2(seed=4, vocab_size=VOCAB) if arch == "gpt2" else make_decoder("qwen2", seed=4)
+    _check_against_dequantized(write_gguf(tmp_path / "q8.gguf", hf, "Q8_0"), hf, "Q8_0")
+
+
+def test_reference_k_quantizers_round_trip_within_their_error():
+    x = np.random.default_rng(0).standard_normal((8, 512)).astype(np.float32)
+    for qtype, bound in (("Q4_K", 0.1), ("Q5_K", 0.05), ("Q6_K", 0.03)):
+        y = dequantize(quantize(x, qtype), qtype)
+        assert np.sqrt(((y - x) ** 2).mean()) < bound * np.sqrt((x ** 2).mean()), qtype
+
+
+# --- the conversion cache ---------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def llama_gguf(tmp_path_factory):
+    hf = make_decoder("llama", seed=5)
+    return write_gguf(tmp_path_factory.mktemp("g") / "tiny.gguf", hf, "Q8_0"), hf
+
+
+def _counting(monkeypatch) -> list[str]:
+    calls: list[str] = []
+    real = gguf_file.dequantize
+
+    def counted(tensor):
+        calls.append(tensor.name)
+        return real(tensor)
+
+    monkeypatch.setattr(gguf_file, "dequantize", counted)
+    return calls
+
+
+def test_second_load_reads_the_cache_without_dequantizing(llama_gguf, cache, monkeypatch, caplog):
+    path, _ = llama_gguf
+    calls = _counting(monkeypatch)
+    with caplog.at_level(logging.INFO, logger="llmserve.torch"):
+        first = _load(str(path))
+        assert len(calls) == len(gguf.GGUFReader(path).tensors)
+        assert "first load" in caplog.text and "dequantized in" in caplog.text and "hashing" in caplog.text
+        caplog.clear()
+        second = _load(str(path))
+    assert len(calls) == len(gguf.GGUFReader(path).tensors)  # nothing more was dequantized
+    assert "reading the converted checkpoint" in caplog.text
+    assert "first load" not in caplog.text and "hashing" not in caplog.text  # the sha256 was remembered
+    for name, t in first.state_dict.items():
+        assert torch.equal(second.state_dict[name], t)
+    sha = gguf_cache.file_sha256(path, cache / "gguf" / "sha256.json")
+    entry = cache / "gguf" / sha
+    assert second.tokenizer_dir == str(entry)
+    files = {p.name for p in entry.iterdir()}
+    assert {"config.json", "model.safetensors", "tokenizer.json", gguf_cache.MARKER} <= files
+
+
+def test_a_directory_holding_one_gguf_loads_it(llama_gguf):
+    path, _ = llama_gguf
+    assert isinstance(sources.find_source(str(path.parent)), sources.GGUFSource)
+    assert _load(str(path.parent)).source == str(path)
+
+
+def test_cache_root_follows_llmserve_cache_then_xdg(monkeypatch, tmp_path):
+    assert gguf_cache.cache_root() == tmp_path / "cache"
+    monkeypatch.delenv("LLMSERVE_CACHE")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert gguf_cache.cache_root() == tmp_path / "xdg" / "llmserve"
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert gguf_cache.cache_root() == tmp_path / "home" / ".cache" / "llmserve"
+
+
+def test_an_interrupted_first_load_leaves_no_cache(llama_gguf, cache, monkeypatch):
+    path, _ = llama_gguf
+    real = gguf_file.dequantize
+    calls = []
+
+    def dies(tensor):
+        calls.append(tensor.name)
+        if len(calls) == 4:
+            raise KeyboardInterrupt  # what a Ctrl-C mid-conversion raises
+        return real(tensor)
+
+    monkeypatch.setattr(gguf_file, "dequantize", dies)
+    with pytest.raises(KeyboardInterrupt):
+        _load(str(path))
+    root = cache / "gguf"
+    assert sorted(p.name for p in root.iterdir()) == ["sha256.json"]  # no entry, no temporary directory
+    sha = gguf_cache.file_sha256(path, root / "sha256.json")
+    orphan = root / f".tmp-{sha}-{2**22 + 1}"  # left by a process that was killed (pids stay below 2**22)
+    orphan.mkdir()
+    monkeypatch.setattr(gguf_file, "dequantize", real)
+    assert _load(str(path)).state_dict
+    assert sorted(p.name for p in root.iterdir()) == [sha, "sha256.json"]
+
+
+def test_a_cache_of_another_format_is_rebuilt(llama_gguf, cache, monkeypatch):
+    path, _ = llama_gguf
+    _load(str(path))
+    calls = _counting(monkeypatch)
+    monkeypatch.setattr(gguf_cache, "FORMAT", gguf_cache.FORMAT + 1)
+    _load(str(path))
+    assert calls  # converted again
+    calls.clear()
+    _load(str(path))
+    assert not calls
+
+
+def test_dummy_load_format_reads_only_the_metadata(llama_gguf, cache):
+    path, hf = llama_gguf
+    res = sources.find_source(str(path)).load(ModelConfig(model=str(path), load_format="dummy"))
+    assert res.weights.startswith("dummy") and res.arch.num_layers == hf.config.num_hidden_layers
+    assert not cache.exists()
+
+
+# --- tokenizer and chat template --------------------------------------------------------------------------
+
+def test_engine_tokenizer_and_chat_template_come_from_the_gguf(llama_gguf):
+    from transformers import AutoTokenizer
+
+    path, _ = llama_gguf
+    ref = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    eng = Engine.from_config(config_from_dict({"model": {"model": str(path)}, "backend": {"kv_cache_memory": "4MiB"}}))
+    assert eng.config.model.tokenizer is None
+    text = "hello world, the world"
+    assert eng.tokenizer.encode(text) == ref.encode(text) and len(ref.encode(text)) < len(text)
+    msgs = [{"role": "user", "content": "hello"}]
+    rendered = eng.tokenizer.apply_chat_template(msgs)
+    assert rendered == ref.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+    assert rendered == "<|im_start|>user\nhello<|im_end|>\n<|im_start|>assistant\n"
+    assert eng.eos_token_id == 2 and eng.tokenizer.eos_token_id == 2
+
+
+# --- errors -----------------------------------------------------------------------------------------------
+
+def test_an_unsupported_tensor_type_is_named(tmp_path, llama_gguf):
+    _, hf = llama_gguf
+    tensors = gguf_tensors(hf)
+    block, nbytes = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType.Q2_K]
+    rows = tensors["blk.0.ffn_up.weight"].shape[0]
+    tensors["blk.0.ffn_up.weight"] = (np.zeros((rows, 256 // block * nbytes), dtype=np.uint8), "Q2_K")
+    path = write_gguf(tmp_path / "q2k.gguf", hf, tensors=tensors)
+    with pytest.raises(ConfigError, match=r"type\(s\) Q2_K are not supported \(e\.g\. blk\.0\.ffn_up\.weight\); "
+                                          "supported: F32"):
+        _load(str(path))
+
+
+def test_an_unknown_architecture_is_named(tmp_path, llama_gguf):
+    _, hf = llama_gguf
+    path = write_gguf(tmp_path / "mamba.gguf", hf, arch="mamba")
+    with pytest.raises(ConfigError, match=r"architecture 'mamba' is not supported.*llama, qwen2, qwen3, gpt2"):
+        load_model(ModelConfig(model=str(path)))
+
+
+def test_path_errors(tmp_path, llama_gguf):
+    path, _ = llama_gguf
+    with pytest.raises(ConfigError, match="no such GGUF file"):
+        _load(str(tmp_path / "missing.gguf"))
+    (tmp_path / "a.gguf").write_bytes(path.read_bytes())
+    (tmp_path / "b.gguf").write_bytes(path.read_bytes())
+    with pytest.raises(ConfigError, match=r"holds 2 \.gguf files \(a\.gguf, b\.gguf\)"):
+        _load(str(tmp_path))
+    (tmp_path / "junk.gguf").write_bytes(b"not a gguf at all")
+    with pytest.raises(ConfigError, match="not a readable GGUF file"):
+        _load(str(tmp_path / "junk.gguf"))
+    with pytest.raises(ConfigError, match="load_format: 'safetensors' does not apply to a GGUF"):
+        sources.find_source(str(path)).load(ModelConfig(model=str(path), load_format="safetensors"))
+
+
+# --- the source registry ----------------------------------------------------------------------------------
+
+def test_sources_are_tried_in_order_and_a_registered_one_comes_first(tmp_path, gpt2_dir):
+    assert [type(sources.find_source(m)).__name__ for m in ("embedded", "x.gguf", str(gpt2_dir[0]), "org/model")] \
+        == ["EmbeddedSource", "GGUFSource", "CheckpointSource", "CheckpointSource"]
+
+    class Prefixed(sources.ModelSource):
+        name = "prefixed"
+
+        def matches(self, model):
+            return model.startswith("mem:")
+
+        def load(self, mc):
+            return replace(sources.EmbeddedSource().load(mc), source=mc.model, weights="from memory")
+
+    src = Prefixed()
+    sources.register_source(src)
+    try:
+        loaded = load_model(ModelConfig(model="mem:tiny"))
+    finally:
+        sources.unregister_source(src)
+    assert (loaded.source, loaded.weights, loaded.arch.model_type) == ("mem:tiny", "from memory", "gpt2")
+    assert isinstance(sources.find_source("mem:tiny"), sources.CheckpointSource)
