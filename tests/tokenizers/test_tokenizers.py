@@ -53,7 +53,8 @@ def _engine_tokenizer(**config):
 def test_auto_is_the_backends_choice_byte_for_embedded_and_fake():
     from llmserve_tokenizers.byte import ByteTokenizer
 
-    assert isinstance(_engine_tokenizer(backend={"kv_cache_memory": "4MiB"}), ByteTokenizer)  # torch, embedded
+    assert isinstance(_engine_tokenizer(model={"model": "embedded"}, backend={"kv_cache_memory": "4MiB"}),
+                      ByteTokenizer)
     assert isinstance(_engine_tokenizer(model={"model": "/nonexistent"}, backend={"name": "fake"}), ByteTokenizer)
 
 
