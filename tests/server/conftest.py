@@ -17,7 +17,7 @@ from llmserve.engine import Engine
 from llmserve.server import create_app
 
 # the fake backend with the byte tokenizer: deterministic and instant
-FAKE = {"backend": {"name": "fake"}, "model": {"max_model_len": 512},
+FAKE = {"backend": {"name": "fake"}, "model": {"model": "embedded", "max_model_len": 512},
         "cache": {"num_blocks": 256, "block_size": 16}}
 
 

@@ -14,7 +14,7 @@ from tests.server.conftest import start_server
 # 5 ms per step, no request timeout: only a disconnect can end these requests early
 SLOW = {
     "backend": {"name": "fake", "options": {"step_cost_s": 0.005}},
-    "model": {"max_model_len": 1024},
+    "model": {"model": "embedded", "max_model_len": 1024},
     "cache": {"num_blocks": 1024, "block_size": 16},
     "scheduler": {"max_num_seqs": 32, "max_num_batched_tokens": 1024},
     "server": {"request_timeout": None},

@@ -11,7 +11,7 @@ from llmserve.engine import Engine
 from llmserve.request import SamplingParams
 from tests.server.conftest import start_server
 
-EMBEDDED = {"backend": {"kv_cache_memory": "16MiB"}, "model": {"max_model_len": 256}}
+EMBEDDED = {"backend": {"kv_cache_memory": "16MiB"}, "model": {"model": "embedded", "max_model_len": 256}}
 
 
 @pytest.fixture(scope="module")

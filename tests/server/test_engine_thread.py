@@ -21,7 +21,7 @@ from llmserve.threads import ENGINE_THREAD_NAME
 from tests.server.conftest import start_server
 
 ROOT = Path(__file__).resolve().parents[2]
-EMBEDDED = {"backend": {"kv_cache_memory": "16MiB"}, "model": {"max_model_len": 256}}
+EMBEDDED = {"backend": {"kv_cache_memory": "16MiB"}, "model": {"model": "embedded", "max_model_len": 256}}
 
 
 async def _run_requests(ae: AsyncEngine, n: int = 4) -> None:
@@ -106,7 +106,7 @@ _POOL_SCRIPT = textwrap.dedent("""
     from llmserve.async_engine import AsyncEngine
     from llmserve.engine import Engine
     ae = AsyncEngine(lambda: Engine.from_config({"backend": {"kv_cache_memory": "16MiB"},
-                                                 "model": {"max_model_len": 128}}))
+                                                 "model": {"model": "embedded", "max_model_len": 128}}))
     ae.start()
     ae.wait_built(120)
     print("built")

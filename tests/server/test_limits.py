@@ -14,7 +14,7 @@ from tests.server.conftest import start_server
 KEY = "sekret-key"
 SLOW = {
     "backend": {"name": "fake", "options": {"step_cost_s": 0.02}},  # 20 ms per step
-    "model": {"max_model_len": 512},
+    "model": {"model": "embedded", "max_model_len": 512},
     "cache": {"num_blocks": 128, "block_size": 16},
     "scheduler": {"max_num_seqs": 2, "max_num_batched_tokens": 64},
     "server": {"api_key": KEY, "max_waiting_requests": 2, "request_timeout": 1.0,

@@ -53,7 +53,8 @@ def _engine_tokenizer(**config):
 def test_auto_is_the_backends_choice_byte_for_embedded_and_fake():
     from llmserve_tokenizers.byte import ByteTokenizer
 
-    assert isinstance(_engine_tokenizer(backend={"kv_cache_memory": "4MiB"}), ByteTokenizer)  # torch, embedded
+    assert isinstance(_engine_tokenizer(model={"model": "embedded"}, backend={"kv_cache_memory": "4MiB"}),
+                      ByteTokenizer)
     assert isinstance(_engine_tokenizer(model={"model": "/nonexistent"}, backend={"name": "fake"}), ByteTokenizer)
 
 
@@ -124,4 +125,4 @@ def test_hf_missing_directory_offline_says_to_use_a_local_directory(monkeypatch)
 
 def test_hf_refuses_the_embedded_model():
     with pytest.raises(ConfigError, match="embedded"):
-        _build("hf")
+        _build("hf", model={"model": "embedded"})

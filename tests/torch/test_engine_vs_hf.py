@@ -122,7 +122,8 @@ def test_seeded_sampling_is_independent_of_the_batch(gpt2_dir):
 
 def test_embedded_default_generates_without_a_download():
     """The default config (embedded model) runs end to end and stops at max_tokens."""
-    eng = Engine.from_config(config_from_dict({"backend": {"kv_cache_memory": "32MiB"}, "tokenizer": {"name": "none"}}))
+    eng = Engine.from_config(config_from_dict({"model": {"model": "embedded"}, "backend": {"kv_cache_memory": "32MiB"},
+                                               "tokenizer": {"name": "none"}}))
     assert eng.backend.vocab_size == 257 and eng.backend.eos_token_id == 256 and eng.max_model_len == 1024
     out = eng.generate([list(b"hello"), list(b"a much longer prompt for the tiny model")],
                        SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True))

@@ -22,14 +22,6 @@ def test_a_cached_copy_is_used_without_any_download(monkeypatch, tmp_path):
     assert path.is_relative_to(tmp_path / "models")
 
 
-def test_the_cache_dir_follows_llmserve_cache_then_xdg(monkeypatch, tmp_path):
-    monkeypatch.delenv("LLMSERVE_CACHE", raising=False)
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    assert packaged.cache_dir() == tmp_path / "llmserve"
-    monkeypatch.setenv("LLMSERVE_CACHE", str(tmp_path / "mine"))
-    assert packaged.cache_dir() == tmp_path / "mine"
-
-
 def test_without_a_network_the_error_is_one_line_saying_what_to_run(monkeypatch, tmp_path):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

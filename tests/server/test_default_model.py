@@ -1,0 +1,48 @@
+"""The default model, as `make serve` serves it, answers a factual question through the openai SDK.
+
+`make test` fetches the model first (`llmserve fetch-model`); this test loads configs/default.yaml
+as it is, so it checks what a new user gets.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from llmserve.config import load_config
+from tests.server.conftest import start_server
+
+ROOT = Path(__file__).resolve().parents[2]
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+@pytest.fixture(scope="module")
+def default_server():
+    cfg = load_config(ROOT / "configs" / "default.yaml").to_dict()
+    cfg["server"]["port"] = 0
+    s = start_server(cfg, build_engine=False)
+    deadline = time.monotonic() + 600  # a first start dequantizes the GGUF once
+    while (h := httpx.get(s.url + "/health")).status_code != 200:
+        assert h.json().get("status") == "loading", h.text
+        assert time.monotonic() < deadline, "the default model did not load in 10 minutes"
+        time.sleep(0.5)
+    yield s
+    s.stop()
+
+
+def test_the_default_model_knows_the_capital_of_france(default_server):
+    client = default_server.client(timeout=120)
+    assert [m.id for m in client.models.list().data] == ["SmolLM2-135M-Instruct"]
+    r = client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=QUESTION, temperature=0,
+                                       max_tokens=32)
+    answer = r.choices[0].message.content
+    assert "Paris" in answer, answer
+    # streamed, the same greedy answer
+    stream = client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=QUESTION, temperature=0,
+                                            max_tokens=32, stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == answer
+    backend = default_server.stats()["backend"]
+    assert backend["model_type"] == "llama" and backend["dtype_reason"].startswith("auto: ")
