@@ -4,14 +4,33 @@ from __future__ import annotations
 
 import pytest
 
+from hypothesis import settings
+from hypothesis.stateful import invariant, run_state_machine_as_test
+
 from llmserve.stats import CacheStats
-from llmserve.testing import check_allocator
+from llmserve.testing import NUM_BLOCKS, allocator_machine, check_allocator
 from llmserve_paged_cache import PagedAllocator
 
 
 @pytest.mark.parametrize("block_key", ["sha256", "builtin"])
 def test_the_paged_allocator_conforms(block_key):
     check_allocator(lambda n, bs: PagedAllocator(n, bs, enable_prefix_caching=True, block_key=block_key))
+
+
+def test_the_paged_allocators_ref_counts_match_the_holders():
+    """Beyond the kit (which sees only the public interface): each block's ref count is its holders."""
+
+    class WithRefCounts(allocator_machine(lambda n, bs: PagedAllocator(n, bs))):
+        @invariant()
+        def ref_counts_match_holders(self):
+            holders = [0] * NUM_BLOCKS
+            for sid in self.tokens:
+                for b in self.a.block_table(sid):
+                    holders[b] += 1
+            assert holders == self.a.ref_count
+
+    run_state_machine_as_test(WithRefCounts, settings=settings(max_examples=200, stateful_step_count=40,
+                                                               deadline=None))
 
 
 class SaltBlindAllocator(PagedAllocator):
