@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -9,6 +10,9 @@ from llmserve.errors import ConfigError
 
 # RoPE types whose frequencies we compute exactly as transformers does (see rope_from_hf)
 ROPE_TYPES = ("default", "linear", "llama3", "dynamic")
+# not a transformers type: the one a converted GGUF's config.json gets for llama.cpp's explicit per-frequency
+# divisors (its rope_freqs tensor), stored as rope_parameters["freq_factors"]
+FREQ_FACTORS = "freq_factors"
 
 # HF model_type → our model family
 _FAMILIES = {
@@ -30,6 +34,7 @@ class Rope:
     low_freq_factor: float = 1.0  # llama3
     high_freq_factor: float = 4.0  # llama3
     original_max_positions: int = 0  # llama3: the pretraining context; dynamic: max_position_embeddings
+    freq_factors: tuple[float, ...] = ()  # freq_factors: each base frequency's divisor, head_dim/2 of them
 
 
 @dataclass(slots=True)
@@ -103,6 +108,8 @@ def rope_from_hf(cfg: Any) -> Rope:
     params = _rope_dict(cfg)
     mt = cfg.model_type
     rope_type = params.get("rope_type") or params.get("type") or "default"
+    if rope_type == FREQ_FACTORS:
+        return _freq_factors_rope(params, cfg)
     if rope_type not in ROPE_TYPES:
         raise ConfigError(f"model {mt}: RoPE type {rope_type!r} is not supported by the torch backend "
                           f"(supported: {', '.join(ROPE_TYPES)})")
@@ -126,6 +133,19 @@ def rope_from_hf(cfg: Any) -> Rope:
                 low_freq_factor=_rope_number(params, "low_freq_factor", rope_type, mt),
                 high_freq_factor=_rope_number(params, "high_freq_factor", rope_type, mt),
                 original_max_positions=int(original))
+
+
+def _freq_factors_rope(params: dict, cfg: Any) -> Rope:
+    """Explicit per-frequency divisors (a converted GGUF's rope_freqs): one finite positive number per rotary pair."""
+    factors = params.get("freq_factors")
+    heads = getattr(cfg, "num_attention_heads", None)
+    head_dim = getattr(cfg, "head_dim", None) or (cfg.hidden_size // heads if heads else None)
+    if (not isinstance(factors, (list, tuple)) or len(factors) != (head_dim or 0) // 2
+            or not all(isinstance(f, (int, float)) and math.isfinite(f) and f > 0 for f in factors)):
+        raise ConfigError(f"model {cfg.model_type}: RoPE type {FREQ_FACTORS!r} needs 'freq_factors' in "
+                          f"rope_parameters: head_dim/2 = {(head_dim or 0) // 2} finite positive numbers")
+    theta = float(params.get("rope_theta") or getattr(cfg, "rope_theta", None) or 10000.0)
+    return Rope(theta=theta, type=FREQ_FACTORS, freq_factors=tuple(float(f) for f in factors))
 
 
 def arch_from_hf(cfg: Any) -> ArchConfig:

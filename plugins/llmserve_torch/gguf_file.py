@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from llmserve.errors import ConfigError
-from llmserve_torch.arch import ArchConfig, arch_from_hf
+from llmserve_torch.arch import FREQ_FACTORS, ArchConfig, arch_from_hf
 
 log = logging.getLogger("llmserve.torch")
 
@@ -45,6 +45,7 @@ SUPPORTED_ARCHS = tuple(_NAMES)
 # GPT-2's Conv1D keeps [in, out]; llama.cpp stores every matrix as [out, in]
 _GPT2_TRANSPOSED = ("attn_qkv", "attn_output", "ffn_up", "ffn_down")
 _MISSING = object()
+_ROPE_FREQS = "rope_freqs.weight"
 
 
 def resolve_gguf(model: str) -> Path:
@@ -99,9 +100,10 @@ class GGUFCheckpoint:
             names = [t.name for t in self.tensors.values() if t.tensor_type.name in bad]
             raise ConfigError(f"{path}: GGUF tensor type(s) {', '.join(bad)} are not supported "
                               f"(e.g. {names[0]}); supported: {', '.join(SUPPORTED_TYPES)}")
-        if "rope_freqs.weight" in self.tensors:
-            raise ConfigError(f"{path}: this GGUF uses per-frequency RoPE scaling (rope_freqs, Llama 3.1 style), "
-                              "which the torch backend does not support")
+        if _ROPE_FREQS in self.tensors and self.arch_name != "llama":
+            # llama.cpp reads rope_freqs for its llama architecture only
+            raise ConfigError(f"{path}: per-frequency RoPE scaling (rope_freqs) in a {self.arch_name!r} GGUF is "
+                              "not supported (llama.cpp applies it to 'llama' files only)")
 
     def meta(self, key: str, default: Any = _MISSING) -> Any:
         """A metadata value (strings decoded, arrays as lists); a ConfigError names a missing required key."""
@@ -147,19 +149,32 @@ class GGUFCheckpoint:
             raise ConfigError(f"{self.path}: partial rotary embeddings (rope.dimension_count "
                               f"{k('rope.dimension_count')} < head_dim {head_dim}) are not supported")
         extra = {"attention_bias": "blk.0.attn_q.bias" in self.tensors} if a == "llama" else {}
+        theta = float(k("rope.freq_base", 10000.0))
+        if _ROPE_FREQS in self.tensors:
+            extra["rope_parameters"] = {"rope_type": FREQ_FACTORS, "rope_theta": theta,
+                                        "freq_factors": self._freq_factors(head_dim)}
         return AutoConfig.for_model(
             a, hidden_size=hidden, intermediate_size=k("feed_forward_length"), num_hidden_layers=k("block_count"),
             num_attention_heads=heads, num_key_value_heads=k("attention.head_count_kv", heads), head_dim=head_dim,
             max_position_embeddings=k("context_length"), rms_norm_eps=k("attention.layer_norm_rms_epsilon"),
-            rope_theta=float(k("rope.freq_base", 10000.0)), hidden_act="silu",
+            rope_theta=theta, hidden_act="silu",
             tie_word_embeddings="output.weight" not in self.tensors, **extra, **common)
+
+    def _freq_factors(self, head_dim: int) -> list[float]:
+        """rope_freqs: the divisor of each rotary pair's base frequency (how llama.cpp's converter writes Llama 3.1's
+        llama3 scaling; the llama3 parameters themselves are not in the file)."""
+        factors = dequantize(self.tensors[_ROPE_FREQS]).astype(np.float32).reshape(-1)
+        if factors.size != head_dim // 2 or not (np.isfinite(factors).all() and (factors > 0).all()):
+            raise ConfigError(f"{self.path}: rope_freqs holds {factors.size} values; expected head_dim/2 = "
+                              f"{head_dim // 2} finite positive ones")
+        return [float(f) for f in factors]  # float32 → float64 → JSON round-trips exactly
 
     def arch(self) -> ArchConfig:
         """The ArchConfig of the model (through the same translation a config.json goes through)."""
         return arch_from_hf(self.hf_config())
 
     def hf_name(self, gguf_name: str) -> str | None:
-        """The HF tensor name for a GGUF one; None for a tensor the model does not use (GPT-2's tied head)."""
+        """The HF name of a GGUF tensor; None for one the model does not load (GPT-2's tied head, rope_freqs)."""
         top, block, prefix = _NAMES[self.arch_name]
         base, _, kind = gguf_name.rpartition(".")
         m = re.fullmatch(r"blk\.(\d+)\.(\w+)", base)
@@ -167,8 +182,8 @@ class GGUFCheckpoint:
             return f"{prefix}.{m[1]}.{block[m[2]]}.{kind}"
         if base in top:
             return f"{top[base]}.{kind}"
-        if self.arch_name == "gpt2" and base == "output":
-            return None
+        if (self.arch_name == "gpt2" and base == "output") or gguf_name == _ROPE_FREQS:
+            return None  # rope_freqs went into the config (hf_config)
         raise ConfigError(f"{self.path}: GGUF tensor {gguf_name!r} has no place in the torch backend's "
                           f"{self.arch_name} model")
 

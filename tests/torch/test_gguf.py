@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import math
 from dataclasses import replace
 
 import gguf
@@ -12,14 +13,16 @@ import numpy as np
 import pytest
 import torch
 from gguf_helpers import VOCAB, dequantize, gguf_tensors, make_decoder, quantize, write_gguf
-from torch_helpers import Driver, batch_of, make_backend, make_gpt2, make_qwen2
+from torch_helpers import Driver, batch_of, make_backend, make_gpt2, make_llama, make_qwen2
 
 from llmserve.config import ModelConfig, config_from_dict
 from llmserve.engine import Engine
 from llmserve.errors import ConfigError
 from llmserve.request import SamplingParams
 from llmserve_torch import gguf_cache, gguf_file, sources
+from llmserve_torch.arch import Rope
 from llmserve_torch.loader import load_model
+from llmserve_torch.models.rope import default_inv_freq, inv_freq
 
 ARCHS = ["llama", "qwen2", "qwen3", "gpt2"]
 
@@ -63,10 +66,12 @@ def test_f32_gguf_gives_the_safetensors_arch_and_tensors_bit_for_bit(f32_pair):
         assert torch.equal(got.state_dict[name], t), name
 
 
-def _greedy(model: str, prompts, n: int = 12) -> list[list[int]]:
+def _greedy(model: str, prompts, n: int = 12, scheduler: int | None = None) -> list[list[int]]:
+    """Greedy tokens; scheduler: a max_num_batched_tokens that makes long prompts prefill in chunks."""
     eng = Engine.from_config(config_from_dict({
         "model": {"model": model}, "tokenizer": {"name": "none"}, "backend": {"kv_cache_memory": "4MiB"},
-        "cache": {"block_size": 4}}))
+        "cache": {"block_size": 4},
+        **({"scheduler": {"max_num_batched_tokens": scheduler, "max_num_seqs": 4}} if scheduler else {})}))
     ids = [eng.add_request(p, SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)) for p in prompts]
     got: dict[str, list[int]] = {i: [] for i in ids}
     while eng.has_unfinished:
@@ -323,3 +328,74 @@ def test_sources_are_tried_in_order_and_a_registered_one_comes_first(tmp_path, g
         sources.unregister_source(src)
     assert (loaded.source, loaded.weights, loaded.arch.model_type) == ("mem:tiny", "from memory", "gpt2")
     assert isinstance(sources.find_source("mem:tiny"), sources.CheckpointSource)
+
+
+# --- Llama 3.1/3.2: llama3 RoPE scaling as llama.cpp's converter writes it, a rope_freqs tensor --------------
+
+LLAMA3 = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 4.0, "low_freq_factor": 1.0,
+          "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+
+
+def converter_rope_freqs(rope: dict, head_dim: int) -> np.ndarray:
+    """convert_hf_to_gguf.py (LlamaModel.generate_extra_tensors): each frequency's divisor, element by element
+    in float32 tensors as the converter computes them; llama.cpp divides each base frequency by it."""
+    factor, low, high = rope["factor"], rope["low_freq_factor"], rope["high_freq_factor"]
+    context = rope["original_max_position_embeddings"]
+    freqs = 1.0 / (rope["rope_theta"] ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    out = []
+    for freq in freqs:
+        wavelen = 2 * math.pi / freq
+        if wavelen < context / high:
+            out.append(1)
+        elif wavelen > context / low:
+            out.append(factor)
+        else:
+            smooth = (context / wavelen - low) / (high - low)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return torch.tensor(out, dtype=torch.float32).numpy()
+
+
+@pytest.fixture(scope="module")
+def llama3_pair(tmp_path_factory):
+    """(safetensors dir, F32 GGUF with rope_freqs, the factors) of a tiny Llama with llama3 RoPE scaling."""
+    hf = make_llama(LLAMA3, max_positions=256, vocab_size=VOCAB)
+    d = tmp_path_factory.mktemp("st-llama3")
+    hf.save_pretrained(d)
+    factors = converter_rope_freqs(LLAMA3, 16)
+    tensors = {**gguf_tensors(hf), "rope_freqs.weight": factors}
+    return d, write_gguf(tmp_path_factory.mktemp("gguf") / "llama3.gguf", hf, tensors=tensors), factors
+
+
+def test_rope_freqs_divide_the_frequencies_as_llama_cpp_does(llama3_pair):
+    st_dir, path, factors = llama3_pair
+    ref, got = _load(str(st_dir)).arch, _load(str(path)).arch
+    assert got.rope == Rope(theta=10000.0, type="freq_factors", freq_factors=tuple(factors.tolist()))
+    assert _load(str(path)).arch.rope == got.rope  # read back from the cached config.json unchanged
+    assert (factors == 1).any() and (factors == 4).any()  # frequencies kept, scaled and (below) blended
+    base, mine = default_inv_freq(10000.0, 16), inv_freq(got.rope, 16)
+    assert torch.equal(mine, base / torch.from_numpy(factors))
+    # the source's llama3 frequencies: the same where a factor is 1 or 4, within one float32 ulp in the blend band
+    want = inv_freq(ref.rope, 16)
+    plain = torch.from_numpy((factors == 1) | (factors == 4))
+    assert torch.equal(mine[plain], want[plain]) and (~plain).any()
+    assert ((mine.view(torch.int32) - want.view(torch.int32)).abs() <= 1).all()
+
+
+def test_rope_freqs_gguf_is_greedy_token_identical_to_llama3_safetensors(llama3_pair):
+    """Prompts past the original 64-token context, prefilled in chunks, then decoded."""
+    st_dir, path, _ = llama3_pair
+    rng = np.random.default_rng(11)
+    prompts = [rng.integers(8, VOCAB, size=n).tolist() for n in (100, 70, 9)]
+    assert _greedy(str(path), prompts, scheduler=32) == _greedy(str(st_dir), prompts, scheduler=32)
+
+
+def test_rope_freqs_that_cannot_be_applied_exactly_are_refused(tmp_path, llama3_pair):
+    factors = llama3_pair[2]
+    hf = make_llama(LLAMA3, vocab_size=VOCAB)
+    short = write_gguf(tmp_path / "short.gguf", hf, tensors={**gguf_tensors(hf), "rope_freqs.weight": factors[:4]})
+    with pytest.raises(ConfigError, match=r"rope_freqs holds 4 values; expected head_dim/2 = 8"):
+        _load(str(short))
+    qwen = make_qwen2(vocab_size=VOCAB)
+    path = write_gguf(tmp_path / "qwen2.gguf", qwen, tensors={**gguf_tensors(qwen), "rope_freqs.weight": factors})
+    with pytest.raises(ConfigError, match=r"rope_freqs\) in a 'qwen2' GGUF is not supported"):
+        _load(str(path))

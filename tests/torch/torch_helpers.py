@@ -35,10 +35,10 @@ def make_qwen2(seed: int = 0, tie: bool = False, **kw):
     return model
 
 
-def make_llama(rope_parameters: dict, seed: int = 0, max_positions: int = 256):
+def make_llama(rope_parameters: dict, seed: int = 0, max_positions: int = 256, vocab_size: int = 211):
     """A tiny random Llama (HF) with the given RoPE settings; weights large enough that positions matter."""
     torch.manual_seed(seed)
-    cfg = transformers.LlamaConfig(vocab_size=211, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+    cfg = transformers.LlamaConfig(vocab_size=vocab_size, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_positions,
                                    rope_parameters=dict(rope_parameters), initializer_range=0.2, eos_token_id=5,
                                    bos_token_id=5)

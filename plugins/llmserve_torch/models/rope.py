@@ -1,7 +1,8 @@
 """RoPE frequencies for each supported rope type, computed once at load.
 
 Each follows transformers' ROPE_INIT_FUNCTIONS in the same float32 operations and order, so the
-frequencies are bit-identical to the ones an HF model rotates with, not merely close.
+frequencies are bit-identical to the ones an HF model rotates with, not merely close. The one exception,
+freq_factors, has no transformers counterpart: it is a GGUF's rope_freqs tensor, applied as llama.cpp applies it.
 """
 
 from __future__ import annotations
@@ -48,7 +49,13 @@ def dynamic_inv_freq(rope: Rope, head_dim: int) -> torch.Tensor:
     return default_inv_freq(theta, head_dim)
 
 
-_INV_FREQ = {"linear": linear_inv_freq, "llama3": llama3_inv_freq, "dynamic": dynamic_inv_freq}
+def freq_factors_inv_freq(rope: Rope, head_dim: int) -> torch.Tensor:
+    """A converted GGUF's rope_freqs: each base frequency divided by its own factor, in float32, as llama.cpp does."""
+    return default_inv_freq(rope.theta, head_dim) / torch.tensor(rope.freq_factors, dtype=torch.float32)
+
+
+_INV_FREQ = {"linear": linear_inv_freq, "llama3": llama3_inv_freq, "dynamic": dynamic_inv_freq,
+             "freq_factors": freq_factors_inv_freq}
 
 
 def inv_freq(rope: Rope, head_dim: int) -> torch.Tensor:
