@@ -115,10 +115,12 @@ _lib_error: str | None = None
 
 
 def _cache_dir() -> Path:
-    """Where built kernels live: $LLMSERVE_CACHE_DIR, else the user cache dir, else the temp dir (read-only homes)."""
+    """Where built kernels live: $LLMSERVE_CACHE_DIR, else kernels/ in llmserve's cache root, else the temp dir."""
+    from llmserve_torch.gguf_cache import cache_root  # the one rule for where llmserve caches things
+
     if os.environ.get("LLMSERVE_CACHE_DIR"):
         return Path(os.environ["LLMSERVE_CACHE_DIR"])
-    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "llmserve" / "kernels"
+    base = cache_root() / "kernels"
     try:
         base.mkdir(parents=True, exist_ok=True)
         if os.access(base, os.W_OK):
