@@ -27,6 +27,9 @@ class ModelConfig:
     tokenizer: str | None = None  # defaults to the model's
     served_model_name: str | None = None  # the name clients send; defaults to `model`
     dtype: str = "float32"  # float32 | bfloat16 | float16 | auto
+    # weight-only quantized linears: auto (a GGUF's quantized tensors stay quantized, float weights
+    # stay float) | none (everything dequantized to dtype) | int8 | int4 (round-to-nearest at load)
+    quantization: str = "auto"
     device: str = "cpu"  # cpu | cuda | auto
     max_model_len: int | None = None  # defaults to the model config's context length
     load_format: str = "auto"  # auto | safetensors | pt | dummy (seeded random weights)

@@ -14,6 +14,7 @@ CONFIG_FLAGS: dict[str, tuple[str, type, str]] = {
     "--tokenizer": ("model.tokenizer", str, "tokenizer directory or hub id (defaults to the model's)"),
     "--served-model-name": ("model.served_model_name", str, "the model name clients send"),
     "--dtype": ("model.dtype", str, "float32 | bfloat16 | float16 | auto"),
+    "--quantization": ("model.quantization", str, "auto | none | int8 | int4 (weight-only, at load)"),
     "--device": ("model.device", str, "cpu | cuda | auto"),
     "--max-model-len": ("model.max_model_len", int, "context length limit"),
     "--load-format": ("model.load_format", str, "auto | safetensors | pt | dummy"),
