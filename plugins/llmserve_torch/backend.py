@@ -23,6 +23,9 @@ OPTIONS = {
     "linear": "auto",  # auto | torch | onednn: pre-pack weights for oneDNN's GEMM on CPU
     # never size the cache beyond what max_num_seqs full-length sequences can use at once
     "cap_kv_blocks": True,
+    # quantized linears: auto (measure at load where a dense copy starts to win) or the most rows a
+    # quantized kernel runs (0: always the dense copy; a large number: never, and no dense copy is kept)
+    "quant_rows": "auto",
 }
 
 
@@ -36,7 +39,12 @@ class TorchBackend(ModelBackend):
             raise ConfigError(f"backend.options.attention: must be one of {', '.join(KERNELS)}, "
                               f"got {self.options['attention']!r}")
         mc = config.model
-        loaded = load_model(mc, linear=self.options["linear"], batch_hint=config.scheduler.max_num_seqs)
+        quant_rows = self.options["quant_rows"]
+        if quant_rows != "auto" and (isinstance(quant_rows, bool) or not isinstance(quant_rows, int) or quant_rows < 0):
+            raise ConfigError(f"backend.options.quant_rows: must be auto or a number of rows >= 0, got {quant_rows!r}")
+        sc = config.scheduler
+        loaded = load_model(mc, linear=self.options["linear"], batch_hint=sc.max_num_seqs,
+                            max_batch_rows=max(sc.max_num_batched_tokens, sc.max_num_seqs), quant_rows=quant_rows)
         self.loaded = loaded
         self.model = loaded.model
         self.arch = loaded.arch
@@ -218,6 +226,7 @@ class TorchBackend(ModelBackend):
             "device": str(self.device),
             "weights": self.loaded.weights,
             "linear": self.loaded.linear,
+            "quantization": self._quantization(),
             "max_model_len": self.max_model_len,
             "threads": torch.get_num_threads(),
             "torch": torch.__version__,
@@ -226,6 +235,17 @@ class TorchBackend(ModelBackend):
             d.update({"attention": self.attention.name, "kv_blocks": self.kv.num_blocks,
                       "kv_block_size": self.kv.block_size, "kv_bytes": self.kv.nbytes, "kv_peak": self.kv_peak()})
         return d
+
+    def _quantization(self) -> dict[str, Any]:
+        """The asked mode, how many linears run in each form (and from which source type), the kernel plan."""
+        from collections import Counter
+
+        from llmserve_torch.quant import QuantLinear
+
+        forms = Counter(f"{lin.kind} ({lin.source})" if isinstance(lin, QuantLinear) else "dense"
+                        for lin in self.model.linears())
+        return {"mode": self.config.model.quantization, "linears": dict(forms),
+                "kernels": self.loaded.kernels.describe() if self.loaded.kernels else {}}
 
     def shutdown(self) -> None:
         """Drop the weights and the KV tensors."""

@@ -16,6 +16,8 @@ import torch
 
 from llmserve.errors import ConfigError
 from llmserve_torch.arch import FREQ_FACTORS, ArchConfig, arch_from_hf
+from llmserve_torch.gguf_quant import repack
+from llmserve_torch.quant import QuantWeight
 
 log = logging.getLogger("llmserve.torch")
 
@@ -187,30 +189,39 @@ class GGUFCheckpoint:
         raise ConfigError(f"{self.path}: GGUF tensor {gguf_name!r} has no place in the torch backend's "
                           f"{self.arch_name} model")
 
-    def _convert(self, gguf_name: str, w: np.ndarray) -> np.ndarray:
-        """Undo what llama.cpp's converter did to a tensor beyond renaming it."""
+    def _convert(self, gguf_name: str, w):
+        """Undo what llama.cpp's converter did to a tensor beyond renaming it (numpy arrays and QuantWeights)."""
         part = gguf_name.split(".")[-2]
         if self.arch_name == "llama" and part in ("attn_q", "attn_k"):
             heads = self.meta("llama.attention.head_count")
             # K rows are permuted per KV head (convert_hf_to_gguf: n_head = n_head_kv for K)
             n = heads if part == "attn_q" else self.meta("llama.attention.head_count_kv", heads)
+            if isinstance(w, QuantWeight):
+                return w.map_rows(lambda a: unpermute_rows(a, n).contiguous())
             return unpermute_rows(w, n)
-        if self.arch_name == "gpt2" and part in _GPT2_TRANSPOSED and w.ndim == 2:
+        # GPT-2 wants Conv1D's [in, out]; a QuantWeight stays [out, in], as it always is
+        if self.arch_name == "gpt2" and part in _GPT2_TRANSPOSED and not isinstance(w, QuantWeight) and w.ndim == 2:
             return w.T
         return w
 
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        """Every tensor dequantized (float32, or F16/BF16 as stored) under its HF name, logging progress."""
-        sd: dict[str, torch.Tensor] = {}
+    def state_dict(self, quantized: bool = False) -> dict[str, torch.Tensor | QuantWeight]:
+        """Every tensor under its HF name: dequantized (float32, or F16/BF16 as stored), or with quantized=True
+        each quantized one repacked for the CPU kernels (gguf_quant) without a float copy; logs progress."""
+        sd: dict[str, torch.Tensor | QuantWeight] = {}
         todo = [(n, t) for n, t in self.tensors.items() if self.hf_name(n) is not None]
-        for name, t in _progress(todo, f"dequantizing {self.path.name}"):
+        for name, t in _progress(todo, f"{'repacking' if quantized else 'dequantizing'} {self.path.name}"):
+            packed = repack(t) if quantized else None
+            if packed is not None:
+                sd[self.hf_name(name)] = self._convert(name, packed)
+                continue
             w = self._convert(name, dequantize(t))
             w = np.ascontiguousarray(w) if w.flags.writeable else w.copy()  # torch wants a writable buffer
             sd[self.hf_name(name)] = torch.from_numpy(w).to(_EXACT_DTYPES.get(t.tensor_type.name, torch.float32))
         if self.arch_name == "gpt2" and "output.weight" in self.tensors:
             # our GPT-2 ties its head to wte, as HF's GPT-2 does; a quantized copy only differs by rounding
             head = torch.from_numpy(dequantize(self.tensors["output.weight"]).copy())
-            if not torch.equal(head, sd["transformer.wte.weight"].float()):
+            wte = sd["transformer.wte.weight"]
+            if not torch.equal(head, wte.dequantize() if isinstance(wte, QuantWeight) else wte.float()):
                 log.warning("%s: output.weight differs from token_embd.weight (quantized apart); the GPT-2 head "
                             "uses token_embd", self.path.name)
         return sd

@@ -15,7 +15,9 @@ from llmserve.config import ModelConfig
 from llmserve.errors import ConfigError
 from llmserve_torch.arch import ArchConfig, arch_from_hf
 from llmserve_torch.models import gpt2, qwen2
-from llmserve_torch.models.common import choose_packing
+from llmserve_torch.kernel_plan import KernelPlan, plan_kernels
+from llmserve_torch.models.common import LinearMaker, choose_packing
+from llmserve_torch.quant import GROUP, MODES, QuantLinear, QuantWeight, to_kind
 
 log = logging.getLogger("llmserve.torch")
 
@@ -35,6 +37,7 @@ class LoadedModel:
     weights: str  # the files read, or "dummy (seed N)"
     linear: str = "torch"  # how the matmuls run: onednn (pre-packed) or torch (F.linear)
     tokenizer_dir: str | None = None  # tokenizer files the model source produced (a GGUF's cache directory)
+    kernels: KernelPlan | None = None  # the quantized linears' kernel choices (empty: no quantized linears)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -200,26 +203,57 @@ def family(arch: ArchConfig):
     return gpt2 if arch.family == "gpt2" else qwen2
 
 
-def build_model(arch: ArchConfig, sd: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device, max_len: int,
-                pack: bool = False, batch_hint: int = 64):
+def build_model(arch: ArchConfig, sd: dict, make: LinearMaker, max_len: int):
     """Instantiate the family's model, checking that every tensor it needs is present with the right shape."""
     fam = family(arch)
     expected = fam.hf_shapes(arch)
     missing = [n for n in expected if n not in sd]
     if missing:
         raise ConfigError(f"checkpoint is missing {len(missing)} tensor(s), e.g. {', '.join(missing[:3])}")
+    stored_in_out = fam.linear_weights(arch)
     for n, shape in expected.items():
-        if tuple(sd[n].shape) != shape:
-            raise ConfigError(f"checkpoint tensor {n} has shape {tuple(sd[n].shape)}, the config implies {shape}")
+        got = tuple(sd[n].shape)
+        if isinstance(sd[n], QuantWeight) and stored_in_out.get(n):
+            got = got[::-1]  # a QuantWeight is [out, in] whatever the checkpoint's layout
+        if got != shape:
+            raise ConfigError(f"checkpoint tensor {n} has shape {got}, the config implies {shape}")
     if fam is gpt2:
-        return gpt2.GPT2Model(arch, sd, dtype, device, pack, batch_hint)
-    return qwen2.Qwen2Model(arch, sd, dtype, device, max_len, pack, batch_hint)
+        return gpt2.GPT2Model(arch, sd, make)
+    return qwen2.Qwen2Model(arch, sd, make, max_len)
 
 
-def load_model(mc: ModelConfig, linear: str = "auto", batch_hint: int = 64) -> LoadedModel:
+def apply_quantization(sd: dict, mode: str, arch: ArchConfig) -> dict:
+    """model.quantization applied to a state dict whose tensors may already be QuantWeights (from a GGUF).
+
+    auto keeps every tensor as the source gave it; none dequantizes; int8 / int4 round the linears to
+    nearest (int4 keeps the LM head at int8, as llama.cpp's Q4 files keep their output tensor finer).
+    Tensors that feed no linear (embedding tables, norms) are always floats.
+    """
+    if mode not in MODES:
+        raise ConfigError(f"model.quantization: must be one of {', '.join(MODES)}, got {mode!r}")
+    fam = family(arch)
+    linears, head = fam.linear_weights(arch), fam.head_weight(arch)
+    out = {}
+    for name, t in sd.items():
+        transposed = linears.get(name)
+        if transposed is None or mode == "none":
+            if isinstance(t, QuantWeight):
+                t = t.dequantize().t() if transposed else t.dequantize()
+        elif mode != "auto":
+            w = t if isinstance(t, QuantWeight) else (t.t() if transposed else t)
+            kind = "int8" if mode == "int8" or name == head or w.shape[1] % GROUP else "int4"
+            t = to_kind(w, kind)
+        out[name] = t
+    return out
+
+
+def load_model(mc: ModelConfig, linear: str = "auto", batch_hint: int = 64, max_batch_rows: int = 512,
+               quant_rows: int | str = "auto") -> LoadedModel:
     """Everything from ModelConfig to a ready model: find, read config, read or invent weights, cast, place.
 
-    linear: auto | torch | onednn (pre-pack weights for oneDNN on CPU); batch_hint: typical rows per GEMM.
+    linear: auto | torch | onednn (pre-pack weights for oneDNN on CPU); batch_hint: typical rows per GEMM;
+    max_batch_rows: the most rows a step hands a linear; quant_rows: auto (measure) or the most rows a
+    quantized kernel runs before a dense copy takes over.
     """
     device = resolve_device(mc.device)
     if mc.threads is not None:
@@ -237,9 +271,18 @@ def load_model(mc: ModelConfig, linear: str = "auto", batch_hint: int = 64) -> L
         pack = choose_packing(linear, device, dtype)
     except ValueError as e:
         raise ConfigError(str(e)) from None
-    model = build_model(arch, src.state_dict, dtype, device, max_len, pack, batch_hint)
+    sd = apply_quantization(src.state_dict, mc.quantization, arch)
+    make = LinearMaker(dtype, device, pack, batch_hint, KernelPlan())
+    try:
+        model = build_model(arch, sd, make, max_len)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    del sd
+    quant = [lin for lin in model.linears() if isinstance(lin, QuantLinear)]
+    if quant:
+        plan_kernels(make.plan, quant, dtype, max_batch_rows, quant_rows)
     log.info("loaded %s (%s) %s (%s) on %s: %s", src.source, arch.model_type, str(dtype).replace("torch.", ""),
              dtype_reason, device, src.weights)
     return LoadedModel(model=model, arch=arch, dtype=dtype, dtype_reason=dtype_reason, device=device,
                        source=src.source, weights=src.weights, linear="onednn" if pack else "torch",
-                       tokenizer_dir=src.tokenizer_dir)
+                       tokenizer_dir=src.tokenizer_dir, kernels=make.plan)

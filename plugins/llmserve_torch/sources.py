@@ -119,9 +119,16 @@ class GGUFSource(ModelSource):
             raise ConfigError(f"model.load_format: {mc.load_format!r} does not apply to a GGUF file "
                               "(use auto, or dummy for random weights)")
         cache_dir, has_tokenizer = gguf_cache.cached_checkpoint(path)
-        res = CheckpointSource().load(replace(mc, model=str(cache_dir), load_format="safetensors"))
+        if mc.quantization == "none":
+            res = CheckpointSource().load(replace(mc, model=str(cache_dir), load_format="safetensors"))
+            res.weights = f"{path.name} via the cache {cache_dir}"
+        else:  # the config and tokenizer from the cache, the weights repacked from the file itself
+            arch = read_arch(cache_dir)
+            normalize = family(arch).normalize_name
+            sd = {normalize(k): v for k, v in gguf_file.GGUFCheckpoint(path).state_dict(quantized=True).items()}
+            res = SourceResult(arch, {k: v for k, v in sd.items() if k is not None}, str(path),
+                               f"{path.name} (quantized tensors repacked for the CPU kernels)")
         res.source = str(path)
-        res.weights = f"{path.name} via the cache {cache_dir}"
         res.tokenizer_dir = str(cache_dir) if has_tokenizer else None
         return res
 

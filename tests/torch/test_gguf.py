@@ -53,7 +53,8 @@ def f32_pair(request, tmp_path_factory):
 
 
 def _load(model: str):
-    return sources.find_source(model).load(ModelConfig(model=model))
+    """The source's result with every tensor dequantized (the path the conversion cache serves)."""
+    return sources.find_source(model).load(ModelConfig(model=model, quantization="none"))
 
 
 def test_f32_gguf_gives_the_safetensors_arch_and_tensors_bit_for_bit(f32_pair):
@@ -124,7 +125,7 @@ def _check_against_dequantized(path, hf, qtype: str) -> None:
     for name, t in got.items():  # matrices dequantized, norms and biases as they were (float32)
         assert torch.equal(t.float(), ref[prefix + name]), name
     ids = [5, 17, 99, 140, 33, 60, 7, 250]
-    b = make_backend(str(path))
+    b = make_backend(str(path), quantization="none")
     logits = b.compute_logits(batch_of([Driver(b).request("x", ids, 0, len(ids))]))
     with torch.no_grad():
         want = ref_model(torch.tensor([ids])).logits[0]

@@ -45,21 +45,22 @@ def make_llama(rope_parameters: dict, seed: int = 0, max_positions: int = 256, v
     return transformers.LlamaForCausalLM(cfg).eval()
 
 
-def backend_config(model: str, attention: str = "auto", dtype: str = "float32", linear: str = "auto", **model_kw):
+def backend_config(model: str, attention: str = "auto", dtype: str = "float32", linear: str = "auto",
+                   options: dict | None = None, **model_kw):
     """An EngineConfig for the torch backend with a small KV budget."""
     return config_from_dict({
         "model": {"model": model, "dtype": dtype, **model_kw},
         "backend": {"name": "torch", "kv_cache_memory": "16MiB",
-                    "options": {"attention": attention, "linear": linear}},
+                    "options": {"attention": attention, "linear": linear, **(options or {})}},
     })
 
 
 def make_backend(model: str, attention: str = "auto", dtype: str = "float32", block_size: int = 4,
-                 linear: str = "auto", **model_kw):
+                 linear: str = "auto", options: dict | None = None, **model_kw):
     """A TorchBackend with its KV cache initialized."""
     from llmserve_torch.backend import TorchBackend
 
-    b = TorchBackend(backend_config(model, attention, dtype, linear, **model_kw))
+    b = TorchBackend(backend_config(model, attention, dtype, linear, options, **model_kw))
     b.init_kv_cache(b.num_kv_blocks(block_size), block_size)
     return b
 

@@ -7,6 +7,8 @@ import logging
 import torch
 import torch.nn.functional as F
 
+from llmserve_torch.quant import QuantLinear, QuantWeight, cat_rows, to_kind
+
 log = logging.getLogger("llmserve.torch")
 
 # Measured on a 2-core AVX-512 CPU (torch 2.13, MKL/oneDNN): [64, 768] x [50257, 768]^T ran at 44 GFLOP/s
@@ -49,10 +51,58 @@ class Linear:
     def fused_gelu(self) -> bool:
         return self.post[0] == "gelu"
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes of weight (and bias) a matmul reads."""
+        w = self.packed if self.packed is not None else self.weight
+        return w.numel() * w.element_size() + (0 if self.bias is None else self.bias.numel() * self.bias.element_size())
+
+    @property
+    def params(self) -> int:
+        """Multiply-accumulates per row of input."""
+        w = self.packed if self.packed is not None else self.weight
+        return w.numel()
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed, self.bias, *self.post)
         return F.linear(x, self.weight, self.bias)
+
+
+class LinearMaker:
+    """Builds a model's linears from its state dict: dense (oneDNN-packed or F.linear) or, for a QuantWeight,
+    a QuantLinear with a dense copy for large batches (kernel_plan decides where each runs)."""
+
+    def __init__(self, dtype: torch.dtype, device: torch.device, pack: bool, batch_hint: int, plan=None,
+                 dense_copy: bool = True):
+        self.dtype, self.device, self.pack, self.batch_hint = dtype, device, pack, batch_hint
+        self.plan = plan  # kernel_plan.KernelPlan, filled in after the model is built
+        self.dense_copy = dense_copy
+
+    def tensor(self, t: torch.Tensor | QuantWeight) -> torch.Tensor:
+        """A float tensor in the model's dtype and device (a QuantWeight dequantized: an embedding table)."""
+        if isinstance(t, QuantWeight):
+            t = t.dequantize()
+        return t.to(device=self.device, dtype=self.dtype).contiguous()
+
+    @staticmethod
+    def cat(parts: list) -> torch.Tensor | QuantWeight:
+        """Weights stacked along the output axis (fused q|k|v, gate|up), quantized or not."""
+        if any(isinstance(p, QuantWeight) for p in parts):
+            return cat_rows([p if isinstance(p, QuantWeight) else to_kind(p, "int8") for p in parts])
+        return torch.cat(parts)
+
+    def __call__(self, w: torch.Tensor | QuantWeight, bias: torch.Tensor | None = None,
+                 gelu_tanh: bool = False) -> Linear | QuantLinear:
+        """The linear for a [out, in] weight."""
+        b = None if bias is None else self.tensor(bias)
+        if not isinstance(w, QuantWeight):
+            return Linear(self.tensor(w), b, self.pack, self.batch_hint, gelu_tanh)
+        if self.device.type != "cpu":
+            raise ValueError(f"quantized weights run on CPU only; this model is on {self.device}: use "
+                             "model.quantization none")
+        dense = Linear(self.tensor(w), b, self.pack, self.batch_hint) if self.dense_copy else None
+        return QuantLinear(w, b, self.plan, dense)
 
 
 def choose_packing(kind: str, device: torch.device, dtype: torch.dtype) -> bool:
@@ -77,13 +127,13 @@ def choose_packing(kind: str, device: torch.device, dtype: torch.dtype) -> bool:
     return ok
 
 
-def lm_head(x: torch.Tensor, head: Linear, chunk: int = LM_HEAD_CHUNK) -> torch.Tensor:
+def lm_head(x: torch.Tensor, head: Linear | QuantLinear, chunk: int = LM_HEAD_CHUNK) -> torch.Tensor:
     """float32 logits for a large vocabulary: one packed GEMM, or F.linear in vocabulary chunks on CPU.
 
     Chunks are written straight into the float32 result, so bf16 logits never take a pass of their own.
     """
     n = head.out_features
-    if head.packed is not None or n <= 2 * chunk or x.device.type != "cpu":
+    if not isinstance(head, Linear) or head.packed is not None or n <= 2 * chunk or x.device.type != "cpu":
         return head(x).float()
     w = head.weight
     out = torch.empty((x.shape[0], n), dtype=torch.float32, device=x.device)

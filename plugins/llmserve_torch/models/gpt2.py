@@ -6,7 +6,8 @@ import torch
 import torch.nn.functional as F
 
 from llmserve_torch.arch import ArchConfig
-from llmserve_torch.models.common import Linear, lm_head
+from llmserve_torch.models.common import LinearMaker, lm_head
+from llmserve_torch.quant import QuantWeight
 
 _ACTS = {
     "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
@@ -36,6 +37,18 @@ def hf_shapes(a: ArchConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+def linear_weights(a: ArchConfig) -> dict[str, bool]:
+    """The 2-D weights that feed linears (the tied LM head included), each with whether it is stored [in, out]."""
+    names = {f"h.{n}.{part}.weight": True for n in range(a.num_layers)
+             for part in ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")}
+    return names | {head_weight(a): False}
+
+
+def head_weight(a: ArchConfig) -> str:
+    """The LM head's weight: GPT-2 ties it to the token embedding."""
+    return "wte.weight"
+
+
 def normalize_name(name: str) -> str | None:
     """Strip the GPT2LMHeadModel prefix; None for tensors we do not use (masks, the tied head)."""
     if name.startswith("transformer."):
@@ -48,39 +61,38 @@ def normalize_name(name: str) -> str | None:
 class GPT2Model:
     """Holds the weights laid out for F.linear ([out, in], contiguous) and runs the flattened forward."""
 
-    def __init__(self, arch: ArchConfig, sd: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device,
-                 pack: bool = False, batch_hint: int = 64):
+    def __init__(self, arch: ArchConfig, sd: dict, make: LinearMaker):
         self.arch = arch
         self.act = _ACTS.get(arch.activation)
         if self.act is None:
             raise ValueError(f"GPT-2 activation {arch.activation!r} is not supported (supported: {', '.join(_ACTS)})")
 
-        def w(name: str, transpose: bool = False) -> torch.Tensor:
-            t = sd[name]
-            if transpose:
-                t = t.t()
-            return t.to(device=device, dtype=dtype).contiguous()
-
-        self.wte = w("wte.weight")
-        self.wpe = w("wpe.weight")
-        def lin(name: str, gelu_tanh: bool = False) -> Linear:
-            return Linear(w(name + ".weight", True), w(name + ".bias"), pack, batch_hint, gelu_tanh)
+        def lin(name: str, gelu_tanh: bool = False):
+            w = sd[name + ".weight"]
+            # Conv1D stores [in, out]; a QuantWeight is always [out, in]
+            return make(w if isinstance(w, QuantWeight) else w.t(), sd[name + ".bias"], gelu_tanh)
 
         tanh_gelu = arch.activation in ("gelu_new", "gelu_pytorch_tanh", "gelu_fast")
-
+        self.wte = make.tensor(sd["wte.weight"])
+        self.wpe = make.tensor(sd["wpe.weight"])
         self.layers = []
         for n in range(arch.num_layers):
             p = f"h.{n}."
             self.layers.append({
-                "ln1_w": w(p + "ln_1.weight"), "ln1_b": w(p + "ln_1.bias"),
+                "ln1_w": make.tensor(sd[p + "ln_1.weight"]), "ln1_b": make.tensor(sd[p + "ln_1.bias"]),
                 "qkv": lin(p + "attn.c_attn"), "o": lin(p + "attn.c_proj"),
-                "ln2_w": w(p + "ln_2.weight"), "ln2_b": w(p + "ln_2.bias"),
+                "ln2_w": make.tensor(sd[p + "ln_2.weight"]), "ln2_b": make.tensor(sd[p + "ln_2.bias"]),
                 "fc": lin(p + "mlp.c_fc", tanh_gelu), "proj": lin(p + "mlp.c_proj"),
             })
-        self.lnf_w = w("ln_f.weight")
-        self.lnf_b = w("ln_f.bias")
-        # tied to wte ([vocab, hidden]); a packed head is a second copy, wte stays for the embedding lookup
-        self.lm_head = Linear(self.wte, None, pack, batch_hint)
+        self.lnf_w = make.tensor(sd["ln_f.weight"])
+        self.lnf_b = make.tensor(sd["ln_f.bias"])
+        # tied to wte ([vocab, hidden]); a packed or quantized head is a second copy beside the lookup table
+        head = sd["wte.weight"]
+        self.lm_head = make(head if isinstance(head, QuantWeight) else self.wte)
+
+    def linears(self) -> list:
+        """Every linear of the model, the LM head last."""
+        return [L[k] for L in self.layers for k in ("qkv", "o", "fc", "proj")] + [self.lm_head]
 
     def prepare_step(self, positions: torch.Tensor) -> dict:
         """Per-step tensors shared by every layer (here: the position embeddings)."""

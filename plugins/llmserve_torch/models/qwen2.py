@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from llmserve_torch.arch import ArchConfig
-from llmserve_torch.models.common import Linear, lm_head
+from llmserve_torch.models.common import LinearMaker, lm_head
 from llmserve_torch.models.rope import rope_tables
 
 
@@ -34,6 +34,19 @@ def hf_shapes(a: ArchConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+def linear_weights(a: ArchConfig) -> dict[str, bool]:
+    """The 2-D weights that feed linears (the LM head included), each with whether it is stored [in, out]."""
+    names = [f"model.layers.{n}.{part}.weight" for n in range(a.num_layers) for part in (
+        "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+        "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")]
+    return dict.fromkeys(names + [head_weight(a)], False)
+
+
+def head_weight(a: ArchConfig) -> str:
+    """The LM head's weight: the embedding table when tied."""
+    return "model.embed_tokens.weight" if a.tie_word_embeddings else "lm_head.weight"
+
+
 def normalize_name(name: str) -> str | None:
     """Checkpoint names are used as they are; rotary caches saved by old exporters are dropped."""
     if "rotary_emb.inv_freq" in name:
@@ -44,39 +57,38 @@ def normalize_name(name: str) -> str | None:
 class Qwen2Model:
     """Weights fused for fewer GEMMs (q|k|v and gate|up), run over a flattened batch."""
 
-    def __init__(self, arch: ArchConfig, sd: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device,
-                 max_len: int, pack: bool = False, batch_hint: int = 64):
+    def __init__(self, arch: ArchConfig, sd: dict, make: LinearMaker, max_len: int):
         self.arch = arch
-        self.dtype = dtype
-
-        def w(name: str) -> torch.Tensor:
-            return sd[name].to(device=device, dtype=dtype)
-
-        self.embed = w("model.embed_tokens.weight").contiguous()
+        self.dtype = make.dtype
+        self.embed = make.tensor(sd["model.embed_tokens.weight"])  # float for the lookup, even when quantized
         self.layers = []
         for n in range(arch.num_layers):
             p = f"model.layers.{n}.self_attn."
             m = f"model.layers.{n}.mlp."
-            qkv_b = (torch.cat([w(p + "q_proj.bias"), w(p + "k_proj.bias"), w(p + "v_proj.bias")]).contiguous()
-                     if arch.qkv_bias else None)
+            qkv_b = torch.cat([sd[p + "q_proj.bias"], sd[p + "k_proj.bias"], sd[p + "v_proj.bias"]]) \
+                if arch.qkv_bias else None
             L = {
-                "in_norm": w(f"model.layers.{n}.input_layernorm.weight").contiguous(),
-                "qkv": Linear(torch.cat([w(p + "q_proj.weight"), w(p + "k_proj.weight"),
-                                         w(p + "v_proj.weight")]).contiguous(), qkv_b, pack, batch_hint),
-                "o": Linear(w(p + "o_proj.weight").contiguous(), None, pack, batch_hint),
-                "post_norm": w(f"model.layers.{n}.post_attention_layernorm.weight").contiguous(),
-                "gate_up": Linear(torch.cat([w(m + "gate_proj.weight"), w(m + "up_proj.weight")]).contiguous(), None,
-                                  pack, batch_hint),
-                "down": Linear(w(m + "down_proj.weight").contiguous(), None, pack, batch_hint),
+                "in_norm": make.tensor(sd[f"model.layers.{n}.input_layernorm.weight"]),
+                "qkv": make(make.cat([sd[p + "q_proj.weight"], sd[p + "k_proj.weight"], sd[p + "v_proj.weight"]]),
+                            qkv_b),
+                "o": make(sd[p + "o_proj.weight"]),
+                "post_norm": make.tensor(sd[f"model.layers.{n}.post_attention_layernorm.weight"]),
+                "gate_up": make(make.cat([sd[m + "gate_proj.weight"], sd[m + "up_proj.weight"]])),
+                "down": make(sd[m + "down_proj.weight"]),
             }
             if arch.qk_norm:
-                L["q_norm"] = w(p + "q_norm.weight").contiguous()
-                L["k_norm"] = w(p + "k_norm.weight").contiguous()
+                L["q_norm"] = make.tensor(sd[p + "q_norm.weight"])
+                L["k_norm"] = make.tensor(sd[p + "k_norm.weight"])
             self.layers.append(L)
-        self.norm = w("model.norm.weight").contiguous()
-        head = self.embed if arch.tie_word_embeddings else w("lm_head.weight").contiguous()
-        self.lm_head = Linear(head, None, pack, batch_hint)  # packed: a copy; embed stays for the lookup
-        self.cos, self.sin = rope_tables(arch.rope, arch.head_dim, max_len, device)
+        self.norm = make.tensor(sd["model.norm.weight"])
+        head = sd[head_weight(arch)]
+        # tied and float: the lookup table itself (packing makes its own copy); quantized: a copy in its kind
+        self.lm_head = make(self.embed if arch.tie_word_embeddings and isinstance(head, torch.Tensor) else head)
+        self.cos, self.sin = rope_tables(arch.rope, arch.head_dim, max_len, make.device)
+
+    def linears(self) -> list:
+        """Every linear of the model, the LM head last."""
+        return [L[k] for L in self.layers for k in ("qkv", "o", "gate_up", "down")] + [self.lm_head]
 
     def _rms(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         # HF normalizes in float32 and casts back before scaling by the weight

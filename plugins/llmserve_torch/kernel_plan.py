@@ -1,0 +1,175 @@
+"""Which kernel a quantized linear runs, measured on this CPU when the model loads.
+
+torch's weight-only kernels read 1/2 (int8) or 1/4 (int4) of bf16's bytes, so they win at a few rows;
+they run each row almost as a separate pass, so a dense GEMM wins at many rows. Where the crossover
+lies depends on the CPU (AVX512_BF16, AMX, cache sizes) and on the activation dtype (with float32
+activations both kernels took a slow path, 7-50x slower, on an AMD EPYC with AVX512_BF16): both are
+measured over the model's own linears, so the weights come from memory as in serving.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import tempfile
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+log = logging.getLogger("llmserve.torch")
+
+NEVER = 1 << 30  # a row limit no batch reaches: the quantized kernel always runs
+_PROBE_ROWS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+
+
+@dataclass(slots=True)
+class KindPlan:
+    """One quantized kind's choice: activation dtype, and the most rows it runs before the dense copy takes over."""
+
+    act: torch.dtype
+    max_rows: int
+    how: str  # "measured", "asked for", "no dense copy"
+    timings: dict = field(default_factory=dict)  # rows → {"quantized_ms", "dense_ms"} over all linears of the kind
+
+
+class KernelPlan:
+    """The per-kind choices every QuantLinear of one model consults on each call."""
+
+    def __init__(self):
+        self.kinds: dict[str, KindPlan] = {}
+
+    def choice(self, kind: str) -> tuple[torch.dtype, int]:
+        """(activation dtype, row limit) for a kind."""
+        p = self.kinds[kind]
+        return p.act, p.max_rows
+
+    def describe(self) -> dict:
+        """For /stats and the start-up log."""
+        return {k: {"activations": str(p.act).replace("torch.", ""),
+                    "quantized_up_to_rows": None if p.max_rows >= NEVER else p.max_rows, "how": p.how,
+                    "timings_ms": p.timings} for k, p in self.kinds.items()}
+
+
+def _time(fn, reps: int = 2) -> float:
+    """Best of reps wall times in ms, after one warm-up call."""
+    fn()
+    best = float("inf")
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t)
+    return best * 1e3
+
+
+def _pick_act(group: list, serving: torch.dtype) -> torch.dtype:
+    """bf16 or the serving dtype, whichever runs the kernel faster at one row (on a few linears)."""
+    if serving == torch.bfloat16:
+        return serving
+    few = group[:4]
+    x = {lin.in_features: torch.randn(1, lin.in_features) for lin in few}
+    t = {dt: _time(lambda dt=dt: [lin.quantized(x[lin.in_features].to(dt), dt) for lin in few], reps=2)
+         for dt in (torch.bfloat16, serving)}
+    return min(t, key=t.get)
+
+
+def plan_kernels(plan: KernelPlan, linears: list, serving: torch.dtype, max_batch_rows: int,
+                 limit: int | str = "auto") -> None:
+    """Fill plan: each kind's activation dtype and dense-copy crossover, measured (or taken: limit a number).
+
+    max_batch_rows: the most rows a step can hand a linear; when the quantized kernel still wins there, the
+    dense copies are dropped (they would never run).
+    """
+    for kind in sorted({lin.kind for lin in linears}):
+        group = [lin for lin in linears if lin.kind == kind]
+        with torch.inference_mode():
+            act = _pick_act(group, serving)
+            if not all(lin.dense is not None for lin in group):
+                kp = KindPlan(act, NEVER, "no dense copy")
+            elif limit != "auto":
+                kp = KindPlan(act, int(limit), "asked for")
+            else:
+                key = _key(group, serving, act, max_batch_rows)
+                kp = _recall(key, act)
+                if kp is None:
+                    kp = KindPlan(act, NEVER, "measured")
+                    _measure_crossover(group, kp, serving, max_batch_rows)
+                    _remember(key, kp)
+        plan.kinds[kind] = kp
+        if kp.max_rows >= max_batch_rows:
+            for lin in group:
+                lin.dense = None  # never used: free its memory
+        log.info("quantized %s linears (%d): %s activations, quantized kernel up to %s rows (%s)", kind, len(group),
+                 str(act).replace("torch.", ""), "all" if kp.max_rows >= max_batch_rows else kp.max_rows, kp.how)
+
+
+def _measure_crossover(group: list, kp: KindPlan, serving: torch.dtype, max_batch_rows: int) -> None:
+    """Double the rows until the dense copies beat the quantized kernel twice in a row."""
+    last_win, losses = 0, 0
+    for rows in _PROBE_ROWS:
+        if rows > max_batch_rows:
+            break
+        x = {n: torch.randn(rows, n).to(serving) for n in {lin.in_features for lin in group}}
+        q = _time(lambda: [lin.quantized(x[lin.in_features], kp.act) for lin in group])
+        d = _time(lambda: [lin.dense(x[lin.in_features]) for lin in group])
+        kp.timings[rows] = {"quantized_ms": round(q, 3), "dense_ms": round(d, 3)}
+        if q <= d:
+            last_win, losses = rows, 0
+            continue
+        losses += 1
+        if losses == 2:
+            break
+    kp.max_rows = last_win if losses else NEVER  # no loss at any size probed: the quantized kernel always runs
+
+
+# --- measured crossovers, remembered per CPU, torch build, threads and weight shapes ------------------------
+
+def _plans_file():
+    from llmserve_torch.gguf_cache import cache_root
+
+    return cache_root() / "kernels" / "quant-plans.json"
+
+
+def _key(group: list, serving: torch.dtype, act: torch.dtype, max_batch_rows: int) -> str:
+    """What a measurement depends on: the CPU, torch and its threads, dtypes, and the linears' shapes."""
+    from collections import Counter
+
+    cpu = ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")
+    except OSError:
+        pass
+    shapes = sorted(Counter((lin.kind, lin.out_features, lin.in_features) for lin in group).items())
+    facts = [cpu, torch.__version__, torch.get_num_threads(), str(serving), str(act), max_batch_rows, shapes]
+    return hashlib.sha256(json.dumps(facts, default=str).encode()).hexdigest()[:24]
+
+
+def _recall(key: str, act: torch.dtype) -> KindPlan | None:
+    """A crossover measured earlier for the same key (None: measure now)."""
+    try:
+        entry = json.loads(_plans_file().read_text())[key]
+        return KindPlan(act, int(entry["max_rows"]), "measured earlier on this machine",
+                        {int(r): t for r, t in entry["timings"].items()})
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def _remember(key: str, kp: KindPlan) -> None:
+    """Add a measurement to the plans file (best effort: an unwritable cache only costs a re-measure)."""
+    path = _plans_file()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            known = json.loads(path.read_text())
+        except (OSError, ValueError):
+            known = {}
+        known[key] = {"max_rows": kp.max_rows, "timings": kp.timings}
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".quant-plans-")
+        with os.fdopen(fd, "w") as f:
+            json.dump(known, f, indent=1)
+        os.replace(tmp, path)
+    except OSError as e:
+        log.info("could not remember the kernel measurement in %s (%s)", path, e)

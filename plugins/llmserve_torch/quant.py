@@ -1,0 +1,158 @@
+"""Weight-only quantized weights and linears on CPU: int8 per output channel, int4 in groups of 32.
+
+The matmuls are torch's own CPU kernels (aten._weight_int8pack_mm, aten._weight_int4pack_mm_for_cpu).
+They are fast only at a few rows and only with bf16 activations on the CPUs measured so far, so a
+QuantLinear casts activations to the kernel's dtype and hands large batches (prefill, many decodes)
+to a dense copy of the weight; kernel_plan.py measures where that crossover lies.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+GROUP = 32  # int4 group size: the group of llama.cpp's Q4_0 / Q4_1 blocks and Q4_K sub-blocks
+KINDS = ("int8", "int4")
+MODES = ("auto", "none", "int8", "int4")
+
+
+@dataclass(slots=True)
+class QuantWeight:
+    """A linear's weight, [out, in], stored quantized.
+
+    int8: q int8 [out, in], scale [out]:                     w = q * scale
+    int4: q uint8 0..15 [out, in], scale, zero [out, in/32]: w = (q - 8) * scale + zero (the kernel's form)
+    """
+
+    kind: str
+    q: torch.Tensor
+    scale: torch.Tensor  # float32
+    zero: torch.Tensor | None = None  # float32, int4 only
+    source: str = "rtn"  # where the values came from: a GGUF type (Q4_1, ...) or rtn (rounded at load)
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """[out, in] of the matrix it stands for."""
+        return tuple(self.q.shape)
+
+    def dequantize(self) -> torch.Tensor:
+        """The float32 matrix."""
+        if self.kind == "int8":
+            return self.q.float() * self.scale[:, None]
+        return ((self.q.float() - 8).unflatten(1, (-1, GROUP)) * self.scale[..., None]
+                + self.zero[..., None]).flatten(1)
+
+    def map_rows(self, fn) -> QuantWeight:
+        """The same weight with fn (a reordering of axis 0, e.g. llama.cpp's Q/K permutation undone) applied."""
+        return QuantWeight(self.kind, fn(self.q), fn(self.scale), None if self.zero is None else fn(self.zero),
+                           self.source)
+
+
+def quantize_int8(w: torch.Tensor, source: str = "rtn") -> QuantWeight:
+    """Round-to-nearest, symmetric, one scale per output row."""
+    w = w.float()
+    scale = (w.abs().amax(dim=1) / 127).clamp_min(1e-12)
+    q = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)
+    return QuantWeight("int8", q, scale, source=source)
+
+
+def quantize_int4(w: torch.Tensor) -> QuantWeight:
+    """Round-to-nearest, asymmetric (min/max), one scale and offset per group of 32 inputs."""
+    w = w.float()
+    if w.shape[1] % GROUP:
+        raise ValueError(f"int4 needs a number of inputs divisible by {GROUP}, got {w.shape[1]}")
+    g = w.unflatten(1, (-1, GROUP))
+    lo, hi = g.amin(-1), g.amax(-1)
+    scale = ((hi - lo) / 15).clamp_min(1e-12)
+    q = torch.round((g - lo[..., None]) / scale[..., None]).clamp(0, 15).to(torch.uint8).flatten(1)
+    return int4_from_affine(q, scale, lo, "rtn")
+
+
+def int4_from_affine(q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, source: str) -> QuantWeight:
+    """An int4 weight from w = q * scale + offset per group (llama.cpp's form), q in 0..15."""
+    return QuantWeight("int4", q, scale.float(), offset.float() + 8 * scale.float(), source)
+
+
+def to_kind(w: torch.Tensor | QuantWeight, kind: str) -> QuantWeight:
+    """w as a QuantWeight of that kind: kept when it is one already, else rounded to nearest from floats."""
+    if isinstance(w, QuantWeight):
+        if w.kind == kind:
+            return w
+        w = w.dequantize()
+    return quantize_int8(w) if kind == "int8" else quantize_int4(w)
+
+
+def cat_rows(parts: list[QuantWeight]) -> QuantWeight:
+    """Stack weights along the output axis (fused q|k|v, gate|up); mixed kinds meet at int8."""
+    kind = parts[0].kind if len({p.kind for p in parts}) == 1 else "int8"
+    parts = [to_kind(p, kind) for p in parts]
+    zero = torch.cat([p.zero for p in parts]) if kind == "int4" else None
+    sources = sorted({p.source for p in parts})
+    return QuantWeight(kind, torch.cat([p.q for p in parts]), torch.cat([p.scale for p in parts]), zero,
+                       "+".join(sources))
+
+
+class QuantLinear:
+    """y = x @ w.T (+ bias) through a weight-only quantized kernel, or a dense copy above plan's row limit."""
+
+    __slots__ = ("kind", "source", "out_features", "in_features", "bias", "plan", "dense", "_w", "_scale", "_zero",
+                 "_scales")
+
+    fused_gelu = False  # no post-op fusion in these kernels: the model applies its activation itself
+
+    def __init__(self, qw: QuantWeight, bias: torch.Tensor | None, plan, dense=None):
+        self.kind = qw.kind
+        self.source = qw.source
+        self.out_features, self.in_features = qw.shape
+        self.bias = bias
+        self.plan = plan  # kernel_plan.KernelPlan: activation dtype and dense row limit per kind
+        self.dense = dense  # a common.Linear over the dequantized weight, or None
+        if qw.kind == "int8":
+            self._w = qw.q.contiguous()
+        else:
+            # the CPU packing takes int32 values 0..15 and stores two per byte, [out, in/2]
+            self._w = torch.ops.aten._convert_weight_to_int4pack_for_cpu(qw.q.to(torch.int32).contiguous(), 1)
+        self._scales = {}  # activation dtype → scales in it (the kernels want them in the activation dtype)
+        self._scale, self._zero = qw.scale, qw.zero
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes a quantized matmul reads: the packed values and their scales (and offsets)."""
+        n = self._w.numel() * self._w.element_size()
+        return n + self.out_features * (self.in_features // GROUP) * 2 * 2 if self.kind == "int4" else \
+            n + self.out_features * 2
+
+    @property
+    def params(self) -> int:
+        """Multiply-accumulates per row of input."""
+        return self.out_features * self.in_features
+
+    def scales_for(self, dtype: torch.dtype) -> torch.Tensor:
+        """The kernel's scale tensor in the activation dtype (made once per dtype)."""
+        s = self._scales.get(dtype)
+        if s is None:
+            if self.kind == "int8":
+                s = self._scale.to(dtype).contiguous()
+            else:  # [in/32, out, 2]: scale and zero per group and output
+                s = torch.stack([self._scale.t(), self._zero.t()], dim=-1).to(dtype).contiguous()
+            self._scales[dtype] = s
+        return s
+
+    def quantized(self, x: torch.Tensor, act: torch.dtype) -> torch.Tensor:
+        """The quantized kernel with activations in act (result in act)."""
+        xa = x if x.dtype == act else x.to(act)
+        if self.kind == "int8":
+            return torch.ops.aten._weight_int8pack_mm(xa.contiguous(), self._w, self.scales_for(act))
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(xa.contiguous(), self._w, GROUP, self.scales_for(act))
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        act, limit = self.plan.choice(self.kind)
+        if self.dense is not None and x.shape[0] > limit:
+            return self.dense(x)
+        y = self.quantized(x, act)
+        if y.dtype != x.dtype:
+            y = y.to(x.dtype)
+        if self.bias is not None:
+            y += self.bias
+        return y

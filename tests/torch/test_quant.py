@@ -1,0 +1,225 @@
+"""Weight-only quantized linears: GGUF blocks repacked exactly (4-bit) or within rounding (int8), the
+kernels against a dequantized reference in float32 and bfloat16 serving, whole models against their
+dequantized selves, round-to-nearest quantization of a safetensors checkpoint, the kernel plan."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import gguf
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from gguf_helpers import VOCAB, dequantize, make_decoder, quantize, write_gguf
+from torch_helpers import Driver, batch_of, make_backend, make_gpt2
+
+from llmserve.errors import ConfigError
+from llmserve_torch.gguf_quant import INT4_TYPES, INT8_TYPES, repack
+from llmserve_torch.kernel_plan import NEVER, KernelPlan, KindPlan, plan_kernels
+from llmserve_torch.models.common import Linear
+from llmserve_torch.quant import GROUP, QuantLinear, cat_rows, quantize_int4, quantize_int8
+
+GGUF_TYPES = INT4_TYPES + INT8_TYPES
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+@pytest.fixture(autouse=True)
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("LLMSERVE_CACHE", str(tmp_path / "cache"))
+
+
+def _weights(rows: int = 48, cols: int = 256, seed: int = 0) -> np.ndarray:
+    g = np.random.default_rng(seed)
+    w = g.standard_normal((rows, cols)).astype(np.float32) * 0.05
+    w[3] += 0.2  # a row with an offset, so asymmetric formats and their zero points matter
+    return w
+
+
+def _gguf_tensor(w: np.ndarray, qtype: str):
+    """What gguf.GGUFReader hands us for a tensor: uint8 blocks [rows, bytes] and the type."""
+    data = quantize(w, qtype)
+    return SimpleNamespace(data=data.reshape(w.shape[0], -1), tensor_type=gguf.GGMLQuantizationType[qtype])
+
+
+@pytest.mark.parametrize("qtype", GGUF_TYPES)
+def test_gguf_blocks_repack_into_the_kernels_form(qtype):
+    w = _weights()
+    t = _gguf_tensor(w, qtype)
+    ref = torch.from_numpy(dequantize(t.data, qtype)).reshape(w.shape)
+    qw = repack(t)
+    assert qw.shape == w.shape and qw.source == qtype
+    got = qw.dequantize()
+    if qtype in INT4_TYPES:  # the same values, regrouped: exact up to float32 arithmetic
+        assert qw.kind == "int4"
+        torch.testing.assert_close(got, ref, atol=1e-6, rtol=1e-5)
+    else:  # rounded once more, to one int8 scale per row: off by at most half a step
+        assert qw.kind == "int8"
+        assert ((got - ref).abs() <= qw.scale[:, None] / 2 + 1e-7).all()
+        assert (got - ref).abs().max() > 0 or qtype == "Q8_0"
+
+
+def test_float_types_are_not_repacked():
+    t = SimpleNamespace(data=np.zeros((4, 32), np.float32), tensor_type=gguf.GGMLQuantizationType.F32)
+    assert repack(t) is None
+
+
+def test_round_to_nearest_stays_within_half_a_step():
+    w = torch.from_numpy(_weights())
+    q8 = quantize_int8(w)
+    assert ((q8.dequantize() - w).abs() <= q8.scale[:, None] / 2 + 1e-7).all()
+    q4 = quantize_int4(w)
+    step = q4.scale.repeat_interleave(GROUP, 1)
+    assert ((q4.dequantize() - w).abs() <= step / 2 + 1e-6).all()
+    assert int(q4.q.max()) <= 15 and q4.q.dtype == torch.uint8
+    flat = quantize_int4(torch.zeros(2, 64))  # a constant group has no range: no NaN, exact zeros
+    assert torch.equal(flat.dequantize(), torch.zeros(2, 64))
+
+
+def test_mixed_kinds_meet_at_int8_when_fused():
+    a, b = torch.from_numpy(_weights(16, 64, 1)), torch.from_numpy(_weights(8, 64, 2))
+    fused = cat_rows([quantize_int4(a), quantize_int8(b)])
+    assert fused.kind == "int8" and fused.shape == (24, 64)
+    want = torch.cat([quantize_int4(a).dequantize(), quantize_int8(b).dequantize()])
+    assert ((fused.dequantize() - want).abs() <= fused.scale[:, None] / 2 + 1e-7).all()
+
+
+def _plan(kind: str, act: torch.dtype, max_rows: int) -> KernelPlan:
+    p = KernelPlan()
+    p.kinds[kind] = KindPlan(act, max_rows, "asked for")
+    return p
+
+
+@pytest.mark.parametrize("serving", DTYPES)
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q4_K", "Q8_0", "Q6_K"])
+def test_quantized_linear_matches_the_dequantized_reference(qtype, serving):
+    qw = repack(_gguf_tensor(_weights(), qtype))
+    ref_w = qw.dequantize()
+    bias = torch.randn(ref_w.shape[0]) * 0.1
+    dense = Linear(ref_w.to(serving), bias.to(serving), pack=False)
+    lin = QuantLinear(qw, bias.to(serving), _plan(qw.kind, torch.bfloat16, 4), dense)
+    x = torch.randn(9, ref_w.shape[1])
+    want = F.linear(x, ref_w, bias)
+    tol = 0.02 * want.abs().max().item()  # bf16 activations and scales: ~3 significant digits
+    for rows in (1, 4):  # the quantized kernel
+        y = lin(x[:rows].to(serving))
+        assert y.dtype == serving and y.shape == (rows, ref_w.shape[0])
+        torch.testing.assert_close(y.float(), want[:rows], atol=tol, rtol=0)
+    y = lin(x.to(serving))  # 9 rows > 4: the dense copy, exactly
+    assert torch.equal(y, dense(x.to(serving)))
+
+
+def test_float32_activations_run_the_kernel_too():
+    qw = quantize_int4(torch.from_numpy(_weights()))
+    lin = QuantLinear(qw, None, _plan("int4", torch.float32, NEVER))
+    x = torch.randn(2, qw.shape[1])
+    torch.testing.assert_close(lin(x), F.linear(x, qw.dequantize()), atol=1e-3, rtol=1e-3)
+
+
+def test_the_plan_measures_a_crossover_or_drops_unused_dense_copies():
+    w = torch.from_numpy(_weights(64, 128))
+    lins = [QuantLinear(quantize_int4(w), None, None, Linear(w.clone(), None, pack=False)) for _ in range(3)]
+    other = QuantLinear(quantize_int4(w), None, None, Linear(w.clone(), None, pack=False))
+    plan = KernelPlan()
+    plan_kernels(plan, lins, torch.float32, max_batch_rows=16)
+    kp = plan.kinds["int4"]
+    assert kp.how == "measured" and set(kp.timings) <= {1, 2, 4, 8, 16} and 1 in kp.timings
+    assert kp.act in DTYPES
+    if kp.max_rows >= 16:  # the quantized kernel wins wherever a step can reach: no dense copy kept
+        assert all(lin.dense is None for lin in lins)
+    else:
+        assert all(lin.dense is not None for lin in lins)
+        assert kp.timings[min(r for r in kp.timings if r > kp.max_rows)]["dense_ms"] < \
+            kp.timings[min(r for r in kp.timings if r > kp.max_rows)]["quantized_ms"]
+    fixed = KernelPlan()
+    plan_kernels(fixed, [other], torch.float32, max_batch_rows=16, limit=2)
+    assert fixed.kinds["int4"].max_rows == 2 and fixed.kinds["int4"].how == "asked for" and other.dense is not None
+
+
+# --- whole models ---------------------------------------------------------------------------------------
+
+IDS = [5, 17, 99, 140, 33, 60, 7, 150, 3, 41]  # below every tiny vocabulary
+
+
+def _logits(path: str, **kw) -> torch.Tensor:
+    b = make_backend(path, **kw)
+    return b.compute_logits(batch_of([Driver(b).request("x", IDS, 0, len(IDS))])), b
+
+
+@pytest.fixture(scope="module")
+def wide_llama():
+    return make_decoder("llama", hidden=256, seed=3)  # K-quants need 256 inputs per row
+
+
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q4_K", "Q8_0", "Q6_K"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_quantized_gguf_runs_quantized_close_to_its_dequantized_self(tmp_path, wide_llama, qtype, dtype):
+    path = str(write_gguf(tmp_path / f"{qtype}.gguf", wide_llama, qtype))
+    ref, _ = _logits(path, dtype=dtype, quantization="none")
+    # quant_rows 16: these 10 prompt rows go through the quantized kernels, not the dense copies
+    got, b = _logits(path, dtype=dtype, quantization="auto", options={"quant_rows": 16})
+    q = b.describe()["quantization"]
+    kind = "int4" if qtype in INT4_TYPES else "int8"
+    assert q["mode"] == "auto" and set(q["linears"]) == {f"{kind} ({qtype})"}
+    assert q["linears"][f"{kind} ({qtype})"] == 2 * 4 + 1  # 2 layers × (qkv, o, gate_up, down) + LM head
+    assert q["kernels"][kind]["quantized_up_to_rows"] == 16
+    # the Q/K rows are unpermuted with their scales: a wrong order would scramble the logits entirely
+    err = (got - ref).abs().max() / ref.abs().max()
+    # 4-bit: only bf16 activations, scales and offsets differ; the int8 types are rounded once more per row
+    # (measured 0.03 and 0.10-0.12 here; a scrambled Q/K order gives ~1)
+    assert err < (0.06 if kind == "int4" else 0.2), float(err)
+    assert (got.argmax(-1) == ref.argmax(-1)).float().mean() >= 0.8
+
+
+@pytest.mark.parametrize("mode,kinds", [("int8", {"int8 (rtn)"}), ("int4", {"int4 (rtn)", "int8 (rtn)"})])
+def test_a_float_checkpoint_is_quantized_at_load_when_asked(qwen2_dir, mode, kinds):
+    d, _ = qwen2_dir
+    ref, _ = _logits(str(d), quantization="none")
+    got, b = _logits(str(d), quantization=mode, options={"quant_rows": 16})
+    q = b.describe()["quantization"]
+    assert set(q["linears"]) == kinds
+    if mode == "int4":
+        assert q["linears"]["int8 (rtn)"] == 1  # the LM head stays at int8
+    err = (got - ref).abs().max() / ref.abs().max()
+    assert err < (0.02 if mode == "int8" else 0.15), float(err)
+
+
+def test_auto_leaves_a_float_checkpoint_dense(qwen2_dir):
+    b = make_backend(str(qwen2_dir[0]))
+    assert b.describe()["quantization"] == {"mode": "auto", "linears": {"dense": 2 * 4 + 1}, "kernels": {}}
+
+
+def test_a_gpt2_gguf_keeps_conv1d_weights_the_right_way_round(tmp_path):
+    hf = make_gpt2(seed=4, vocab_size=VOCAB)
+    path = str(write_gguf(tmp_path / "g.gguf", hf, "Q4_0"))
+    ref, _ = _logits(path, quantization="none")
+    got, b = _logits(path, quantization="auto", options={"quant_rows": 16})
+    assert "int4 (Q4_0)" in b.describe()["quantization"]["linears"]
+    assert (got - ref).abs().max() / ref.abs().max() < 0.03
+
+
+def test_bad_settings_are_config_errors(qwen2_dir):
+    with pytest.raises(ConfigError, match="model.quantization"):
+        make_backend(str(qwen2_dir[0]), quantization="int3")
+    with pytest.raises(ConfigError, match="quant_rows"):
+        make_backend(str(qwen2_dir[0]), options={"quant_rows": -1})
+
+
+def test_a_measured_crossover_is_remembered_for_the_next_load(monkeypatch):
+    from llmserve_torch import kernel_plan
+
+    w = torch.from_numpy(_weights(64, 128))
+
+    def lins():
+        return [QuantLinear(quantize_int4(w), None, None, Linear(w.to(torch.bfloat16), None, pack=False))
+                for _ in range(2)]
+
+    first = KernelPlan()
+    plan_kernels(first, lins(), torch.bfloat16, max_batch_rows=8)
+    assert first.kinds["int4"].how == "measured"
+    monkeypatch.setattr(kernel_plan, "_measure_crossover", lambda *a: pytest.fail("measured twice"))
+    second = KernelPlan()
+    plan_kernels(second, lins(), torch.bfloat16, max_batch_rows=8)
+    assert second.kinds["int4"].how == "measured earlier on this machine"
+    assert second.kinds["int4"].max_rows == first.kinds["int4"].max_rows
+    assert second.kinds["int4"].timings == first.kinds["int4"].timings
