@@ -32,7 +32,8 @@ from llmserve_torch.kv_cache import KVCache
 log = logging.getLogger("llmserve.torch")
 
 KERNELS = ("auto", "reference", "cpu")
-_SRC = Path(__file__).with_name("csrc") / "paged_attention.cpp"
+_CSRC = Path(__file__).with_name("csrc")
+_SOURCES = ("paged_attention.cpp", "decoder_ops.cpp")  # compiled into one library; bf16.h is shared
 
 
 @dataclass(slots=True)
@@ -140,7 +141,8 @@ def _cpu_id() -> str:
 
 
 def build_kernel() -> ctypes.CDLL:
-    """Compile csrc/paged_attention.cpp once per source/compiler/torch (cached on disk) and load it."""
+    """Compile the csrc/ kernels (paged attention, fused decoder ops) once per source/compiler/CPU (cached on disk)
+    into one library and load it."""
     global _lib, _lib_error
     with _lib_lock:
         if _lib is not None:
@@ -148,7 +150,7 @@ def build_kernel() -> ctypes.CDLL:
         if _lib_error is not None:
             raise RuntimeError(_lib_error)
         try:
-            src = _SRC.read_bytes()
+            src = b"".join((_CSRC / f).read_bytes() for f in (*_SOURCES, "bf16.h"))
             cxx = os.environ.get("CXX", "g++")
             flags = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
             # -march=native: the binary is only valid on this kind of CPU, so the CPU is part of the key
@@ -158,7 +160,8 @@ def build_kernel() -> ctypes.CDLL:
                 out.parent.mkdir(parents=True, exist_ok=True)
                 with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
                     tmp_so = Path(tmp) / out.name
-                    r = subprocess.run([cxx, *flags, str(_SRC), "-o", str(tmp_so)], capture_output=True, text=True,
+                    r = subprocess.run([cxx, *flags, f"-I{_CSRC}", *(str(_CSRC / f) for f in _SOURCES), "-o",
+                                        str(tmp_so)], capture_output=True, text=True,
                                        timeout=120)
                     if r.returncode != 0:
                         raise RuntimeError(f"{cxx} failed: {r.stderr.strip()[-400:]}")
@@ -177,6 +180,16 @@ def build_kernel() -> ctypes.CDLL:
                                ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
                                ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_float,
                                ctypes.c_int]
+            lib.llmserve_add_rms_norm.restype = None
+            lib.llmserve_add_rms_norm.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
+                                                  ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int,
+                                                  ctypes.c_int, ctypes.c_float, ctypes.c_int, ctypes.c_int]
+            lib.llmserve_rope.restype = None
+            lib.llmserve_rope.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+                                          ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
+            lib.llmserve_silu_mul.restype = None
+            lib.llmserve_silu_mul.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
+                                              ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int]
             _lib = lib
             return lib
         except (OSError, RuntimeError, subprocess.SubprocessError) as e:

@@ -26,6 +26,8 @@ OPTIONS = {
     # quantized linears: auto (measure at load where a dense copy starts to win) or the most rows a
     # quantized kernel runs (0: always the dense copy; a large number: never, and no dense copy is kept)
     "quant_rows": "auto",
+    # the elementwise steps of Llama-style layers: auto (fused C kernels on CPU) | torch | cpu
+    "decoder_ops": "auto",
 }
 
 
@@ -44,7 +46,8 @@ class TorchBackend(ModelBackend):
             raise ConfigError(f"backend.options.quant_rows: must be auto or a number of rows >= 0, got {quant_rows!r}")
         sc = config.scheduler
         loaded = load_model(mc, linear=self.options["linear"], batch_hint=sc.max_num_seqs,
-                            max_batch_rows=max(sc.max_num_batched_tokens, sc.max_num_seqs), quant_rows=quant_rows)
+                            max_batch_rows=max(sc.max_num_batched_tokens, sc.max_num_seqs), quant_rows=quant_rows,
+                            ops=self.options["decoder_ops"])
         self.loaded = loaded
         self.model = loaded.model
         self.arch = loaded.arch
@@ -227,6 +230,7 @@ class TorchBackend(ModelBackend):
             "weights": self.loaded.weights,
             "linear": self.loaded.linear,
             "quantization": self._quantization(),
+            "decoder_ops": self.model.ops.name if self.model.ops is not None else "torch",
             "max_model_len": self.max_model_len,
             "threads": torch.get_num_threads(),
             "torch": torch.__version__,

@@ -15,6 +15,7 @@ from llmserve.config import ModelConfig
 from llmserve.errors import ConfigError
 from llmserve_torch.arch import ArchConfig, arch_from_hf
 from llmserve_torch.models import gpt2, qwen2
+from llmserve_torch.fused import decoder_ops
 from llmserve_torch.kernel_plan import KernelPlan, plan_kernels
 from llmserve_torch.models.common import LinearMaker, choose_packing
 from llmserve_torch.quant import GROUP, MODES, QuantLinear, QuantWeight, to_kind
@@ -203,7 +204,7 @@ def family(arch: ArchConfig):
     return gpt2 if arch.family == "gpt2" else qwen2
 
 
-def build_model(arch: ArchConfig, sd: dict, make: LinearMaker, max_len: int):
+def build_model(arch: ArchConfig, sd: dict, make: LinearMaker, max_len: int, ops: str = "auto"):
     """Instantiate the family's model, checking that every tensor it needs is present with the right shape."""
     fam = family(arch)
     expected = fam.hf_shapes(arch)
@@ -219,7 +220,7 @@ def build_model(arch: ArchConfig, sd: dict, make: LinearMaker, max_len: int):
             raise ConfigError(f"checkpoint tensor {n} has shape {got}, the config implies {shape}")
     if fam is gpt2:
         return gpt2.GPT2Model(arch, sd, make)
-    return qwen2.Qwen2Model(arch, sd, make, max_len)
+    return qwen2.Qwen2Model(arch, sd, make, max_len, decoder_ops(make.device, make.dtype, ops))
 
 
 def apply_quantization(sd: dict, mode: str, arch: ArchConfig) -> dict:
@@ -248,12 +249,12 @@ def apply_quantization(sd: dict, mode: str, arch: ArchConfig) -> dict:
 
 
 def load_model(mc: ModelConfig, linear: str = "auto", batch_hint: int = 64, max_batch_rows: int = 512,
-               quant_rows: int | str = "auto") -> LoadedModel:
+               quant_rows: int | str = "auto", ops: str = "auto") -> LoadedModel:
     """Everything from ModelConfig to a ready model: find, read config, read or invent weights, cast, place.
 
     linear: auto | torch | onednn (pre-pack weights for oneDNN on CPU); batch_hint: typical rows per GEMM;
     max_batch_rows: the most rows a step hands a linear; quant_rows: auto (measure) or the most rows a
-    quantized kernel runs before a dense copy takes over.
+    quantized kernel runs before a dense copy takes over; ops: auto | torch | cpu (fused decoder ops).
     """
     device = resolve_device(mc.device)
     if mc.threads is not None:
@@ -274,7 +275,7 @@ def load_model(mc: ModelConfig, linear: str = "auto", batch_hint: int = 64, max_
     sd = apply_quantization(src.state_dict, mc.quantization, arch)
     make = LinearMaker(dtype, device, pack, batch_hint, KernelPlan())
     try:
-        model = build_model(arch, sd, make, max_len)
+        model = build_model(arch, sd, make, max_len, ops)
     except ValueError as e:
         raise ConfigError(str(e)) from None
     del sd

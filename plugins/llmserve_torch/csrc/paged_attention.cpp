@@ -20,27 +20,14 @@
 #include <cstring>
 #include <vector>
 
+#include "bf16.h"
+
 namespace {
 
 constexpr int kMaxQ = 8192;  // heads * head_dim
 constexpr int kMaxHeads = 128;
 constexpr int kMaxBlock = 64;
 constexpr int kChunk = 256;  // a multiple of every supported block size
-
-inline float load(float x) { return x; }
-inline float load(uint16_t x) {  // bfloat16 -> float
-  uint32_t u = static_cast<uint32_t>(x) << 16;
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
-inline void store(float* p, float x) { *p = x; }
-inline void store(uint16_t* p, float x) {  // float -> bfloat16, round to nearest even
-  uint32_t u;
-  std::memcpy(&u, &x, 4);
-  u += 0x7fffu + ((u >> 16) & 1u);
-  *p = static_cast<uint16_t>(u >> 16);
-}
 
 // DC: head_dim fixed at compile time (64, 128) so the inner loops unroll; 0 = runtime head_dim.
 template <typename T, int DC>

@@ -61,6 +61,8 @@ def normalize_name(name: str) -> str | None:
 class GPT2Model:
     """Holds the weights laid out for F.linear ([out, in], contiguous) and runs the flattened forward."""
 
+    ops = None  # LayerNorm and GELU run as torch ops (the fused decoder ops are Llama-style)
+
     def __init__(self, arch: ArchConfig, sd: dict, make: LinearMaker):
         self.arch = arch
         self.act = _ACTS.get(arch.activation)

@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from llmserve_torch.arch import ArchConfig
+from llmserve_torch.fused import TorchOps
 from llmserve_torch.models.common import LinearMaker, lm_head
 from llmserve_torch.models.rope import rope_tables
 
@@ -57,9 +58,10 @@ def normalize_name(name: str) -> str | None:
 class Qwen2Model:
     """Weights fused for fewer GEMMs (q|k|v and gate|up), run over a flattened batch."""
 
-    def __init__(self, arch: ArchConfig, sd: dict, make: LinearMaker, max_len: int):
+    def __init__(self, arch: ArchConfig, sd: dict, make: LinearMaker, max_len: int, ops: TorchOps):
         self.arch = arch
         self.dtype = make.dtype
+        self.ops = ops  # the elementwise steps: fused C kernels on CPU, or torch
         self.embed = make.tensor(sd["model.embed_tokens.weight"])  # float for the lookup, even when quantized
         self.layers = []
         for n in range(arch.num_layers):
@@ -90,50 +92,36 @@ class Qwen2Model:
         """Every linear of the model, the LM head last."""
         return [L[k] for L in self.layers for k in ("qkv", "o", "gate_up", "down")] + [self.lm_head]
 
-    def _rms(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        # HF normalizes in float32 and casts back before scaling by the weight
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.arch.norm_eps)
-        return weight * xf.to(x.dtype)
-
     def prepare_step(self, positions: torch.Tensor) -> dict:
-        """Per-step tensors shared by every layer: cos/sin at each token's position, [T, 1, head_dim/2]."""
-        cos = self.cos.index_select(0, positions).to(self.dtype).unsqueeze(1)
-        sin = self.sin.index_select(0, positions).to(self.dtype).unsqueeze(1)
+        """Per-step tensors shared by every layer: cos/sin at each token's position, [T, head_dim/2]."""
+        cos, sin = self.ops.tables(self.cos.index_select(0, positions), self.sin.index_select(0, positions), self.dtype)
         return {"cos": cos, "sin": sin}
-
-    @staticmethod
-    def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """x: [T, heads, head_dim] → rotated copy (rotate-half convention)."""
-        half = x.shape[-1] // 2
-        x1, x2 = x[..., :half], x[..., half:]
-        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
     def forward(self, input_ids: torch.Tensor, step: dict, attention) -> torch.Tensor:
         """Hidden states of every flattened token before the final norm: [T, hidden]."""
-        a = self.arch
-        T = input_ids.shape[0]
+        a, ops, eps = self.arch, self.ops, self.arch.norm_eps
         qs, kvs, d, inter = a.q_size, a.kv_size, a.head_dim, a.intermediate_size
         cos, sin = step["cos"], step["sin"]
         x = F.embedding(input_ids, self.embed)
-        for li, L in enumerate(self.layers):
-            h = self._rms(x, L["in_norm"])
+        layers = self.layers
+        h = ops.add_rms(x, None, layers[0]["in_norm"], eps)
+        for li, L in enumerate(layers):
             qkv = L["qkv"](h)
-            q = qkv[:, :qs].view(T, a.num_heads, d)
-            k = qkv[:, qs:qs + kvs].view(T, a.num_kv_heads, d)
-            v = qkv[:, qs + kvs:]
-            if a.qk_norm:
-                q = self._rms(q, L["q_norm"])
-                k = self._rms(k, L["k_norm"])
-            q = self._rope(q, cos, sin).view(T, qs)
-            k = self._rope(k, cos, sin).view(T, kvs)
-            o = attention.forward(li, q, k, v)
-            x = x + L["o"](o)
-            h = self._rms(x, L["post_norm"])
-            gu = L["gate_up"](h)
-            x = x + L["down"](F.silu(gu[:, :inter]) * gu[:, inter:])
+            if a.qk_norm:  # Qwen3 normalizes each head of q and k before the rotation
+                T = qkv.shape[0]
+                q = ops.add_rms(qkv[:, :qs].reshape(T * a.num_heads, d), None, L["q_norm"], eps)
+                k = ops.add_rms(qkv[:, qs:qs + kvs].reshape(T * a.num_kv_heads, d), None, L["k_norm"], eps)
+                qkv = torch.cat([q.view(T, qs), k.view(T, kvs), qkv[:, qs + kvs:]], dim=1)
+            ops.rope(qkv, a.num_heads + a.num_kv_heads, d, cos, sin)  # q heads then k heads, in place
+            o = attention.forward(li, qkv[:, :qs], qkv[:, qs:qs + kvs], qkv[:, qs + kvs:])
+            h = ops.add_rms(x, L["o"](o), L["post_norm"], eps)  # x += attention output; h = norm(x)
+            down = L["down"](ops.silu_mul(L["gate_up"](h), inter))
+            if li + 1 < len(layers):
+                h = ops.add_rms(x, down, layers[li + 1]["in_norm"], eps)
+            else:
+                x += down
         return x
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final norm + LM head on the selected rows, as float32."""
-        return lm_head(self._rms(hidden, self.norm), self.lm_head)
+        return lm_head(self.ops.add_rms(hidden, None, self.norm, self.arch.norm_eps), self.lm_head)

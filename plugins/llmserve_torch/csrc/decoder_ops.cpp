@@ -1,0 +1,108 @@
+// The elementwise parts of a Llama-style decoder layer fused into one pass each, for CPU decode steps
+// where each torch op costs more in dispatch than in arithmetic (SmolLM2 at one sequence: ~40 small
+// ops a layer). Every result is rounded to T exactly where Hugging Face's PyTorch code rounds it, so
+// a bf16 model computes what HF computes, up to the order of float additions.
+//
+// Plain C ABI, loaded with ctypes together with the paged attention kernel (one library).
+
+#include <math.h>
+
+#include <cstdint>
+
+#include "bf16.h"
+
+namespace {
+
+// x += delta (when delta is given), then out = w * T(rms_norm(x)) with the norm in float.
+template <typename T>
+void add_rms_norm(T* x, int64_t xs, const T* delta, int64_t ds, const T* w, T* out, int64_t os, int rows, int n,
+                  float eps, int th) {
+#pragma omp parallel for num_threads(th) if (rows > 8)
+  for (int r = 0; r < rows; ++r) {
+    T* xr = x + r * xs;
+    float ss = 0.f;
+    if (delta != nullptr) {
+      const T* dr = delta + r * ds;
+      for (int i = 0; i < n; ++i) {
+        float v = round_to<T>(load(xr[i]) + load(dr[i]));
+        store(xr + i, v);
+        ss += v * v;
+      }
+    } else {
+      for (int i = 0; i < n; ++i) {
+        float v = load(xr[i]);
+        ss += v * v;
+      }
+    }
+    const float inv = 1.f / sqrtf(ss / n + eps);
+    T* o = out + r * os;
+    for (int i = 0; i < n; ++i) store(o + i, load(w[i]) * round_to<T>(load(xr[i]) * inv));
+  }
+}
+
+// Rotate-half RoPE in place on the first `heads` heads of each row (the Q heads, then the K heads);
+// cos/sin: [rows, D/2] float32 holding values already rounded to T (HF casts its tables to T).
+template <typename T>
+void rope(T* qk, int64_t stride, int rows, int heads, int D, const float* cos, const float* sin, int th) {
+  const int half = D / 2;
+#pragma omp parallel for num_threads(th) if (rows > 8)
+  for (int r = 0; r < rows; ++r) {
+    const float* c = cos + static_cast<int64_t>(r) * half;
+    const float* s = sin + static_cast<int64_t>(r) * half;
+    for (int h = 0; h < heads; ++h) {
+      T* p = qk + r * stride + static_cast<int64_t>(h) * D;
+      for (int i = 0; i < half; ++i) {
+        const float x1 = load(p[i]), x2 = load(p[i + half]);
+        store(p + i, round_to<T>(x1 * c[i]) - round_to<T>(x2 * s[i]));
+        store(p + i + half, round_to<T>(x2 * c[i]) + round_to<T>(x1 * s[i]));
+      }
+    }
+  }
+}
+
+// out = T(silu(gate)) * up, gate and up the two halves of each gate|up row.
+template <typename T>
+void silu_mul(const T* gu, int64_t gs, T* out, int64_t os, int rows, int inter, int th) {
+#pragma omp parallel for num_threads(th) if (rows > 8)
+  for (int r = 0; r < rows; ++r) {
+    const T* g = gu + r * gs;
+    const T* u = g + inter;
+    T* o = out + r * os;
+    for (int i = 0; i < inter; ++i) {
+      const float x = load(g[i]);
+      store(o + i, round_to<T>(x / (1.f + expf(-x))) * load(u[i]));
+    }
+  }
+}
+
+}  // namespace
+
+extern "C" {
+
+void llmserve_add_rms_norm(void* x, int64_t xs, const void* delta, int64_t ds, const void* w, void* out, int64_t os,
+                           int rows, int n, float eps, int elem_size, int th) {
+  if (elem_size == 4)
+    add_rms_norm<float>(static_cast<float*>(x), xs, static_cast<const float*>(delta), ds,
+                        static_cast<const float*>(w), static_cast<float*>(out), os, rows, n, eps, th);
+  else
+    add_rms_norm<uint16_t>(static_cast<uint16_t*>(x), xs, static_cast<const uint16_t*>(delta), ds,
+                           static_cast<const uint16_t*>(w), static_cast<uint16_t*>(out), os, rows, n, eps, th);
+}
+
+void llmserve_rope(void* qk, int64_t stride, int rows, int heads, int D, const float* cos, const float* sin,
+                   int elem_size, int th) {
+  if (elem_size == 4)
+    rope<float>(static_cast<float*>(qk), stride, rows, heads, D, cos, sin, th);
+  else
+    rope<uint16_t>(static_cast<uint16_t*>(qk), stride, rows, heads, D, cos, sin, th);
+}
+
+void llmserve_silu_mul(const void* gu, int64_t gs, void* out, int64_t os, int rows, int inter, int elem_size,
+                       int th) {
+  if (elem_size == 4)
+    silu_mul<float>(static_cast<const float*>(gu), gs, static_cast<float*>(out), os, rows, inter, th);
+  else
+    silu_mul<uint16_t>(static_cast<const uint16_t*>(gu), gs, static_cast<uint16_t*>(out), os, rows, inter, th);
+}
+
+}  // extern "C"
