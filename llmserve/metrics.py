@@ -86,7 +86,6 @@ class MetricsCollector:
     """Keeps counters and a bounded window of recent samples for the engine's snapshot."""
 
     def __init__(self, window: int = 10_000):
-        self.window = window
         self.ttft: deque[float] = deque(maxlen=window)
         self.queue: deque[float] = deque(maxlen=window)
         self.e2e: deque[float] = deque(maxlen=window)
