@@ -7,6 +7,7 @@ are checked by the plugin itself (see ``check_options``).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import types
@@ -143,9 +144,6 @@ class EngineConfig:
         need(self.server.max_waiting_requests >= 1, "server.max_waiting_requests", "must be >= 1")
 
 
-_SECTIONS = {f.name: f for f in dataclasses.fields(EngineConfig) if f.name != "source"}
-
-
 def _type_check(value: Any, tp: Any, key: str, source: str) -> Any:
     """Coerce `value` to the annotated type `tp` or raise a ConfigError naming `key`."""
     origin = typing.get_origin(tp)
@@ -153,14 +151,10 @@ def _type_check(value: Any, tp: Any, key: str, source: str) -> Any:
         args = typing.get_args(tp)
         if value is None and type(None) in args:
             return None
-        errors = []
         for a in args:
-            if a is type(None):
-                continue
-            try:
-                return _type_check(value, a, key, source)
-            except ConfigError as e:
-                errors.append(str(e))
+            if a is not type(None):
+                with contextlib.suppress(ConfigError):
+                    return _type_check(value, a, key, source)
         names = " or ".join(getattr(a, "__name__", str(a)) for a in args)
         raise ConfigError(f"{source}: {key}: expected {names}, got {value!r}")
     if tp is Any:
@@ -188,14 +182,11 @@ def _type_check(value: Any, tp: Any, key: str, source: str) -> Any:
         raise ConfigError(f"{source}: {key}: expected true or false, got {value!r}")
     if tp in (int, float):
         # YAML and --set give numbers, flags and env give strings; a bool is never a number
-        if not isinstance(value, bool):
-            if isinstance(value, int) or (tp is float and isinstance(value, float)):
+        if (isinstance(value, int) and not isinstance(value, bool)) or (tp is float and isinstance(value, float)):
+            return tp(value)
+        if isinstance(value, str):
+            with contextlib.suppress(ValueError):
                 return tp(value)
-            if isinstance(value, str):
-                try:
-                    return tp(value)
-                except ValueError:
-                    pass
         expected = "an integer" if tp is int else "a number"
         raise ConfigError(f"{source}: {key}: expected {expected}, got {value!r}")
     if tp is str:
