@@ -13,16 +13,12 @@ from llmserve.errors import InvalidRequestError
 
 log = logging.getLogger("llmserve.server")
 
-# status → OpenAI's error `type` for it
+# status → OpenAI's error `type` for it, where it is not invalid_request_error (4xx) or server_error (5xx)
 _TYPES = {
-    400: "invalid_request_error",
     401: "authentication_error",
     403: "permission_error",
     404: "not_found_error",
-    405: "invalid_request_error",
-    413: "invalid_request_error",
     429: "rate_limit_error",
-    500: "server_error",
     503: "service_unavailable",
     504: "timeout_error",
 }
@@ -42,17 +38,13 @@ class ApiError(Exception):
         self.headers = headers or {}
 
     def body(self) -> dict:
-        return error_body(self.message, self.type, self.param, self.code)
+        """The OpenAI error object."""
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> ApiError:
     """A 400 whose `param` names the offending field."""
     return ApiError(400, message, param=param, code=code)
-
-
-def error_body(message: str, type: str, param: str | None = None, code: str | None = None) -> dict:
-    """The OpenAI error object."""
-    return {"error": {"message": message, "type": type, "param": param, "code": code}}
 
 
 def error_response(err: ApiError) -> Response:
@@ -61,12 +53,9 @@ def error_response(err: ApiError) -> Response:
                     headers=err.headers)
 
 
-async def handle_api_error(request: Request, exc: ApiError) -> Response:
-    return error_response(exc)
-
-
-async def handle_invalid_request(request: Request, exc: InvalidRequestError) -> Response:
-    return error_response(bad_request(str(exc), exc.param, exc.code))
+async def handle_error(request: Request, exc: ApiError | InvalidRequestError) -> Response:
+    """An ApiError as it is; an InvalidRequestError (SamplingParams, the engine's checks) as a 400."""
+    return error_response(exc if isinstance(exc, ApiError) else bad_request(str(exc), exc.param, exc.code))
 
 
 async def handle_http_exception(request: Request, exc: HTTPException) -> Response:
@@ -83,8 +72,8 @@ async def handle_unexpected(request: Request, exc: Exception) -> Response:
 
 
 EXCEPTION_HANDLERS = {
-    ApiError: handle_api_error,
-    InvalidRequestError: handle_invalid_request,
+    ApiError: handle_error,
+    InvalidRequestError: handle_error,
     HTTPException: handle_http_exception,
     Exception: handle_unexpected,
 }

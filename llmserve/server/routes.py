@@ -12,7 +12,7 @@ from llmserve.async_engine import AsyncEngine
 from llmserve.limits import check_request
 from llmserve.request import SamplingParams
 from llmserve.server.answer import ChatAnswer, CompletionAnswer, dumps
-from llmserve.server.errors import bad_request, error_body
+from llmserve.server.errors import ApiError, bad_request
 from llmserve.server.protocol import ChatRequest, CompletionRequest, openapi, parse
 from llmserve.server.state import ServerState
 
@@ -136,8 +136,7 @@ async def stats(request: Request) -> Response:
     """GET /stats: the engine's snapshot (queue, running, cache, prefix cache, latencies)."""
     st = _state(request)
     if st.engine is None:
-        return Response(dumps(error_body("the engine is not ready", "service_unavailable", None, "not_ready")),
-                        status_code=503, media_type="application/json")
+        raise ApiError(503, "the engine is not ready", code="not_ready")
     snap = await st.aengine.call(lambda e: e.stats())
     snap["server"] = {"ready": st.ready, "draining": st.draining, "active_requests": st.aengine.num_active,
                       "steps": st.aengine.num_steps}
