@@ -62,7 +62,7 @@ class Answer:
         self.st, self.req, self.sp, self.prompts = st, req, sp, prompts
         self.id = f"{self.prefix}-{uuid.uuid4().hex}"
         self.created = int(time.time())
-        self.tt = TokenText(st.tokenizer)
+        self.tt = TokenText(st.engine.tokenizer)
         self.choices = [_Choice(self._new_lp()) for _ in range(len(prompts) * sp.n)]
 
     async def respond(self, request: Request, aengine: AsyncEngine) -> Response:

@@ -33,7 +33,7 @@ async def _admit(request: Request, model) -> tuple[ServerState, AsyncEngine, Any
 
 def _check(st: ServerState, ids: list[int], sp: SamplingParams, param: str) -> None:
     """The engine's own vocabulary and context checks, run before submitting so every prompt is checked."""
-    check_request(ids, sp, st.engine.backend.vocab_size, st.max_model_len, param)
+    check_request(ids, sp, st.engine.backend.vocab_size, st.engine.max_model_len, param)
 
 
 _BIG_TEXT = 16_384  # characters; longer texts are tokenized off the event loop
@@ -52,7 +52,7 @@ async def _encode(tok, text: str, add_special_tokens: bool = True) -> list[int]:
 async def completions(request: Request) -> Response:
     """POST /v1/completions."""
     st, aengine, req, sp = await _admit(request, CompletionRequest)
-    tok = st.tokenizer
+    tok = st.engine.tokenizer
     prompt_ids: list[list[int]] = []
     prompt_texts: list[str] = []
     for i, p in enumerate(req.prompts):
@@ -77,7 +77,7 @@ async def completions(request: Request) -> Response:
 async def chat_completions(request: Request) -> Response:
     """POST /v1/chat/completions."""
     st, aengine, req, sp = await _admit(request, ChatRequest)
-    tok = st.tokenizer
+    tok = st.engine.tokenizer
     if tok is None:
         raise bad_request("this server has no tokenizer, so it cannot render chat messages; "
                           "use /v1/completions with token ids", "messages")
