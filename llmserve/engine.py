@@ -240,10 +240,11 @@ class Engine:
 
     def _finish(self, r: Request, reason: FinishReason, out: list[RequestOutput], stop_reason=None,
                 text: str = "") -> None:
-        r.status = RequestStatus.FINISHED
+        r.status = RequestStatus.FAILED if reason is FinishReason.ERROR else RequestStatus.FINISHED
         r.finish_reason = reason
         r.stop_reason = stop_reason
-        if r.detok is not None and reason is not FinishReason.ABORT and not isinstance(stop_reason, str):
+        if (r.detok is not None and reason in (FinishReason.STOP, FinishReason.LENGTH)
+                and not isinstance(stop_reason, str)):
             text += r.detok.flush()  # the text held back for stop strings is final now
         out.append(self._delta(r, text, finished=True))
         self._end(r, time.perf_counter())
@@ -252,13 +253,9 @@ class Engine:
         """Fail the sequence, and the sequences of its request still held back (a failed request ends whole)."""
         g = self._holding.get(r.group_id)
         for seq in [r] + (g.held if g is not None else []):
-            if seq.status.is_done:
-                continue
-            seq.status = RequestStatus.FAILED
-            seq.finish_reason = FinishReason.ERROR
-            seq.error = message
-            self._pending.append(self._delta(seq, "", finished=True))
-            self._end(seq, time.perf_counter())
+            if not seq.status.is_done:
+                seq.error = message
+                self._finish(seq, FinishReason.ERROR, self._pending)
 
     def _delta(self, r: Request, text: str, finished: bool = False) -> RequestOutput:
         o = RequestOutput(
@@ -290,21 +287,20 @@ class Engine:
             try:
                 mo = self.backend.execute(batch)
             except Exception as e:  # the backend failed: fail this batch's requests, keep serving
-                backend_s = time.perf_counter() - tb
-                log.exception("backend failed on a batch of %d sequences", len(batch.requests))
+                mo = e
+            now = time.perf_counter()
+            backend_s = now - tb
+            if isinstance(mo, Exception):
+                log.error("backend failed on a batch of %d sequences", len(batch.requests), exc_info=mo)
                 for sr in batch.requests:
                     r = self._seqs.get(sr.request_id)
                     if r is not None and not r.status.is_done:
-                        self._fail(r, f"backend error: {type(e).__name__}: {e}")
-                outputs.extend(self._pending)
-                self._pending = []
-                return StepOutput(outputs, self._report_step(batch, t0, backend_s))
-            now = time.perf_counter()
-            backend_s = now - tb
-            self.scheduler.update_from_output(batch, mo)
-            self._postprocess(batch, mo, now, t0, outputs)
-            if self._holding:
-                self._release_held()
+                        self._fail(r, f"backend error: {type(mo).__name__}: {mo}")
+            else:
+                self.scheduler.update_from_output(batch, mo)
+                self._postprocess(batch, mo, now, t0, outputs)
+                if self._holding:
+                    self._release_held()
         outputs.extend(self._pending)
         self._pending = []
         return StepOutput(outputs, self._report_step(batch, t0, backend_s))
@@ -326,7 +322,6 @@ class Engine:
             tok = sampled[i]
             if tok is None:
                 continue
-            # a new token
             r.token_ids.append(tok)
             r.pending_token_ids.append(tok)
             if lps is not None and lps[i] is not None:
