@@ -73,34 +73,31 @@ class RequestStream:
             w.set_result(None)
 
     async def _wait(self) -> None:
+        """Until an item is queued or the stream has ended; raises the stream's error once the items are out."""
         while not self._items and not self.done:
             self._waiter = self._loop.create_future()
             try:
                 await self._waiter
             finally:
                 self._waiter = None
+        if not self._items and self.error is not None:
+            raise self.error
 
     async def next_batch(self) -> list[RequestOutput]:
         """Every delta queued so far (at least one); [] when the stream has ended. Raises its error."""
         await self._wait()
-        if self._items:
-            items = list(self._items)
-            self._items.clear()
-            return items
-        if self.error is not None:
-            raise self.error
-        return []
+        items = list(self._items)
+        self._items.clear()
+        return items
 
     def __aiter__(self) -> RequestStream:
         return self
 
     async def __anext__(self) -> RequestOutput:
         await self._wait()
-        if self._items:
-            return self._items.popleft()
-        if self.error is not None:
-            raise self.error
-        raise StopAsyncIteration
+        if not self._items:
+            raise StopAsyncIteration
+        return self._items.popleft()
 
 
 class AsyncEngine:
@@ -286,11 +283,9 @@ class AsyncEngine:
                 live = self._live
                 for o in out.outputs:
                     if o.finished and o.request_id in live:
-                        left = 0 if o.finish_reason is FinishReason.ERROR else live[o.request_id] - 1
-                        if left <= 0:
+                        live[o.request_id] -= 1
+                        if live[o.request_id] <= 0 or o.finish_reason is FinishReason.ERROR:
                             del live[o.request_id]
-                        else:
-                            live[o.request_id] = left
                 if out.outputs:
                     self._loop.call_soon_threadsafe(self._deliver, out.outputs)
         except BaseException as e:  # pragma: no cover - a bug in this loop
