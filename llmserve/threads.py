@@ -12,11 +12,13 @@ So an engine is loaded, warmed up and stepped on one thread, and no other thread
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
 import os
 import sys
 import threading
+from pathlib import Path
 
 log = logging.getLogger("llmserve.threads")
 
@@ -27,29 +29,20 @@ def name_os_thread(name: str) -> None:
     """Give the calling thread an OS-level name, inherited by the OpenMP workers it starts (`top -H` shows it)."""
     if not sys.platform.startswith("linux"):
         return
-    try:
-        libc = ctypes.CDLL(None)
-        libc.prctl(15, name.encode()[:15], 0, 0, 0)  # PR_SET_NAME
-    except (OSError, AttributeError):  # no libc symbols (static builds): names are cosmetic
-        pass
+    with contextlib.suppress(OSError, AttributeError):  # no libc symbols (static builds): names are cosmetic
+        ctypes.CDLL(None).prctl(15, name.encode()[:15], 0, 0, 0)  # PR_SET_NAME
 
 
 def native_threads() -> dict[int, str]:
     """Threads of this process that Python did not start (OpenMP and other native pools): tid → OS name."""
     try:
-        tids = os.listdir("/proc/self/task")
+        tids = {int(t) for t in os.listdir("/proc/self/task")} - {t.native_id for t in threading.enumerate()}
     except OSError:  # not Linux: nothing to report
         return {}
-    py = {t.native_id for t in threading.enumerate()}
     out: dict[int, str] = {}
     for tid in tids:
-        if int(tid) in py:
-            continue
-        try:
-            with open(f"/proc/self/task/{tid}/comm") as f:
-                out[int(tid)] = f.read().strip()
-        except OSError:  # the thread ended meanwhile
-            continue
+        with contextlib.suppress(OSError):  # the thread ended meanwhile
+            out[tid] = Path(f"/proc/self/task/{tid}/comm").read_text().strip()
     return out
 
 
