@@ -266,25 +266,6 @@ def load_config(path: str | os.PathLike | None = None, overrides: dict[str, Any]
     return config_from_dict(data, source)
 
 
-def parse_bytes(value: str | int | float, key: str = "value") -> int:
-    """'512MiB', '2G', 1048576 → bytes."""
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-        return int(value)
-    s = str(value).strip().lower().replace(" ", "")
-    units = {"kib": 2**10, "mib": 2**20, "gib": 2**30, "kb": 10**3, "mb": 10**6, "gb": 10**9,
-             "k": 2**10, "m": 2**20, "g": 2**30, "b": 1}
-    for u, mult in units.items():
-        if s.endswith(u):
-            try:
-                return int(float(s[: -len(u)]) * mult)
-            except ValueError:
-                break
-    try:
-        return int(s)
-    except ValueError:
-        raise ConfigError(f"{key}: expected bytes such as '512MiB' or a fraction such as 0.2, got {value!r}") from None
-
-
 def check_options(options: dict[str, Any], allowed: dict[str, Any], where: str) -> dict[str, Any]:
     """For plugins: reject unknown option keys, fill defaults from `allowed` (name → default)."""
     unknown = sorted(set(options) - set(allowed))
