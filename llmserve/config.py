@@ -155,32 +155,27 @@ def _type_check(value: Any, tp: Any, key: str, source: str) -> Any:
             if a is not type(None):
                 with contextlib.suppress(ConfigError):
                     return _type_check(value, a, key, source)
-        names = " or ".join(getattr(a, "__name__", str(a)) for a in args)
-        raise ConfigError(f"{source}: {key}: expected {names}, got {value!r}")
-    if tp is Any:
+        expected = " or ".join(getattr(a, "__name__", str(a)) for a in args)
+    elif tp is Any:
         return value
-    if origin is list:
-        if not isinstance(value, list):
-            raise ConfigError(f"{source}: {key}: expected a list, got {value!r}")
-        (item,) = typing.get_args(tp)
-        return [_type_check(v, item, f"{key}[{i}]", source) for i, v in enumerate(value)]
-    if origin is dict:
-        if not isinstance(value, dict):
-            raise ConfigError(f"{source}: {key}: expected a mapping, got {value!r}")
-        return dict(value)
-    if dataclasses.is_dataclass(tp):
+    elif origin is list:
+        if isinstance(value, list):
+            (item,) = typing.get_args(tp)
+            return [_type_check(v, item, f"{key}[{i}]", source) for i, v in enumerate(value)]
+        expected = "a list"
+    elif origin is dict or dataclasses.is_dataclass(tp):
         if isinstance(value, str) and tp is SinkConfig:
             value = {"name": value}
-        if not isinstance(value, dict):
-            raise ConfigError(f"{source}: {key}: expected a mapping, got {value!r}")
-        return _build(tp, value, key, source)
-    if tp is bool:
+        if isinstance(value, dict):
+            return dict(value) if origin is dict else _build(tp, value, key, source)
+        expected = "a mapping"
+    elif tp is bool:
         if isinstance(value, bool):
             return value
         if isinstance(value, str) and value.lower() in ("true", "false", "1", "0", "yes", "no"):
             return value.lower() in ("true", "1", "yes")
-        raise ConfigError(f"{source}: {key}: expected true or false, got {value!r}")
-    if tp in (int, float):
+        expected = "true or false"
+    elif tp in (int, float):
         # YAML and --set give numbers, flags and env give strings; a bool is never a number
         if (isinstance(value, int) and not isinstance(value, bool)) or (tp is float and isinstance(value, float)):
             return tp(value)
@@ -188,12 +183,11 @@ def _type_check(value: Any, tp: Any, key: str, source: str) -> Any:
             with contextlib.suppress(ValueError):
                 return tp(value)
         expected = "an integer" if tp is int else "a number"
-        raise ConfigError(f"{source}: {key}: expected {expected}, got {value!r}")
-    if tp is str:
-        if isinstance(value, str):
-            return value
-        raise ConfigError(f"{source}: {key}: expected a string, got {value!r}")
-    return value
+    elif tp is str and not isinstance(value, str):
+        expected = "a string"
+    else:
+        return value
+    raise ConfigError(f"{source}: {key}: expected {expected}, got {value!r}")
 
 
 def _build(cls: type, data: dict[str, Any], prefix: str, source: str) -> Any:
