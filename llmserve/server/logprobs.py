@@ -22,11 +22,10 @@ class TokenText:
         self._text: dict[int, str] = {}
 
     def text(self, tid: int) -> str:
-        s = self._text.get(tid)
-        if s is None:
-            s = f"token_id:{tid}" if self.tok is None else self.tok.decode([tid], skip_special_tokens=False)
-            self._text[tid] = s
-        return s
+        if tid not in self._text:
+            tok = self.tok
+            self._text[tid] = f"token_id:{tid}" if tok is None else tok.decode([tid], skip_special_tokens=False)
+        return self._text[tid]
 
     def bytes(self, tid: int) -> list[int]:
         tb = getattr(self.tok, "token_bytes", None)
