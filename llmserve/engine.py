@@ -129,15 +129,9 @@ class Engine:
 
     # --- requests -----------------------------------------------------------------------------
 
-    def add_request(
-        self,
-        prompt_token_ids: Sequence[int],
-        sampling_params: SamplingParams | None = None,
-        request_id: str | None = None,
-        priority: int = 0,
-        arrival_time: float | None = None,
-        cache_salt: str | None = None,
-    ) -> str:
+    def add_request(self, prompt_token_ids: Sequence[int], sampling_params: SamplingParams | None = None,
+                    request_id: str | None = None, priority: int = 0, arrival_time: float | None = None,
+                    cache_salt: str | None = None) -> str:
         """Queue a request with validated params; return its id. Bad input raises InvalidRequestError (nothing queued)."""
         sp = sampling_params or SamplingParams()
         rid = request_id or uuid.uuid4().hex
@@ -162,7 +156,8 @@ class Engine:
         group = _Group(ids, sp.n)
         # fan-out: the others wait until the first has computed the prompt, then hit its cached
         # blocks; without prefix reuse (caching off, prompt logprobs) they would gain nothing
-        if self._shares_prompt(sp, prompt):
+        cc = self.config.cache
+        if sp.n > 1 and sp.prompt_logprobs is None and cc.enable_prefix_caching and len(prompt) > cc.block_size:
             group.held = seqs[1:]
             self._holding[rid] = group
         else:
@@ -172,10 +167,6 @@ class Engine:
         for r in seqs:
             self._seqs[r.request_id] = r
         return rid
-
-    def _shares_prompt(self, sp: SamplingParams, prompt: list[int]) -> bool:
-        return (sp.n > 1 and sp.prompt_logprobs is None and self.config.cache.enable_prefix_caching
-                and len(prompt) > self.config.cache.block_size)
 
     def _release_held(self) -> None:
         """Admit the held sequences of each group whose first sequence has computed its prompt."""
