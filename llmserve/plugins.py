@@ -111,11 +111,8 @@ def loaded_once() -> Iterator[None]:
         _command_set = None
 
 
-def load_plugins(
-    extra_plugins: list[Any] | None = None,
-    defaults: tuple[str, ...] = DEFAULT_PLUGINS,
-    entry_points: bool = True,
-) -> PluginSet:
+def load_plugins(extra_plugins: list[Any] | None = None, defaults: tuple[str, ...] = DEFAULT_PLUGINS,
+                 entry_points: bool = True) -> PluginSet:
     """Build a fresh plugin manager: defaults, then entry points, then `extra_plugins` objects.
 
     A third-party plugin that raises while loading is logged by name and skipped (fatal with

@@ -123,9 +123,7 @@ async def health(request: Request) -> Response:
     if st.draining:
         return JSONResponse({"status": "draining"}, status_code=503)
     if not st.ready:
-        body = {"status": "error" if st.load_error else "loading"}
-        if st.load_error:
-            body["error"] = st.load_error
+        body = {"status": "error", "error": st.load_error} if st.load_error else {"status": "loading"}
         return JSONResponse(body, status_code=503)
     if not st.aengine.running:
         return JSONResponse({"status": "stopped"}, status_code=503)
