@@ -24,17 +24,6 @@ from llmserve.server.state import ServerState
 log = logging.getLogger("llmserve.server")
 
 
-def _plugin_routes(engine) -> list[Route]:
-    """Routes that plugins add through the register_routes hook."""
-    out: list[Route] = []
-
-    def register(path: str, endpoint, methods=("GET",)) -> None:
-        out.append(Route(path, endpoint, methods=list(methods)))
-
-    engine.plugins.pm.hook.register_routes(register=register, engine=engine)
-    return out
-
-
 def create_app(config: EngineConfig, engine=None) -> Starlette:
     """The HTTP app. engine: None (built from config on the engine thread at start-up; /health says 503
     meanwhile), a started AsyncEngine (what `serve` passes), or a built Engine (tests)."""
@@ -61,11 +50,14 @@ def create_app(config: EngineConfig, engine=None) -> Starlette:
             st.load_error = f"{type(e).__name__}: {e}"
             return
         taken = {r.path for r in app.router.routes if isinstance(r, Route)}
-        for r in _plugin_routes(eng):
-            if r.path in taken:
-                log.warning("a plugin route %s clashes with an existing route; skipped", r.path)
-                continue
-            app.router.routes.append(r)
+
+        def register(path: str, endpoint, methods=("GET",)) -> None:  # the register_routes hook's callback
+            if path in taken:
+                log.warning("a plugin route %s clashes with an existing route; skipped", path)
+            else:
+                app.router.routes.append(Route(path, endpoint, methods=list(methods)))
+
+        eng.plugins.pm.hook.register_routes(register=register, engine=eng)
         st.engine = eng
         st.ready = True
 
