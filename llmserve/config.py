@@ -113,9 +113,7 @@ class EngineConfig:
         return self.model.served_model_name or self.model.model
 
     def to_dict(self) -> dict[str, Any]:
-        d = dataclasses.asdict(self)
-        d.pop("source")
-        return d
+        return {k: v for k, v in dataclasses.asdict(self).items() if k != "source"}
 
     def validate(self) -> None:
         """Check values that a type alone cannot express."""

@@ -76,10 +76,8 @@ class Engine:
         self.metric_sinks: list[MetricSink] = [
             self._factory("metric_sink", s.name)(config, dict(s.options)) for s in config.metrics.sinks
         ]
-        limits = [self.backend.max_model_len, num_blocks * cc.block_size]
-        if config.model.max_model_len:
-            limits.append(config.model.max_model_len)
-        self.max_model_len: int = min(limits)
+        self.max_model_len: int = min(self.backend.max_model_len, num_blocks * cc.block_size,
+                                      config.model.max_model_len or self.backend.max_model_len)
         self.eos_token_id = self.backend.eos_token_id
         if self.eos_token_id is None and self.tokenizer is not None:
             self.eos_token_id = self.tokenizer.eos_token_id
@@ -298,9 +296,7 @@ class Engine:
 
     def _postprocess(self, batch, mo, now: float, t0: float, outputs: list[RequestOutput]) -> None:
         eos = self.eos_token_id
-        sampled = mo.sampled_token_ids
-        lps = mo.logprobs
-        plps = mo.prompt_logprobs
+        sampled, lps, plps = mo.sampled_token_ids, mo.logprobs, mo.prompt_logprobs
         for i, sr in enumerate(batch.requests):
             r = self._seqs[sr.request_id]
             if r.first_scheduled_time is None:
