@@ -90,12 +90,7 @@ class ThreadOwner:
                         "about 0.6x this way; build and step it on one thread (AsyncEngine does, given a "
                         "factory)", self.name, name)
 
-    @property
-    def one_thread(self) -> bool:
-        """True while every step ran on the thread that built the engine."""
-        return all(i == self.ident for i in self.step_threads)
-
     def layout(self) -> dict:
-        """Which thread loaded, which stepped, and whether they are one."""
+        """Which thread loaded, which stepped, and whether they are one (every step on the loading thread)."""
         return {"load_thread": self.name, "step_threads": sorted(set(self.step_threads.values())),
-                "one_thread": self.one_thread}
+                "one_thread": all(i == self.ident for i in self.step_threads)}
