@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import itertools
 import logging
 import threading
@@ -134,10 +135,8 @@ class AsyncEngine:
         if loop is not None:
             self._loop = loop
         elif self._loop is None:
-            try:
+            with contextlib.suppress(RuntimeError):  # no running loop: bound by a later start(loop)
                 self._loop = asyncio.get_running_loop()
-            except RuntimeError:
-                pass  # bound by a later start(loop), before any request
         if self._thread is not None:
             return
         self._thread = threading.Thread(target=self._run, name=ENGINE_THREAD_NAME, daemon=True)

@@ -187,7 +187,10 @@ class Engine:
             r = self._seqs.get(sid)
             if r is not None and not r.status.is_done:
                 self._finish(r, FinishReason.ABORT, out=self._pending)
-        self._report_state()
+        if self.metric_sinks:  # the gauges show the present: tell the sinks now, outside any step
+            st = self.scheduler.stats()
+            for s in self.metric_sinks:
+                s.on_scheduler_stats(st)
         return True
 
     @property
@@ -362,13 +365,6 @@ class Engine:
             s.on_step(m)
             s.on_scheduler_stats(st)
         return m
-
-    def _report_state(self) -> None:
-        """Tell the sinks the present queue and cache state (after an abort, outside any step)."""
-        if self.metric_sinks:
-            st = self.scheduler.stats()
-            for s in self.metric_sinks:
-                s.on_scheduler_stats(st)
 
     # --- reporting ----------------------------------------------------------------------------
 
