@@ -23,17 +23,13 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from llmserve.errors import LLMServeError
+from llmserve.errors import EngineDeadError
 from llmserve.request import FinishReason, RequestOutput, SamplingParams
 from llmserve.threads import ENGINE_THREAD_NAME, name_os_thread, warn_if_foreign_pool
 
 log = logging.getLogger("llmserve.async_engine")
 
 _ids = itertools.count()
-
-
-class EngineDeadError(LLMServeError):
-    """The engine thread is stopped (shut down or crashed); no request can run."""
 
 
 class RequestStream:

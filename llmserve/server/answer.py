@@ -19,7 +19,8 @@ from starlette.responses import Response
 
 from llmserve.async_engine import AsyncEngine
 from llmserve.request import RequestOutput, SamplingParams
-from llmserve.server.generation import ClientGone, Generation, guarded, map_error
+from llmserve.server.errors import map_error
+from llmserve.server.generation import ClientGone, Generation, guarded
 from llmserve.server.logprobs import CompletionLogprobs, TokenText, chat_logprobs
 from llmserve.server.state import ServerState
 

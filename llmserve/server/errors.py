@@ -9,7 +9,7 @@ from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import Response
 
-from llmserve.errors import InvalidRequestError
+from llmserve.errors import EngineDeadError, InvalidRequestError
 
 log = logging.getLogger("llmserve.server")
 
@@ -53,9 +53,19 @@ def error_response(err: ApiError) -> Response:
                     headers=err.headers)
 
 
+def map_error(exc: BaseException) -> ApiError:
+    """A failure of one request (ours, the engine's checks, a stopped engine, any other) as the client's ApiError."""
+    if isinstance(exc, ApiError):
+        return exc
+    if isinstance(exc, InvalidRequestError):
+        return bad_request(str(exc), exc.param, exc.code)
+    if isinstance(exc, EngineDeadError):
+        return ApiError(503, str(exc), code="engine_unavailable")
+    return ApiError(500, f"{type(exc).__name__}: {exc}", code="engine_error")
+
+
 async def handle_error(request: Request, exc: ApiError | InvalidRequestError) -> Response:
-    """An ApiError as it is; an InvalidRequestError (SamplingParams, the engine's checks) as a 400."""
-    return error_response(exc if isinstance(exc, ApiError) else bad_request(str(exc), exc.param, exc.code))
+    return error_response(map_error(exc))
 
 
 async def handle_http_exception(request: Request, exc: HTTPException) -> Response:

@@ -6,10 +6,9 @@ import asyncio
 import copy
 from collections.abc import Sequence
 
-from llmserve.async_engine import AsyncEngine, EngineDeadError
-from llmserve.errors import InvalidRequestError
+from llmserve.async_engine import AsyncEngine
 from llmserve.request import FinishReason, RequestOutput, SamplingParams
-from llmserve.server.errors import ApiError, bad_request
+from llmserve.server.errors import ApiError, map_error
 
 
 class ClientGone(Exception):
@@ -80,17 +79,6 @@ def _checked(batch: list[RequestOutput]) -> list[RequestOutput]:
         if o.finish_reason is FinishReason.ERROR:
             raise ApiError(500, o.error or "the request failed in the engine", code="engine_error")
     return batch
-
-
-def map_error(exc: BaseException) -> ApiError:
-    """An engine-side failure of one request as the ApiError the client gets."""
-    if isinstance(exc, ApiError):
-        return exc
-    if isinstance(exc, InvalidRequestError):
-        return bad_request(str(exc), exc.param, exc.code)
-    if isinstance(exc, EngineDeadError):
-        return ApiError(503, str(exc), code="engine_unavailable")
-    return ApiError(500, f"{type(exc).__name__}: {exc}", code="engine_error")
 
 
 async def wait_disconnect(receive) -> None:
