@@ -28,13 +28,13 @@ class ApiError(Exception):
     """An error answered to the client with an OpenAI error body."""
 
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 type: str | None = None, headers: dict[str, str] | None = None):
+                 headers: dict[str, str] | None = None):
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
         self.code = code
-        self.type = type or _TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
+        self.type = _TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
         self.headers = headers or {}
 
     def body(self) -> dict:

@@ -22,8 +22,7 @@ class Generation:
                  timeout: float | None, request_id: str, cache_salt: str | None = None):
         self.aengine = aengine
         self.streams = []
-        self._pending: dict[asyncio.Future, int] = {}
-        self._started = False
+        self._pending: dict[asyncio.Future, int] = {}  # several prompts: each stream's next read → its index
         self._timer = None
         try:
             for i, ids in enumerate(prompts):
@@ -33,6 +32,8 @@ class Generation:
         except Exception as e:  # the engine stopped after admission: no prompt of this request runs
             self.abort()
             raise map_error(e) from None
+        if len(self.streams) > 1:
+            self._pending = {asyncio.ensure_future(s.next_batch()): i for i, s in enumerate(self.streams)}
         if timeout:
             self._timer = asyncio.get_running_loop().call_later(timeout, self._on_timeout, timeout)
 
@@ -59,10 +60,6 @@ class Generation:
         if len(self.streams) == 1:
             batch = await self.streams[0].next_batch()
             return (0, _checked(batch)) if batch else None
-        if not self._started:
-            self._started = True
-            for i, s in enumerate(self.streams):
-                self._pending[asyncio.ensure_future(s.next_batch())] = i
         while self._pending:
             done, _ = await asyncio.wait(self._pending, return_when=asyncio.FIRST_COMPLETED)
             t = next(iter(done))
