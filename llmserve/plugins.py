@@ -76,17 +76,11 @@ class PluginSet:
         """One entry per plugin: its name, source, hooks and components (for `llmserve plugins`)."""
         out = []
         for name, plugin in sorted(self.pm.list_name_plugin(), key=lambda kv: kv[0]):
-            hooks = sorted(h.name for h in self.pm.get_hookcallers(plugin) or [])
-            comps = {
-                kind: sorted(r.name for r in reg.values() if r.plugin == name)
-                for kind, reg in self.registries.items()
-            }
-            out.append({
-                "name": name,
-                "source": self.sources.get(name, "registered"),
-                "hooks": hooks,
-                "components": {k: v for k, v in comps.items() if v},
-            })
+            comps = {kind: sorted(r.name for r in reg.values() if r.plugin == name)
+                     for kind, reg in self.registries.items()}
+            out.append({"name": name, "source": self.sources.get(name, "registered"),
+                        "hooks": sorted(h.name for h in self.pm.get_hookcallers(plugin) or []),
+                        "components": {k: v for k, v in comps.items() if v}})
         for name, err in sorted(self.failed.items()):
             out.append({"name": name, "source": self.sources.get(name, "entry point"), "hooks": [],
                         "components": {}, "error": err})
