@@ -69,13 +69,11 @@ class IncrementalDetokenizer:
 
     def flush(self) -> str:
         """At the end of generation: the held-back text (and any undecodable tail, as decoded)."""
-        tail = ""
         if self.read_offset < len(self.ids):
             prefix = self.tok.decode(self.ids[self.prefix_offset : self.read_offset], self.skip_special)
             full = self.tok.decode(self.ids[self.prefix_offset :], self.skip_special)
-            tail = full[len(prefix) :]
+            self.text += full[len(prefix) :]
             self.read_offset = len(self.ids)
-        self.text += tail
         out = self.text[self.emitted :]
         self.emitted = len(self.text)
         return out
