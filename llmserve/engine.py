@@ -220,7 +220,7 @@ class Engine:
         m = RequestMetrics(
             request_id=r.group_id, index=r.index,
             finish_reason=r.finish_reason.value if r.finish_reason else None, error=r.error,
-            num_prompt_tokens=r.num_prompt_tokens, num_output_tokens=max(r.num_output_tokens, 0),
+            num_prompt_tokens=r.num_prompt_tokens, num_output_tokens=r.num_output_tokens,
             num_cached_tokens=r.num_cached_tokens, num_preemptions=r.num_preemptions,
             queue_seconds=(r.first_scheduled_time - r.arrival_time) if r.first_scheduled_time else None,
             ttft_seconds=(r.first_token_time - r.arrival_time) if r.first_token_time else None,
@@ -250,13 +250,12 @@ class Engine:
                 self._finish(seq, FinishReason.ERROR, self._pending)
 
     def _delta(self, r: Request, text: str, finished: bool = False) -> RequestOutput:
+        # finish and stop reasons are set only when the sequence ends; token_ids never shrink below the prompt
         o = RequestOutput(
             request_id=r.group_id, index=r.index, new_token_ids=r.pending_token_ids, new_text=text,
-            finished=finished, finish_reason=r.finish_reason if finished else None,
-            stop_reason=r.stop_reason if finished else None, error=r.error,
-            logprobs=r.pending_logprobs or None,
-            num_prompt_tokens=r.num_prompt_tokens, num_output_tokens=max(r.num_output_tokens, 0),
-            num_cached_tokens=r.num_cached_tokens,
+            finished=finished, finish_reason=r.finish_reason, stop_reason=r.stop_reason, error=r.error,
+            logprobs=r.pending_logprobs or None, num_prompt_tokens=r.num_prompt_tokens,
+            num_output_tokens=r.num_output_tokens, num_cached_tokens=r.num_cached_tokens,
         )
         if r.prompt_logprobs is not None and len(r.prompt_logprobs) >= r.num_prompt_tokens:
             o.prompt_logprobs, r.prompt_logprobs = r.prompt_logprobs, []
