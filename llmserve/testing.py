@@ -237,7 +237,6 @@ def make_engine(config: dict[str, Any], plugins: Sequence[Any], num_blocks: int,
            "scheduler": sched}
     eng = Engine(config_from_dict(cfg, "<conformance>"), load_plugins(extra_plugins=list(plugins)))
     order: list[str] = []  # first admission of each sequence, in order
-    seen: set[str] = set()
     inner = eng.scheduler.schedule
 
     def schedule():
@@ -247,8 +246,7 @@ def make_engine(config: dict[str, Any], plugins: Sequence[Any], num_blocks: int,
         assert len(out.requests) <= max_seqs, f"scheduled {len(out.requests)} sequences, max_num_seqs {max_seqs}"
         for r in out.requests:
             assert r.num_new_tokens >= 1 and r.num_computed_tokens + r.num_new_tokens <= len(r.token_ids)
-            if r.request_id not in seen:
-                seen.add(r.request_id)
+            if r.request_id not in order:  # a few dozen sequences at most
                 order.append(r.request_id)
         return out
 
