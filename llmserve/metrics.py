@@ -7,7 +7,7 @@ MetricsCollector here keeps what `metrics_snapshot()` and `/stats` report.
 from __future__ import annotations
 
 import math
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -88,7 +88,7 @@ class MetricsCollector:
         self.step_backend: deque[float] = deque(maxlen=window)
         self.batch_sizes: deque[int] = deque(maxlen=window)
         self.steps = 0
-        self.requests_finished: dict[str, int] = {}
+        self.requests_finished: Counter[str] = Counter()
         self.prompt_tokens = 0
         self.generation_tokens = 0
         self.preemptions = 0
@@ -105,8 +105,7 @@ class MetricsCollector:
         self.prefix_cache_hits += m.prefix_cache_hits
 
     def on_request_finished(self, m: RequestMetrics) -> None:
-        key = m.finish_reason or "error"
-        self.requests_finished[key] = self.requests_finished.get(key, 0) + 1
+        self.requests_finished[m.finish_reason or "error"] += 1
         self.prompt_tokens += m.num_prompt_tokens
         self.generation_tokens += m.num_output_tokens
         if m.ttft_seconds is not None:
