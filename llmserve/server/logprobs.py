@@ -83,10 +83,8 @@ def chat_logprobs(tt: TokenText, token_ids: Sequence[int], lps: Sequence[Logprob
     out = []
     for i, t in enumerate(token_ids):
         lp = lps[i] if lps is not None and i < len(lps) else None
-        entry = {"token": tt.text(t), "logprob": _lp(lp.logprob) if lp else _FLOOR, "bytes": tt.bytes(t),
-                 "top_logprobs": []}
-        if lp is not None and top_n > 0:
-            entry["top_logprobs"] = [{"token": tt.text(tid), "logprob": _lp(v), "bytes": tt.bytes(tid)}
-                                     for tid, v in lp.top[:top_n]]
-        out.append(entry)
+        top = lp.top[:top_n] if lp is not None and top_n > 0 else ()
+        out.append({"token": tt.text(t), "logprob": _lp(lp.logprob) if lp else _FLOOR, "bytes": tt.bytes(t),
+                    "top_logprobs": [{"token": tt.text(tid), "logprob": _lp(v), "bytes": tt.bytes(tid)}
+                                     for tid, v in top]})
     return out
