@@ -178,9 +178,7 @@ class AsyncEngine:
             self._cv.notify()
         if self._thread is not None:
             await asyncio.get_running_loop().run_in_executor(None, self._thread.join, 10.0)
-        for s in list(self._streams.values()):
-            s._fail(EngineDeadError("the server is shutting down"))
-        self._streams.clear()
+        self._fail_all(EngineDeadError("the server is shutting down"))  # requests that arrived meanwhile
 
     # --- requests (call these on the event loop) ----------------------------------------------
 
@@ -317,8 +315,7 @@ class AsyncEngine:
                     fut.set_exception(e)
 
     def _recover(self, exc: Exception) -> None:
-        ids = list(self._live)
-        self._live.clear()
+        ids, self._live = list(self._live), {}
         for rid in ids:
             try:
                 self.engine.abort(rid)
