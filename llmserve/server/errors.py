@@ -69,9 +69,7 @@ async def handle_error(request: Request, exc: ApiError | InvalidRequestError) ->
 
 
 async def handle_http_exception(request: Request, exc: HTTPException) -> Response:
-    msg = exc.detail if isinstance(exc.detail, str) else str(exc.detail)
-    if exc.status_code == 404:
-        msg = f"no route {request.method} {request.url.path}"
+    msg = f"no route {request.method} {request.url.path}" if exc.status_code == 404 else str(exc.detail)
     code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
     return error_response(ApiError(exc.status_code, msg, code=code, headers=dict(exc.headers or {})))
 
