@@ -31,11 +31,6 @@ async def _admit(request: Request, model) -> tuple[ServerState, AsyncEngine, Any
     return st, aengine, req, sp
 
 
-def _check(st: ServerState, ids: list[int], sp: SamplingParams, param: str) -> None:
-    """The engine's own vocabulary and context checks, run before submitting so every prompt is checked."""
-    check_request(ids, sp, st.engine.backend.vocab_size, st.engine.max_model_len, param)
-
-
 _BIG_TEXT = 16_384  # characters; longer texts are tokenized off the event loop
 
 
@@ -65,7 +60,7 @@ async def completions(request: Request) -> Response:
         else:
             ids = p
             text = tok.decode(ids, skip_special_tokens=False) if (tok is not None and req.echo) else ""
-        _check(st, ids, sp, param)
+        check_request(ids, sp, st.engine.backend.vocab_size, st.engine.max_model_len, param)
         prompt_ids.append(ids)
         prompt_texts.append(text)
     return await CompletionAnswer(st, req, sp, prompt_ids, prompt_texts).respond(request, aengine)
@@ -86,7 +81,7 @@ async def chat_completions(request: Request) -> Response:
     except NotImplementedError as e:
         raise bad_request(str(e), "messages") from None
     ids = await _encode(tok, prompt, add_special_tokens=False)
-    _check(st, ids, sp, "messages")
+    check_request(ids, sp, st.engine.backend.vocab_size, st.engine.max_model_len, "messages")
     return await ChatAnswer(st, req, sp, [ids]).respond(request, aengine)
 
 
