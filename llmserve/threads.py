@@ -48,15 +48,14 @@ def native_threads() -> dict[int, str]:
 
 def warn_if_foreign_pool() -> bool:
     """At engine start-up (on the engine thread, before loading): warn when another thread already has an OpenMP pool."""
-    if "torch" not in sys.modules:
+    torch = sys.modules.get("torch")
+    if torch is None:
         return False  # nobody ran torch yet: no pool can exist
-    torch = sys.modules["torch"]
     # torch itself starts one native thread on import and a pthreadpool of threads - 1 workers on
     # set_num_threads; more than that before the engine loads means some thread ran parallel
     # torch work and holds an OpenMP pool (threads - 1 more workers)
-    expected = torch.get_num_threads()
     extra = native_threads()
-    if len(extra) <= expected:
+    if len(extra) <= torch.get_num_threads():
         return False
     log.warning("%d native threads exist before the engine loads: another thread of this process has run "
                 "parallel torch work and holds an OpenMP pool, so the engine's torch work will run at about "
