@@ -55,11 +55,9 @@ async def completions(request: Request) -> Response:
         if isinstance(p, str):
             if tok is None:
                 raise bad_request("this server has no tokenizer: send the prompt as token ids", "prompt")
-            ids = await _encode(tok, p)
-            text = p
-        else:
-            ids = p
-            text = tok.decode(ids, skip_special_tokens=False) if (tok is not None and req.echo) else ""
+            ids, text = await _encode(tok, p), p
+        else:  # token ids: echo shows them decoded
+            ids, text = p, tok.decode(p, skip_special_tokens=False) if (tok is not None and req.echo) else ""
         check_request(ids, sp, st.engine.backend.vocab_size, st.engine.max_model_len, param)
         prompt_ids.append(ids)
         prompt_texts.append(text)
@@ -96,8 +94,7 @@ def _model_card(st: ServerState) -> dict:
 
 async def list_models(request: Request) -> Response:
     """GET /v1/models."""
-    st = _state(request)
-    return JSONResponse({"object": "list", "data": [_model_card(st)]})
+    return JSONResponse({"object": "list", "data": [_model_card(_state(request))]})
 
 
 async def get_model(request: Request) -> Response:
