@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import itertools
 import logging
 import threading
@@ -22,17 +23,13 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from llmserve.errors import LLMServeError
+from llmserve.errors import EngineDeadError
 from llmserve.request import FinishReason, RequestOutput, SamplingParams
 from llmserve.threads import ENGINE_THREAD_NAME, name_os_thread, warn_if_foreign_pool
 
 log = logging.getLogger("llmserve.async_engine")
 
 _ids = itertools.count()
-
-
-class EngineDeadError(LLMServeError):
-    """The engine thread is stopped (shut down or crashed); no request can run."""
 
 
 class RequestStream:
@@ -73,34 +70,31 @@ class RequestStream:
             w.set_result(None)
 
     async def _wait(self) -> None:
+        """Until an item is queued or the stream has ended; raises the stream's error once the items are out."""
         while not self._items and not self.done:
             self._waiter = self._loop.create_future()
             try:
                 await self._waiter
             finally:
                 self._waiter = None
+        if not self._items and self.error is not None:
+            raise self.error
 
     async def next_batch(self) -> list[RequestOutput]:
         """Every delta queued so far (at least one); [] when the stream has ended. Raises its error."""
         await self._wait()
-        if self._items:
-            items = list(self._items)
-            self._items.clear()
-            return items
-        if self.error is not None:
-            raise self.error
-        return []
+        items = list(self._items)
+        self._items.clear()
+        return items
 
     def __aiter__(self) -> RequestStream:
         return self
 
     async def __anext__(self) -> RequestOutput:
         await self._wait()
-        if self._items:
-            return self._items.popleft()
-        if self.error is not None:
-            raise self.error
-        raise StopAsyncIteration
+        if not self._items:
+            raise StopAsyncIteration
+        return self._items.popleft()
 
 
 class AsyncEngine:
@@ -137,10 +131,8 @@ class AsyncEngine:
         if loop is not None:
             self._loop = loop
         elif self._loop is None:
-            try:
+            with contextlib.suppress(RuntimeError):  # no running loop: bound by a later start(loop)
                 self._loop = asyncio.get_running_loop()
-            except RuntimeError:
-                pass  # bound by a later start(loop), before any request
         if self._thread is not None:
             return
         self._thread = threading.Thread(target=self._run, name=ENGINE_THREAD_NAME, daemon=True)
@@ -186,9 +178,7 @@ class AsyncEngine:
             self._cv.notify()
         if self._thread is not None:
             await asyncio.get_running_loop().run_in_executor(None, self._thread.join, 10.0)
-        for s in list(self._streams.values()):
-            s._fail(EngineDeadError("the server is shutting down"))
-        self._streams.clear()
+        self._fail_all(EngineDeadError("the server is shutting down"))  # requests that arrived meanwhile
 
     # --- requests (call these on the event loop) ----------------------------------------------
 
@@ -286,11 +276,9 @@ class AsyncEngine:
                 live = self._live
                 for o in out.outputs:
                     if o.finished and o.request_id in live:
-                        left = 0 if o.finish_reason is FinishReason.ERROR else live[o.request_id] - 1
-                        if left <= 0:
+                        live[o.request_id] -= 1
+                        if live[o.request_id] <= 0 or o.finish_reason is FinishReason.ERROR:
                             del live[o.request_id]
-                        else:
-                            live[o.request_id] = left
                 if out.outputs:
                     self._loop.call_soon_threadsafe(self._deliver, out.outputs)
         except BaseException as e:  # pragma: no cover - a bug in this loop
@@ -327,8 +315,7 @@ class AsyncEngine:
                     fut.set_exception(e)
 
     def _recover(self, exc: Exception) -> None:
-        ids = list(self._live)
-        self._live.clear()
+        ids, self._live = list(self._live), {}
         for rid in ids:
             try:
                 self.engine.abort(rid)

@@ -27,11 +27,6 @@ class ScheduledRequest:
     # function of (seed, this) so batching and preemption cannot change the result
     num_output_tokens: int = 0
 
-    @property
-    def new_token_ids(self) -> list[int]:
-        start = self.num_computed_tokens
-        return self.token_ids[start : start + self.num_new_tokens]
-
 
 @dataclass(slots=True)
 class SchedulerOutput:
@@ -48,9 +43,6 @@ class SchedulerOutput:
     @property
     def num_tokens(self) -> int:
         return self.num_prefill_tokens + self.num_decode_tokens
-
-    def __len__(self) -> int:
-        return len(self.requests)
 
 
 @dataclass(slots=True)

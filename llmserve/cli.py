@@ -129,7 +129,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Run one `llmserve` command; return its exit status."""
-    argv = sys.argv[1:] if argv is None else argv
     # logging first (from a first look at --log-level): loading the plugins may log their errors
     level = _COMMON.parse_known_args(argv)[0].log_level or "info"
     logging.basicConfig(level=getattr(logging, level.upper()),

@@ -7,6 +7,7 @@ are checked by the plugin itself (see ``check_options``).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import types
@@ -112,9 +113,7 @@ class EngineConfig:
         return self.model.served_model_name or self.model.model
 
     def to_dict(self) -> dict[str, Any]:
-        d = dataclasses.asdict(self)
-        d.pop("source")
-        return d
+        return {k: v for k, v in dataclasses.asdict(self).items() if k != "source"}
 
     def validate(self) -> None:
         """Check values that a type alone cannot express."""
@@ -143,9 +142,6 @@ class EngineConfig:
         need(self.server.max_waiting_requests >= 1, "server.max_waiting_requests", "must be >= 1")
 
 
-_SECTIONS = {f.name: f for f in dataclasses.fields(EngineConfig) if f.name != "source"}
-
-
 def _type_check(value: Any, tp: Any, key: str, source: str) -> Any:
     """Coerce `value` to the annotated type `tp` or raise a ConfigError naming `key`."""
     origin = typing.get_origin(tp)
@@ -153,56 +149,43 @@ def _type_check(value: Any, tp: Any, key: str, source: str) -> Any:
         args = typing.get_args(tp)
         if value is None and type(None) in args:
             return None
-        errors = []
         for a in args:
-            if a is type(None):
-                continue
-            try:
-                return _type_check(value, a, key, source)
-            except ConfigError as e:
-                errors.append(str(e))
-        names = " or ".join(getattr(a, "__name__", str(a)) for a in args)
-        raise ConfigError(f"{source}: {key}: expected {names}, got {value!r}")
-    if tp is Any:
+            if a is not type(None):
+                with contextlib.suppress(ConfigError):
+                    return _type_check(value, a, key, source)
+        expected = " or ".join(getattr(a, "__name__", str(a)) for a in args)
+    elif tp is Any:
         return value
-    if origin is list:
-        if not isinstance(value, list):
-            raise ConfigError(f"{source}: {key}: expected a list, got {value!r}")
-        (item,) = typing.get_args(tp)
-        return [_type_check(v, item, f"{key}[{i}]", source) for i, v in enumerate(value)]
-    if origin is dict:
-        if not isinstance(value, dict):
-            raise ConfigError(f"{source}: {key}: expected a mapping, got {value!r}")
-        return dict(value)
-    if dataclasses.is_dataclass(tp):
+    elif origin is list:
+        if isinstance(value, list):
+            (item,) = typing.get_args(tp)
+            return [_type_check(v, item, f"{key}[{i}]", source) for i, v in enumerate(value)]
+        expected = "a list"
+    elif origin is dict or dataclasses.is_dataclass(tp):
         if isinstance(value, str) and tp is SinkConfig:
             value = {"name": value}
-        if not isinstance(value, dict):
-            raise ConfigError(f"{source}: {key}: expected a mapping, got {value!r}")
-        return _build(tp, value, key, source)
-    if tp is bool:
+        if isinstance(value, dict):
+            return dict(value) if origin is dict else _build(tp, value, key, source)
+        expected = "a mapping"
+    elif tp is bool:
         if isinstance(value, bool):
             return value
         if isinstance(value, str) and value.lower() in ("true", "false", "1", "0", "yes", "no"):
             return value.lower() in ("true", "1", "yes")
-        raise ConfigError(f"{source}: {key}: expected true or false, got {value!r}")
-    if tp in (int, float):
+        expected = "true or false"
+    elif tp in (int, float):
         # YAML and --set give numbers, flags and env give strings; a bool is never a number
-        if not isinstance(value, bool):
-            if isinstance(value, int) or (tp is float and isinstance(value, float)):
-                return tp(value)
-            if isinstance(value, str):
-                try:
-                    return tp(value)
-                except ValueError:
-                    pass
-        expected = "an integer" if tp is int else "a number"
-        raise ConfigError(f"{source}: {key}: expected {expected}, got {value!r}")
-    if tp is str:
+        if (isinstance(value, int) and not isinstance(value, bool)) or (tp is float and isinstance(value, float)):
+            return tp(value)
         if isinstance(value, str):
-            return value
-        raise ConfigError(f"{source}: {key}: expected a string, got {value!r}")
-    return value
+            with contextlib.suppress(ValueError):
+                return tp(value)
+        expected = "an integer" if tp is int else "a number"
+    elif tp is str and not isinstance(value, str):
+        expected = "a string"
+    else:
+        return value
+    raise ConfigError(f"{source}: {key}: expected {expected}, got {value!r}")
 
 
 def _build(cls: type, data: dict[str, Any], prefix: str, source: str) -> Any:
@@ -273,25 +256,6 @@ def load_config(path: str | os.PathLike | None = None, overrides: dict[str, Any]
         if source == "<defaults>":
             source = "<command line>"
     return config_from_dict(data, source)
-
-
-def parse_bytes(value: str | int | float, key: str = "value") -> int:
-    """'512MiB', '2G', 1048576 → bytes."""
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-        return int(value)
-    s = str(value).strip().lower().replace(" ", "")
-    units = {"kib": 2**10, "mib": 2**20, "gib": 2**30, "kb": 10**3, "mb": 10**6, "gb": 10**9,
-             "k": 2**10, "m": 2**20, "g": 2**30, "b": 1}
-    for u, mult in units.items():
-        if s.endswith(u):
-            try:
-                return int(float(s[: -len(u)]) * mult)
-            except ValueError:
-                break
-    try:
-        return int(s)
-    except ValueError:
-        raise ConfigError(f"{key}: expected bytes such as '512MiB' or a fraction such as 0.2, got {value!r}") from None
 
 
 def check_options(options: dict[str, Any], allowed: dict[str, Any], where: str) -> dict[str, Any]:

@@ -54,36 +54,26 @@ class IncrementalDetokenizer:
         if self.stops:
             # only a stop that ends in the new text can be new; search from where it could begin
             lo = max(0, start - self.hold)
-            best = None
-            for s in self.stops:
-                j = self.text.find(s, lo)
-                if j != -1 and (best is None or j < best[0]):
-                    best = (j, s)
-            if best is not None:
-                j, s = best
+            hits = [(j, s) for s in self.stops if (j := self.text.find(s, lo)) != -1]
+            if hits:
+                j, s = min(hits, key=lambda h: h[0])  # the earliest; at a tie, the first listed
                 end = j + len(s) if self.include_stop else j
-                out = self.text[self.emitted : end] if end > self.emitted else ""
+                out = self.text[self.emitted : end]
                 self.text = self.text[:end]
                 self.emitted = len(self.text)
                 return out, s
-            safe = len(self.text) - self.hold
-        else:
-            safe = len(self.text)
-        if safe <= self.emitted:
-            return "", None
+        safe = max(len(self.text) - self.hold, self.emitted)  # hold is 0 without stop strings
         out = self.text[self.emitted : safe]
         self.emitted = safe
         return out, None
 
     def flush(self) -> str:
         """At the end of generation: the held-back text (and any undecodable tail, as decoded)."""
-        tail = ""
         if self.read_offset < len(self.ids):
             prefix = self.tok.decode(self.ids[self.prefix_offset : self.read_offset], self.skip_special)
             full = self.tok.decode(self.ids[self.prefix_offset :], self.skip_special)
-            tail = full[len(prefix) :]
+            self.text += full[len(prefix) :]
             self.read_offset = len(self.ids)
-        self.text += tail
         out = self.text[self.emitted :]
         self.emitted = len(self.text)
         return out

@@ -76,10 +76,8 @@ class Engine:
         self.metric_sinks: list[MetricSink] = [
             self._factory("metric_sink", s.name)(config, dict(s.options)) for s in config.metrics.sinks
         ]
-        limits = [self.backend.max_model_len, num_blocks * cc.block_size]
-        if config.model.max_model_len:
-            limits.append(config.model.max_model_len)
-        self.max_model_len: int = min(limits)
+        self.max_model_len: int = min(self.backend.max_model_len, num_blocks * cc.block_size,
+                                      config.model.max_model_len or self.backend.max_model_len)
         self.eos_token_id = self.backend.eos_token_id
         if self.eos_token_id is None and self.tokenizer is not None:
             self.eos_token_id = self.tokenizer.eos_token_id
@@ -129,15 +127,9 @@ class Engine:
 
     # --- requests -----------------------------------------------------------------------------
 
-    def add_request(
-        self,
-        prompt_token_ids: Sequence[int],
-        sampling_params: SamplingParams | None = None,
-        request_id: str | None = None,
-        priority: int = 0,
-        arrival_time: float | None = None,
-        cache_salt: str | None = None,
-    ) -> str:
+    def add_request(self, prompt_token_ids: Sequence[int], sampling_params: SamplingParams | None = None,
+                    request_id: str | None = None, priority: int = 0, arrival_time: float | None = None,
+                    cache_salt: str | None = None) -> str:
         """Queue a request with validated params; return its id. Bad input raises InvalidRequestError (nothing queued)."""
         sp = sampling_params or SamplingParams()
         rid = request_id or uuid.uuid4().hex
@@ -162,7 +154,8 @@ class Engine:
         group = _Group(ids, sp.n)
         # fan-out: the others wait until the first has computed the prompt, then hit its cached
         # blocks; without prefix reuse (caching off, prompt logprobs) they would gain nothing
-        if self._shares_prompt(sp, prompt):
+        cc = self.config.cache
+        if sp.n > 1 and sp.prompt_logprobs is None and cc.enable_prefix_caching and len(prompt) > cc.block_size:
             group.held = seqs[1:]
             self._holding[rid] = group
         else:
@@ -172,10 +165,6 @@ class Engine:
         for r in seqs:
             self._seqs[r.request_id] = r
         return rid
-
-    def _shares_prompt(self, sp: SamplingParams, prompt: list[int]) -> bool:
-        return (sp.n > 1 and sp.prompt_logprobs is None and self.config.cache.enable_prefix_caching
-                and len(prompt) > self.config.cache.block_size)
 
     def _release_held(self) -> None:
         """Admit the held sequences of each group whose first sequence has computed its prompt."""
@@ -198,7 +187,10 @@ class Engine:
             r = self._seqs.get(sid)
             if r is not None and not r.status.is_done:
                 self._finish(r, FinishReason.ABORT, out=self._pending)
-        self._report_state()
+        if self.metric_sinks:  # the gauges show the present: tell the sinks now, outside any step
+            st = self.scheduler.stats()
+            for s in self.metric_sinks:
+                s.on_scheduler_stats(st)
         return True
 
     @property
@@ -228,7 +220,7 @@ class Engine:
         m = RequestMetrics(
             request_id=r.group_id, index=r.index,
             finish_reason=r.finish_reason.value if r.finish_reason else None, error=r.error,
-            num_prompt_tokens=r.num_prompt_tokens, num_output_tokens=max(r.num_output_tokens, 0),
+            num_prompt_tokens=r.num_prompt_tokens, num_output_tokens=r.num_output_tokens,
             num_cached_tokens=r.num_cached_tokens, num_preemptions=r.num_preemptions,
             queue_seconds=(r.first_scheduled_time - r.arrival_time) if r.first_scheduled_time else None,
             ttft_seconds=(r.first_token_time - r.arrival_time) if r.first_token_time else None,
@@ -240,10 +232,11 @@ class Engine:
 
     def _finish(self, r: Request, reason: FinishReason, out: list[RequestOutput], stop_reason=None,
                 text: str = "") -> None:
-        r.status = RequestStatus.FINISHED
+        r.status = RequestStatus.FAILED if reason is FinishReason.ERROR else RequestStatus.FINISHED
         r.finish_reason = reason
         r.stop_reason = stop_reason
-        if r.detok is not None and reason is not FinishReason.ABORT and not isinstance(stop_reason, str):
+        if (r.detok is not None and reason in (FinishReason.STOP, FinishReason.LENGTH)
+                and not isinstance(stop_reason, str)):
             text += r.detok.flush()  # the text held back for stop strings is final now
         out.append(self._delta(r, text, finished=True))
         self._end(r, time.perf_counter())
@@ -252,22 +245,17 @@ class Engine:
         """Fail the sequence, and the sequences of its request still held back (a failed request ends whole)."""
         g = self._holding.get(r.group_id)
         for seq in [r] + (g.held if g is not None else []):
-            if seq.status.is_done:
-                continue
-            seq.status = RequestStatus.FAILED
-            seq.finish_reason = FinishReason.ERROR
-            seq.error = message
-            self._pending.append(self._delta(seq, "", finished=True))
-            self._end(seq, time.perf_counter())
+            if not seq.status.is_done:
+                seq.error = message
+                self._finish(seq, FinishReason.ERROR, self._pending)
 
     def _delta(self, r: Request, text: str, finished: bool = False) -> RequestOutput:
+        # finish and stop reasons are set only when the sequence ends; token_ids never shrink below the prompt
         o = RequestOutput(
             request_id=r.group_id, index=r.index, new_token_ids=r.pending_token_ids, new_text=text,
-            finished=finished, finish_reason=r.finish_reason if finished else None,
-            stop_reason=r.stop_reason if finished else None, error=r.error,
-            logprobs=r.pending_logprobs or None,
-            num_prompt_tokens=r.num_prompt_tokens, num_output_tokens=max(r.num_output_tokens, 0),
-            num_cached_tokens=r.num_cached_tokens,
+            finished=finished, finish_reason=r.finish_reason, stop_reason=r.stop_reason, error=r.error,
+            logprobs=r.pending_logprobs or None, num_prompt_tokens=r.num_prompt_tokens,
+            num_output_tokens=r.num_output_tokens, num_cached_tokens=r.num_cached_tokens,
         )
         if r.prompt_logprobs is not None and len(r.prompt_logprobs) >= r.num_prompt_tokens:
             o.prompt_logprobs, r.prompt_logprobs = r.prompt_logprobs, []
@@ -290,30 +278,27 @@ class Engine:
             try:
                 mo = self.backend.execute(batch)
             except Exception as e:  # the backend failed: fail this batch's requests, keep serving
-                backend_s = time.perf_counter() - tb
-                log.exception("backend failed on a batch of %d sequences", len(batch.requests))
+                mo = e
+            now = time.perf_counter()
+            backend_s = now - tb
+            if isinstance(mo, Exception):
+                log.error("backend failed on a batch of %d sequences", len(batch.requests), exc_info=mo)
                 for sr in batch.requests:
                     r = self._seqs.get(sr.request_id)
                     if r is not None and not r.status.is_done:
-                        self._fail(r, f"backend error: {type(e).__name__}: {e}")
-                outputs.extend(self._pending)
-                self._pending = []
-                return StepOutput(outputs, self._report_step(batch, t0, backend_s))
-            now = time.perf_counter()
-            backend_s = now - tb
-            self.scheduler.update_from_output(batch, mo)
-            self._postprocess(batch, mo, now, t0, outputs)
-            if self._holding:
-                self._release_held()
+                        self._fail(r, f"backend error: {type(mo).__name__}: {mo}")
+            else:
+                self.scheduler.update_from_output(batch, mo)
+                self._postprocess(batch, mo, now, t0, outputs)
+                if self._holding:
+                    self._release_held()
         outputs.extend(self._pending)
         self._pending = []
         return StepOutput(outputs, self._report_step(batch, t0, backend_s))
 
     def _postprocess(self, batch, mo, now: float, t0: float, outputs: list[RequestOutput]) -> None:
         eos = self.eos_token_id
-        sampled = mo.sampled_token_ids
-        lps = mo.logprobs
-        plps = mo.prompt_logprobs
+        sampled, lps, plps = mo.sampled_token_ids, mo.logprobs, mo.prompt_logprobs
         for i, sr in enumerate(batch.requests):
             r = self._seqs[sr.request_id]
             if r.first_scheduled_time is None:
@@ -326,7 +311,6 @@ class Engine:
             tok = sampled[i]
             if tok is None:
                 continue
-            # a new token
             r.token_ids.append(tok)
             r.pending_token_ids.append(tok)
             if lps is not None and lps[i] is not None:
@@ -380,13 +364,6 @@ class Engine:
             s.on_step(m)
             s.on_scheduler_stats(st)
         return m
-
-    def _report_state(self) -> None:
-        """Tell the sinks the present queue and cache state (after an abort, outside any step)."""
-        if self.metric_sinks:
-            st = self.scheduler.stats()
-            for s in self.metric_sinks:
-                s.on_scheduler_stats(st)
 
     # --- reporting ----------------------------------------------------------------------------
 

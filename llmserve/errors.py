@@ -9,6 +9,10 @@ class ConfigError(LLMServeError, ValueError):
     """A configuration key or value is wrong; the message names the key and the file."""
 
 
+class EngineDeadError(LLMServeError):
+    """The engine thread is stopped (shut down or crashed); no request can run."""
+
+
 class PluginError(LLMServeError):
     """A plugin failed to load, or two plugins registered the same component name."""
 

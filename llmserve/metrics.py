@@ -7,7 +7,8 @@ MetricsCollector here keeps what `metrics_snapshot()` and `/stats` report.
 from __future__ import annotations
 
 import math
-from collections import deque
+from collections import Counter, deque
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -68,25 +69,17 @@ def percentile(sorted_values: list[float], q: float) -> float | None:
     return sorted_values[lo] + (sorted_values[hi] - sorted_values[lo]) * (k - lo)
 
 
-def summarize(values: list[float]) -> dict[str, float | None]:
-    """mean, p50, p90, p95, p99 and max of values."""
+def summarize(values: Iterable[float]) -> dict[str, float | None]:
+    """count, mean, p50, p90, p95, p99 and max of values."""
     s = sorted(values)
-    return {
-        "count": len(s),
-        "mean": (sum(s) / len(s)) if s else None,
-        "p50": percentile(s, 50),
-        "p90": percentile(s, 90),
-        "p95": percentile(s, 95),
-        "p99": percentile(s, 99),
-        "max": s[-1] if s else None,
-    }
+    return {"count": len(s), "mean": (sum(s) / len(s)) if s else None,
+            **{f"p{q}": percentile(s, q) for q in (50, 90, 95, 99)}, "max": s[-1] if s else None}
 
 
 class MetricsCollector:
     """Keeps counters and a bounded window of recent samples for the engine's snapshot."""
 
     def __init__(self, window: int = 10_000):
-        self.window = window
         self.ttft: deque[float] = deque(maxlen=window)
         self.queue: deque[float] = deque(maxlen=window)
         self.e2e: deque[float] = deque(maxlen=window)
@@ -95,7 +88,7 @@ class MetricsCollector:
         self.step_backend: deque[float] = deque(maxlen=window)
         self.batch_sizes: deque[int] = deque(maxlen=window)
         self.steps = 0
-        self.requests_finished: dict[str, int] = {}
+        self.requests_finished: Counter[str] = Counter()
         self.prompt_tokens = 0
         self.generation_tokens = 0
         self.preemptions = 0
@@ -112,8 +105,7 @@ class MetricsCollector:
         self.prefix_cache_hits += m.prefix_cache_hits
 
     def on_request_finished(self, m: RequestMetrics) -> None:
-        key = m.finish_reason or "error"
-        self.requests_finished[key] = self.requests_finished.get(key, 0) + 1
+        self.requests_finished[m.finish_reason or "error"] += 1
         self.prompt_tokens += m.num_prompt_tokens
         self.generation_tokens += m.num_output_tokens
         if m.ttft_seconds is not None:
@@ -134,15 +126,7 @@ class MetricsCollector:
             "prefix_cache_hits": self.prefix_cache_hits,
             "prefix_cache_hit_rate": (self.prefix_cache_hits / self.prefix_cache_queries)
             if self.prefix_cache_queries else 0.0,
-            "latency_seconds": {
-                "queue": summarize(list(self.queue)),
-                "ttft": summarize(list(self.ttft)),
-                "itl": summarize(list(self.itl)),
-                "e2e": summarize(list(self.e2e)),
-            },
-            "step_seconds": {
-                "overhead": summarize(list(self.step_overhead)),
-                "backend": summarize(list(self.step_backend)),
-            },
+            "latency_seconds": {k: summarize(getattr(self, k)) for k in ("queue", "ttft", "itl", "e2e")},
+            "step_seconds": {"overhead": summarize(self.step_overhead), "backend": summarize(self.step_backend)},
             "batch_size": summarize([float(b) for b in self.batch_sizes]),
         }

@@ -76,32 +76,15 @@ class PluginSet:
         """One entry per plugin: its name, source, hooks and components (for `llmserve plugins`)."""
         out = []
         for name, plugin in sorted(self.pm.list_name_plugin(), key=lambda kv: kv[0]):
-            hooks = sorted(h.name for h in self.pm.get_hookcallers(plugin) or [])
-            comps = {
-                kind: sorted(r.name for r in reg.values() if r.plugin == name)
-                for kind, reg in self.registries.items()
-            }
-            out.append({
-                "name": name,
-                "source": self.sources.get(name, "registered"),
-                "hooks": hooks,
-                "components": {k: v for k, v in comps.items() if v},
-            })
+            comps = {kind: sorted(r.name for r in reg.values() if r.plugin == name)
+                     for kind, reg in self.registries.items()}
+            out.append({"name": name, "source": self.sources.get(name, "registered"),
+                        "hooks": sorted(h.name for h in self.pm.get_hookcallers(plugin) or []),
+                        "components": {k: v for k, v in comps.items() if v}})
         for name, err in sorted(self.failed.items()):
             out.append({"name": name, "source": self.sources.get(name, "entry point"), "hooks": [],
                         "components": {}, "error": err})
         return out
-
-
-def _strict() -> bool:
-    return os.environ.get("LLMSERVE_STRICT_PLUGINS", "") not in ("", "0", "false", "no")
-
-
-def _allowed() -> set[str] | None:
-    raw = os.environ.get("LLMSERVE_PLUGINS")
-    if raw is None:
-        return None
-    return {p.strip() for p in raw.split(",") if p.strip()}
 
 
 # the set (or the error) of the command running in this process, inside loaded_once()
@@ -122,11 +105,8 @@ def loaded_once() -> Iterator[None]:
         _command_set = None
 
 
-def load_plugins(
-    extra_plugins: list[Any] | None = None,
-    defaults: tuple[str, ...] = DEFAULT_PLUGINS,
-    entry_points: bool = True,
-) -> PluginSet:
+def load_plugins(extra_plugins: list[Any] | None = None, defaults: tuple[str, ...] = DEFAULT_PLUGINS,
+                 entry_points: bool = True) -> PluginSet:
     """Build a fresh plugin manager: defaults, then entry points, then `extra_plugins` objects.
 
     A third-party plugin that raises while loading is logged by name and skipped (fatal with
@@ -143,35 +123,30 @@ def load_plugins(
     ps = PluginSet(pm=pm)
 
     for modname in defaults:
+        ps.sources[modname] = "default"
         try:
-            mod = importlib.import_module(modname)
+            pm.register(importlib.import_module(modname), name=modname)
         except ImportError as e:
             # a default plugin whose optional dependency is missing is reported, not fatal
             ps.failed[modname] = f"{type(e).__name__}: {e}"
-            ps.sources[modname] = "default"
             log.warning("default plugin %s not loaded: %s", modname, e)
-            continue
-        pm.register(mod, name=modname)
-        ps.sources[modname] = "default"
 
     if entry_points:
-        allowed = _allowed()
+        raw = os.environ.get("LLMSERVE_PLUGINS")
+        allowed = None if raw is None else {p.strip() for p in raw.split(",")}
         for ep in metadata.entry_points(group=ENTRY_POINT_GROUP):
-            if allowed is not None and ep.name not in allowed:
-                continue
-            if pm.has_plugin(ep.name) or ep.name in ps.failed:
-                continue  # the same distribution seen twice on sys.path
+            if (allowed is not None and ep.name not in allowed) or pm.has_plugin(ep.name) or ep.name in ps.failed:
+                continue  # not asked for, or the same distribution seen twice on sys.path
             dist = getattr(ep, "dist", None)
             ps.sources[ep.name] = f"entry point ({dist.name} {dist.version})" if dist else "entry point"
             try:
-                plugin = ep.load()
-                pm.register(plugin, name=ep.name)
+                pm.register(ep.load(), name=ep.name)
             except pluggy.PluginValidationError as e:
                 # it loaded, but a hookimpl does not match its spec: a bug to fix, never skipped
                 raise PluginError(f"plugin {ep.name!r} ({ep.value}): {e}") from e
             except Exception as e:
                 msg = f"plugin {ep.name!r} ({ep.value}) failed to load: {type(e).__name__}: {e}"
-                if _strict():
+                if os.environ.get("LLMSERVE_STRICT_PLUGINS", "") not in ("", "0", "false", "no"):
                     raise PluginError(msg + " [LLMSERVE_STRICT_PLUGINS is set]") from e
                 ps.failed[ep.name] = f"{type(e).__name__}: {e}"
                 log.error("%s; skipped (set LLMSERVE_STRICT_PLUGINS=1 to make this fatal)\n%s",
@@ -208,11 +183,9 @@ def _collect(pm: pluggy.PluginManager, kind: str, hook_name: str) -> dict[str, R
             if not isinstance(name, str) or not name:
                 raise PluginError(f"plugin {_plugin!r} registered a {kind} with an invalid name {name!r}")
             if name in registry:
-                other = registry[name].plugin
-                raise PluginError(
-                    f"two plugins register a {kind.replace('_', ' ')} named {name!r}: "
-                    f"{other!r} and {_plugin!r}; uninstall one or limit loading with LLMSERVE_PLUGINS"
-                )
+                raise PluginError(f"two plugins register a {kind.replace('_', ' ')} named {name!r}: "
+                                  f"{registry[name].plugin!r} and {_plugin!r}; uninstall one or limit loading "
+                                  "with LLMSERVE_PLUGINS")
             registry[name] = Registration(name, factory, _plugin)
 
         try:

@@ -91,10 +91,6 @@ class SamplingParams:
                 if not -100.0 <= b <= 100.0:
                     bad("logit_bias", f"logit_bias values must be in [-100, 100], got {b} for token {tok}")
 
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0.0
-
 
 _seq_counter = itertools.count()
 
@@ -145,16 +141,8 @@ class Request:
         return len(self.prompt_token_ids)
 
     @property
-    def num_tokens(self) -> int:
-        return len(self.token_ids)
-
-    @property
     def num_output_tokens(self) -> int:
         return len(self.token_ids) - len(self.prompt_token_ids)
-
-    @property
-    def output_token_ids(self) -> list[int]:
-        return self.token_ids[len(self.prompt_token_ids):]
 
 
 @dataclass(slots=True)

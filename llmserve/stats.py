@@ -50,6 +50,4 @@ class SchedulerStats:
     extra: dict[str, Any] = field(default_factory=dict)  # plugin-specific facts, reported as they are
 
     def to_dict(self) -> dict[str, Any]:
-        d = asdict(self)
-        d["cache"] = self.cache.to_dict()
-        return d
+        return {**asdict(self), "cache": self.cache.to_dict()}

@@ -17,6 +17,7 @@ rule. They use only the public interfaces (llmserve/interfaces.py) and the decla
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -25,7 +26,12 @@ from hypothesis import strategies as st
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, invariant, precondition, rule
 from hypothesis.stateful import run_state_machine_as_test
 
+from llmserve.config import config_from_dict
+from llmserve.engine import Engine
+from llmserve.errors import InvalidRequestError
 from llmserve.interfaces import CacheAllocator
+from llmserve.plugins import load_plugins
+from llmserve.request import FinishReason, SamplingParams
 
 # --- the allocator ---------------------------------------------------------------------------
 
@@ -52,7 +58,7 @@ def allocator_machine(make: Callable[[int, int], CacheAllocator]) -> type[RuleBa
             # a shadow "KV memory" standing in for the backend: block → (salt, token) per slot
             self.memory: dict[int, list[tuple | None]] = {}
             self.queries = self.hits = 0
-            self.n = 0
+            self.ids = (f"s{i}" for i in itertools.count())
 
         # --- helpers --------------------------------------------------------------------------
 
@@ -107,9 +113,7 @@ def allocator_machine(make: Callable[[int, int], CacheAllocator]) -> type[RuleBa
               chunk=st.integers(1, 24), salt=st.sampled_from(SALTS))
         def new_sequence(self, stem, tail, chunk, salt):
             """Admit a sequence: prefix hit first, then a chunk of its prompt."""
-            sid = f"s{self.n}"
-            self.n += 1
-            toks = stem + tail
+            sid, toks = next(self.ids), stem + tail
             return sid if self.admit(sid, toks, salt, min(len(toks), chunk)) else None
 
         @rule(sid=seqs, k=st.integers(1, 6))
@@ -143,9 +147,7 @@ def allocator_machine(make: Callable[[int, int], CacheAllocator]) -> type[RuleBa
             sid = data.draw(st.sampled_from(sorted(self.tokens)))
             toks, salt = self.tokens[sid], self.salt[sid]
             self.drop(sid)
-            nid = f"s{self.n}"
-            self.n += 1
-            self.admit(nid, toks, salt, len(toks))
+            self.admit(next(self.ids), toks, salt, len(toks))
 
         # --- invariants -----------------------------------------------------------------------
 
@@ -228,17 +230,13 @@ def prompt_of(length: int, family: int, i: int) -> list[int]:
 def make_engine(config: dict[str, Any], plugins: Sequence[Any], num_blocks: int, budget: int, max_seqs: int,
                 chunked: bool = True, block_size: int = 4) -> tuple[Any, list[str]]:
     """An engine on the fake backend whose schedule() is checked against the budget; also the admission order."""
-    from llmserve.config import config_from_dict
-    from llmserve.engine import Engine
-
     sched = {**config.get("scheduler", {}), "max_num_batched_tokens": budget, "max_num_seqs": max_seqs,
              "enable_chunked_prefill": chunked}
     cfg = {**config, "backend": {"name": "fake", "options": {"max_model_len": 256}}, "tokenizer": {"name": "none"},
            "cache": {**config.get("cache", {}), "num_blocks": num_blocks, "block_size": block_size},
            "scheduler": sched}
-    eng = Engine(config_from_dict(cfg, "<conformance>"), _plugins(plugins))
+    eng = Engine(config_from_dict(cfg, "<conformance>"), load_plugins(extra_plugins=list(plugins)))
     order: list[str] = []  # first admission of each sequence, in order
-    seen: set[str] = set()
     inner = eng.scheduler.schedule
 
     def schedule():
@@ -248,8 +246,7 @@ def make_engine(config: dict[str, Any], plugins: Sequence[Any], num_blocks: int,
         assert len(out.requests) <= max_seqs, f"scheduled {len(out.requests)} sequences, max_num_seqs {max_seqs}"
         for r in out.requests:
             assert r.num_new_tokens >= 1 and r.num_computed_tokens + r.num_new_tokens <= len(r.token_ids)
-            if r.request_id not in seen:
-                seen.add(r.request_id)
+            if r.request_id not in order:  # a few dozen sequences at most
                 order.append(r.request_id)
         return out
 
@@ -257,17 +254,8 @@ def make_engine(config: dict[str, Any], plugins: Sequence[Any], num_blocks: int,
     return eng, order
 
 
-def _plugins(extra: Sequence[Any]):
-    from llmserve.plugins import load_plugins
-
-    return load_plugins(extra_plugins=list(extra))
-
-
 def run_requests(eng, reqs, priorities: bool, abort_every: int = 0):
     """Add every request, step to the end (aborting some), and return each sequence's tokens and last output."""
-    from llmserve.errors import InvalidRequestError
-    from llmserve.request import SamplingParams
-
     ids = []
     for i, (plen, mt, prio, fam, n) in enumerate(reqs):
         sp = SamplingParams(max_tokens=mt, ignore_eos=(i % 2 == 0), n=n, temperature=0.0)
@@ -298,7 +286,6 @@ def check_scheduler(config: dict[str, Any], plugins: Sequence[Any] = (), max_exa
                     priorities: bool = False) -> None:
     """Fail with a readable message unless the configured scheduler finishes everything, leaks nothing,
     keeps the budget, and gives the same tokens whatever the batching and preemption."""
-    from llmserve.request import FinishReason
 
     @settings(max_examples=max_examples, deadline=None)
     @given(reqs=st.lists(request_st, min_size=1, max_size=12), num_blocks=st.integers(12, 60),
@@ -317,10 +304,11 @@ def check_scheduler(config: dict[str, Any], plugins: Sequence[Any] = (), max_exa
                 o = fin.get((f"r{i}", k))
                 assert o is not None, f"sequence {k} of request r{i} never ended"
                 assert o.finish_reason is not FinishReason.ERROR, f"r{i} failed: {o.error}"
-        st_ = eng.scheduler_stats()
-        c = st_.cache
-        assert (st_.num_running, st_.num_waiting) == (0, 0), f"left running {st_.num_running}, waiting {st_.num_waiting}"
-        assert c.used_blocks == 0 and c.num_sequences == 0, f"leaked {c.used_blocks} blocks of {c.num_sequences} sequences"
+        s = eng.scheduler_stats()
+        c = s.cache
+        assert (s.num_running, s.num_waiting) == (0, 0), f"left running {s.num_running}, waiting {s.num_waiting}"
+        assert c.used_blocks == 0 and c.num_sequences == 0, (
+            f"leaked {c.used_blocks} blocks of {c.num_sequences} sequences")
         assert c.free_blocks + c.cached_free_blocks == num_blocks
         for key, toks in got.items():
             o = fin[key]

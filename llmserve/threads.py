@@ -12,11 +12,13 @@ So an engine is loaded, warmed up and stepped on one thread, and no other thread
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
 import os
 import sys
 import threading
+from pathlib import Path
 
 log = logging.getLogger("llmserve.threads")
 
@@ -27,43 +29,33 @@ def name_os_thread(name: str) -> None:
     """Give the calling thread an OS-level name, inherited by the OpenMP workers it starts (`top -H` shows it)."""
     if not sys.platform.startswith("linux"):
         return
-    try:
-        libc = ctypes.CDLL(None)
-        libc.prctl(15, name.encode()[:15], 0, 0, 0)  # PR_SET_NAME
-    except (OSError, AttributeError):  # no libc symbols (static builds): names are cosmetic
-        pass
+    with contextlib.suppress(OSError, AttributeError):  # no libc symbols (static builds): names are cosmetic
+        ctypes.CDLL(None).prctl(15, name.encode()[:15], 0, 0, 0)  # PR_SET_NAME
 
 
 def native_threads() -> dict[int, str]:
     """Threads of this process that Python did not start (OpenMP and other native pools): tid → OS name."""
     try:
-        tids = os.listdir("/proc/self/task")
+        tids = {int(t) for t in os.listdir("/proc/self/task")} - {t.native_id for t in threading.enumerate()}
     except OSError:  # not Linux: nothing to report
         return {}
-    py = {t.native_id for t in threading.enumerate()}
     out: dict[int, str] = {}
     for tid in tids:
-        if int(tid) in py:
-            continue
-        try:
-            with open(f"/proc/self/task/{tid}/comm") as f:
-                out[int(tid)] = f.read().strip()
-        except OSError:  # the thread ended meanwhile
-            continue
+        with contextlib.suppress(OSError):  # the thread ended meanwhile
+            out[tid] = Path(f"/proc/self/task/{tid}/comm").read_text().strip()
     return out
 
 
 def warn_if_foreign_pool() -> bool:
     """At engine start-up (on the engine thread, before loading): warn when another thread already has an OpenMP pool."""
-    if "torch" not in sys.modules:
+    torch = sys.modules.get("torch")
+    if torch is None:
         return False  # nobody ran torch yet: no pool can exist
-    torch = sys.modules["torch"]
     # torch itself starts one native thread on import and a pthreadpool of threads - 1 workers on
     # set_num_threads; more than that before the engine loads means some thread ran parallel
     # torch work and holds an OpenMP pool (threads - 1 more workers)
-    expected = torch.get_num_threads()
     extra = native_threads()
-    if len(extra) <= expected:
+    if len(extra) <= torch.get_num_threads():
         return False
     log.warning("%d native threads exist before the engine loads: another thread of this process has run "
                 "parallel torch work and holds an OpenMP pool, so the engine's torch work will run at about "
@@ -97,12 +89,7 @@ class ThreadOwner:
                         "about 0.6x this way; build and step it on one thread (AsyncEngine does, given a "
                         "factory)", self.name, name)
 
-    @property
-    def one_thread(self) -> bool:
-        """True while every step ran on the thread that built the engine."""
-        return all(i == self.ident for i in self.step_threads)
-
     def layout(self) -> dict:
-        """Which thread loaded, which stepped, and whether they are one."""
+        """Which thread loaded, which stepped, and whether they are one (every step on the loading thread)."""
         return {"load_thread": self.name, "step_threads": sorted(set(self.step_threads.values())),
-                "one_thread": self.one_thread}
+                "one_thread": all(i == self.ident for i in self.step_threads)}

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
+from dataclasses import dataclass, field
 from typing import Any
 
 from sse_starlette import EventSourceResponse
@@ -17,8 +18,9 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from llmserve.async_engine import AsyncEngine
-from llmserve.request import FinishReason, RequestOutput, SamplingParams
-from llmserve.server.generation import ClientGone, Generation, guarded, map_error
+from llmserve.request import RequestOutput, SamplingParams
+from llmserve.server.errors import map_error
+from llmserve.server.generation import ClientGone, Generation, guarded
 from llmserve.server.logprobs import CompletionLogprobs, TokenText, chat_logprobs
 from llmserve.server.state import ServerState
 
@@ -27,18 +29,16 @@ from llmserve.server.state import ServerState
 dumps = json.JSONEncoder(ensure_ascii=True, separators=(",", ":")).encode
 
 
+@dataclass(slots=True)
 class _Choice:
     """The accumulated state of one choice (one of n completions of one prompt)."""
 
-    __slots__ = ("text", "finish", "stop_reason", "num_output", "num_cached", "lp")
-
-    def __init__(self, lp: Any) -> None:
-        self.text: list[str] = []  # one piece per fold, so an empty list means nothing arrived yet
-        self.finish: str | None = None
-        self.stop_reason: Any = None
-        self.num_output = 0
-        self.num_cached = 0  # prompt tokens served from the prefix cache
-        self.lp = lp  # the shape's logprobs so far, None when not asked for
+    lp: Any  # the shape's logprobs so far, None when not asked for
+    text: list[str] = field(default_factory=list)  # one piece per fold: empty means nothing arrived yet
+    finish: str | None = None
+    stop_reason: Any = None
+    num_output: int = 0
+    num_cached: int = 0  # prompt tokens served from the prefix cache
 
 
 class _EventStream(EventSourceResponse):
@@ -62,7 +62,7 @@ class Answer:
         self.st, self.req, self.sp, self.prompts = st, req, sp, prompts
         self.id = f"{self.prefix}-{uuid.uuid4().hex}"
         self.created = int(time.time())
-        self.tt = TokenText(st.tokenizer)
+        self.tt = TokenText(st.engine.tokenizer)
         self.choices = [_Choice(self._new_lp()) for _ in range(len(prompts) * sp.n)]
 
     async def respond(self, request: Request, aengine: AsyncEngine) -> Response:
@@ -135,7 +135,7 @@ class Answer:
                 ch.num_output = last.num_output_tokens
             ch.num_cached = last.num_cached_tokens
             if last.finished:
-                ch.finish = "length" if self.scores_only else _finish(last)
+                ch.finish = "length" if self.scores_only else last.finish_reason.value
                 ch.stop_reason = None if self.scores_only else last.stop_reason
             ch.text.append(text)
             folded.append((idx, text, lp, ch.finish if last.finished else None, ch.stop_reason))
@@ -212,10 +212,3 @@ class ChatAnswer(Answer):
 
 def _content(lp: list[dict] | None) -> dict | None:
     return {"content": lp, "refusal": None} if lp is not None else None
-
-
-def _finish(o: RequestOutput) -> str | None:
-    r = o.finish_reason
-    if r is None:
-        return None
-    return r.value if isinstance(r, FinishReason) else str(r)

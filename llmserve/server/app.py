@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import os
 
@@ -14,6 +15,7 @@ from starlette.routing import Route
 
 from llmserve.async_engine import AsyncEngine
 from llmserve.config import EngineConfig
+from llmserve.engine import Engine
 from llmserve.server import routes
 from llmserve.server.errors import EXCEPTION_HANDLERS
 from llmserve.server.middleware import ApiKeyMiddleware, BodyLimitMiddleware
@@ -22,32 +24,11 @@ from llmserve.server.state import ServerState
 log = logging.getLogger("llmserve.server")
 
 
-def api_key(config: EngineConfig) -> str | None:
-    """The key /v1/* requires: server.api_key, else env LLMSERVE_API_KEY, else none."""
-    return config.server.api_key or os.environ.get("LLMSERVE_API_KEY") or None
-
-
-def _plugin_routes(engine) -> list[Route]:
-    """Routes that plugins add through the register_routes hook."""
-    out: list[Route] = []
-
-    def register(path: str, endpoint, methods=("GET",)) -> None:
-        out.append(Route(path, endpoint, methods=list(methods)))
-
-    engine.plugins.pm.hook.register_routes(register=register, engine=engine)
-    return out
-
-
 def create_app(config: EngineConfig, engine=None) -> Starlette:
     """The HTTP app. engine: None (built from config on the engine thread at start-up; /health says 503
     meanwhile), a started AsyncEngine (what `serve` passes), or a built Engine (tests)."""
     if engine is None:
-        def build():
-            from llmserve.engine import Engine
-
-            return Engine.from_config(config)
-
-        engine = build
+        engine = functools.partial(Engine.from_config, config)
     aengine = engine if isinstance(engine, AsyncEngine) else AsyncEngine(engine)
     st = ServerState(config=config, aengine=aengine)
 
@@ -69,11 +50,14 @@ def create_app(config: EngineConfig, engine=None) -> Starlette:
             st.load_error = f"{type(e).__name__}: {e}"
             return
         taken = {r.path for r in app.router.routes if isinstance(r, Route)}
-        for r in _plugin_routes(eng):
-            if r.path in taken:
-                log.warning("a plugin route %s clashes with an existing route; skipped", r.path)
-                continue
-            app.router.routes.append(r)
+
+        def register(path: str, endpoint, methods=("GET",)) -> None:  # the register_routes hook's callback
+            if path in taken:
+                log.warning("a plugin route %s clashes with an existing route; skipped", path)
+            else:
+                app.router.routes.append(Route(path, endpoint, methods=list(methods)))
+
+        eng.plugins.pm.hook.register_routes(register=register, engine=eng)
         st.engine = eng
         st.ready = True
 
@@ -95,7 +79,7 @@ def create_app(config: EngineConfig, engine=None) -> Starlette:
         middleware.append(Middleware(CORSMiddleware, allow_origins=list(config.server.cors_origins),
                                      allow_methods=["*"], allow_headers=["*"], allow_credentials=False))
     middleware.append(Middleware(BodyLimitMiddleware, max_bytes=config.server.max_body_bytes))
-    key = api_key(config)
+    key = config.server.api_key or os.environ.get("LLMSERVE_API_KEY")  # what /v1/* requires, if any
     if key:
         middleware.append(Middleware(ApiKeyMiddleware, api_key=key))
 

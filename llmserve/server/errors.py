@@ -9,20 +9,16 @@ from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import Response
 
-from llmserve.errors import InvalidRequestError
+from llmserve.errors import EngineDeadError, InvalidRequestError
 
 log = logging.getLogger("llmserve.server")
 
-# status → OpenAI's error `type` for it
+# status → OpenAI's error `type` for it, where it is not invalid_request_error (4xx) or server_error (5xx)
 _TYPES = {
-    400: "invalid_request_error",
     401: "authentication_error",
     403: "permission_error",
     404: "not_found_error",
-    405: "invalid_request_error",
-    413: "invalid_request_error",
     429: "rate_limit_error",
-    500: "server_error",
     503: "service_unavailable",
     504: "timeout_error",
 }
@@ -32,27 +28,23 @@ class ApiError(Exception):
     """An error answered to the client with an OpenAI error body."""
 
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 type: str | None = None, headers: dict[str, str] | None = None):
+                 headers: dict[str, str] | None = None):
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
         self.code = code
-        self.type = type or _TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
+        self.type = _TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
         self.headers = headers or {}
 
     def body(self) -> dict:
-        return error_body(self.message, self.type, self.param, self.code)
+        """The OpenAI error object."""
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> ApiError:
     """A 400 whose `param` names the offending field."""
     return ApiError(400, message, param=param, code=code)
-
-
-def error_body(message: str, type: str, param: str | None = None, code: str | None = None) -> dict:
-    """The OpenAI error object."""
-    return {"error": {"message": message, "type": type, "param": param, "code": code}}
 
 
 def error_response(err: ApiError) -> Response:
@@ -61,18 +53,23 @@ def error_response(err: ApiError) -> Response:
                     headers=err.headers)
 
 
-async def handle_api_error(request: Request, exc: ApiError) -> Response:
-    return error_response(exc)
+def map_error(exc: BaseException) -> ApiError:
+    """A failure of one request (ours, the engine's checks, a stopped engine, any other) as the client's ApiError."""
+    if isinstance(exc, ApiError):
+        return exc
+    if isinstance(exc, InvalidRequestError):
+        return bad_request(str(exc), exc.param, exc.code)
+    if isinstance(exc, EngineDeadError):
+        return ApiError(503, str(exc), code="engine_unavailable")
+    return ApiError(500, f"{type(exc).__name__}: {exc}", code="engine_error")
 
 
-async def handle_invalid_request(request: Request, exc: InvalidRequestError) -> Response:
-    return error_response(bad_request(str(exc), exc.param, exc.code))
+async def handle_error(request: Request, exc: ApiError | InvalidRequestError) -> Response:
+    return error_response(map_error(exc))
 
 
 async def handle_http_exception(request: Request, exc: HTTPException) -> Response:
-    msg = exc.detail if isinstance(exc.detail, str) else str(exc.detail)
-    if exc.status_code == 404:
-        msg = f"no route {request.method} {request.url.path}"
+    msg = f"no route {request.method} {request.url.path}" if exc.status_code == 404 else str(exc.detail)
     code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
     return error_response(ApiError(exc.status_code, msg, code=code, headers=dict(exc.headers or {})))
 
@@ -83,8 +80,8 @@ async def handle_unexpected(request: Request, exc: Exception) -> Response:
 
 
 EXCEPTION_HANDLERS = {
-    ApiError: handle_api_error,
-    InvalidRequestError: handle_invalid_request,
+    ApiError: handle_error,
+    InvalidRequestError: handle_error,
     HTTPException: handle_http_exception,
     Exception: handle_unexpected,
 }

@@ -6,10 +6,9 @@ import asyncio
 import copy
 from collections.abc import Sequence
 
-from llmserve.async_engine import AsyncEngine, EngineDeadError
-from llmserve.errors import InvalidRequestError
+from llmserve.async_engine import AsyncEngine
 from llmserve.request import FinishReason, RequestOutput, SamplingParams
-from llmserve.server.errors import ApiError, bad_request
+from llmserve.server.errors import ApiError, map_error
 
 
 class ClientGone(Exception):
@@ -23,8 +22,7 @@ class Generation:
                  timeout: float | None, request_id: str, cache_salt: str | None = None):
         self.aengine = aengine
         self.streams = []
-        self._pending: dict[asyncio.Future, int] = {}
-        self._started = False
+        self._pending: dict[asyncio.Future, int] = {}  # several prompts: each stream's next read → its index
         self._timer = None
         try:
             for i, ids in enumerate(prompts):
@@ -34,6 +32,8 @@ class Generation:
         except Exception as e:  # the engine stopped after admission: no prompt of this request runs
             self.abort()
             raise map_error(e) from None
+        if len(self.streams) > 1:
+            self._pending = {asyncio.ensure_future(s.next_batch()): i for i, s in enumerate(self.streams)}
         if timeout:
             self._timer = asyncio.get_running_loop().call_later(timeout, self._on_timeout, timeout)
 
@@ -60,10 +60,6 @@ class Generation:
         if len(self.streams) == 1:
             batch = await self.streams[0].next_batch()
             return (0, _checked(batch)) if batch else None
-        if not self._started:
-            self._started = True
-            for i, s in enumerate(self.streams):
-                self._pending[asyncio.ensure_future(s.next_batch())] = i
         while self._pending:
             done, _ = await asyncio.wait(self._pending, return_when=asyncio.FIRST_COMPLETED)
             t = next(iter(done))
@@ -80,17 +76,6 @@ def _checked(batch: list[RequestOutput]) -> list[RequestOutput]:
         if o.finish_reason is FinishReason.ERROR:
             raise ApiError(500, o.error or "the request failed in the engine", code="engine_error")
     return batch
-
-
-def map_error(exc: BaseException) -> ApiError:
-    """An engine-side failure of one request as the ApiError the client gets."""
-    if isinstance(exc, ApiError):
-        return exc
-    if isinstance(exc, InvalidRequestError):
-        return bad_request(str(exc), exc.param, exc.code)
-    if isinstance(exc, EngineDeadError):
-        return ApiError(503, str(exc), code="engine_unavailable")
-    return ApiError(500, f"{type(exc).__name__}: {exc}", code="engine_error")
 
 
 async def wait_disconnect(receive) -> None:

@@ -22,11 +22,10 @@ class TokenText:
         self._text: dict[int, str] = {}
 
     def text(self, tid: int) -> str:
-        s = self._text.get(tid)
-        if s is None:
-            s = f"token_id:{tid}" if self.tok is None else self.tok.decode([tid], skip_special_tokens=False)
-            self._text[tid] = s
-        return s
+        if tid not in self._text:
+            tok = self.tok
+            self._text[tid] = f"token_id:{tid}" if tok is None else tok.decode([tid], skip_special_tokens=False)
+        return self._text[tid]
 
     def bytes(self, tid: int) -> list[int]:
         tb = getattr(self.tok, "token_bytes", None)
@@ -84,10 +83,8 @@ def chat_logprobs(tt: TokenText, token_ids: Sequence[int], lps: Sequence[Logprob
     out = []
     for i, t in enumerate(token_ids):
         lp = lps[i] if lps is not None and i < len(lps) else None
-        entry = {"token": tt.text(t), "logprob": _lp(lp.logprob) if lp else _FLOOR, "bytes": tt.bytes(t),
-                 "top_logprobs": []}
-        if lp is not None and top_n > 0:
-            entry["top_logprobs"] = [{"token": tt.text(tid), "logprob": _lp(v), "bytes": tt.bytes(tid)}
-                                     for tid, v in lp.top[:top_n]]
-        out.append(entry)
+        top = lp.top[:top_n] if lp is not None and top_n > 0 else ()
+        out.append({"token": tt.text(t), "logprob": _lp(lp.logprob) if lp else _FLOOR, "bytes": tt.bytes(t),
+                    "top_logprobs": [{"token": tt.text(tid), "logprob": _lp(v), "bytes": tt.bytes(tid)}
+                                     for tid, v in top]})
     return out

@@ -7,17 +7,10 @@ through untouched.
 from __future__ import annotations
 
 import hmac
-import json
 
-from llmserve.server.errors import ApiError, error_body
+from starlette.datastructures import Headers
 
-
-async def _send_error(send, status: int, body: dict, headers: list[tuple[bytes, bytes]] = ()) -> None:
-    raw = json.dumps(body).encode()
-    await send({"type": "http.response.start", "status": status,
-                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(raw)).encode()),
-                            *headers]})
-    await send({"type": "http.response.body", "body": raw})
+from llmserve.server.errors import ApiError, error_response
 
 
 class ApiKeyMiddleware:
@@ -29,19 +22,14 @@ class ApiKeyMiddleware:
 
     async def __call__(self, scope, receive, send):
         if scope["type"] == "http" and scope["path"].startswith("/v1/") and scope["method"] != "OPTIONS":
-            auth = b""
-            for k, v in scope["headers"]:
-                if k == b"authorization":
-                    auth = v
-                    break
+            auth = Headers(scope=scope).get("authorization", "").encode("latin-1")
             scheme, _, token = auth.partition(b" ")
             # compare_digest: the time taken does not reveal how much of the key matched
             if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), self._key):
                 msg = ("missing API key: send 'Authorization: Bearer <key>'" if not auth
                        else "incorrect API key provided")
-                await _send_error(send, 401, error_body(msg, "authentication_error", None, "invalid_api_key"),
-                                  [(b"www-authenticate", b"Bearer")])
-                return
+                err = ApiError(401, msg, code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+                return await error_response(err)(scope, receive, send)
         await self.app(scope, receive, send)
 
 
@@ -52,22 +40,16 @@ class BodyLimitMiddleware:
         self.app = app
         self.max_bytes = max_bytes
 
-    def _error(self):
-        return error_body(f"the request body is larger than the server's limit of {self.max_bytes} bytes",
-                          "invalid_request_error", None, "request_too_large")
+    def _error(self) -> ApiError:
+        return ApiError(413, f"the request body is larger than the server's limit of {self.max_bytes} bytes",
+                        code="request_too_large")
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        for k, v in scope["headers"]:
-            if k == b"content-length":
-                try:
-                    too_big = int(v) > self.max_bytes
-                except ValueError:
-                    too_big = False
-                if too_big:
-                    return await _send_error(send, 413, self._error())
-                break
+        length = Headers(scope=scope).get("content-length", "")
+        if length.isdigit() and int(length) > self.max_bytes:
+            return await error_response(self._error())(scope, receive, send)
         seen = 0
 
         async def counting_receive():
@@ -78,7 +60,7 @@ class BodyLimitMiddleware:
             if msg["type"] == "http.request":
                 seen += len(msg.get("body", b""))
                 if seen > self.max_bytes:
-                    raise ApiError(413, self._error()["error"]["message"], code="request_too_large")
+                    raise self._error()
             return msg
 
         await self.app(scope, counting_receive, send)

@@ -12,7 +12,7 @@ from llmserve.async_engine import AsyncEngine
 from llmserve.limits import check_request
 from llmserve.request import SamplingParams
 from llmserve.server.answer import ChatAnswer, CompletionAnswer, dumps
-from llmserve.server.errors import bad_request, error_body
+from llmserve.server.errors import ApiError, bad_request
 from llmserve.server.protocol import ChatRequest, CompletionRequest, openapi, parse
 from llmserve.server.state import ServerState
 
@@ -31,11 +31,6 @@ async def _admit(request: Request, model) -> tuple[ServerState, AsyncEngine, Any
     return st, aengine, req, sp
 
 
-def _check(st: ServerState, ids: list[int], sp: SamplingParams, param: str) -> None:
-    """The engine's own vocabulary and context checks, run before submitting so every prompt is checked."""
-    check_request(ids, sp, st.engine.backend.vocab_size, st.max_model_len, param)
-
-
 _BIG_TEXT = 16_384  # characters; longer texts are tokenized off the event loop
 
 
@@ -52,7 +47,7 @@ async def _encode(tok, text: str, add_special_tokens: bool = True) -> list[int]:
 async def completions(request: Request) -> Response:
     """POST /v1/completions."""
     st, aengine, req, sp = await _admit(request, CompletionRequest)
-    tok = st.tokenizer
+    tok = st.engine.tokenizer
     prompt_ids: list[list[int]] = []
     prompt_texts: list[str] = []
     for i, p in enumerate(req.prompts):
@@ -60,12 +55,10 @@ async def completions(request: Request) -> Response:
         if isinstance(p, str):
             if tok is None:
                 raise bad_request("this server has no tokenizer: send the prompt as token ids", "prompt")
-            ids = await _encode(tok, p)
-            text = p
-        else:
-            ids = p
-            text = tok.decode(ids, skip_special_tokens=False) if (tok is not None and req.echo) else ""
-        _check(st, ids, sp, param)
+            ids, text = await _encode(tok, p), p
+        else:  # token ids: echo shows them decoded
+            ids, text = p, tok.decode(p, skip_special_tokens=False) if (tok is not None and req.echo) else ""
+        check_request(ids, sp, st.engine.backend.vocab_size, st.engine.max_model_len, param)
         prompt_ids.append(ids)
         prompt_texts.append(text)
     return await CompletionAnswer(st, req, sp, prompt_ids, prompt_texts).respond(request, aengine)
@@ -77,7 +70,7 @@ async def completions(request: Request) -> Response:
 async def chat_completions(request: Request) -> Response:
     """POST /v1/chat/completions."""
     st, aengine, req, sp = await _admit(request, ChatRequest)
-    tok = st.tokenizer
+    tok = st.engine.tokenizer
     if tok is None:
         raise bad_request("this server has no tokenizer, so it cannot render chat messages; "
                           "use /v1/completions with token ids", "messages")
@@ -86,7 +79,7 @@ async def chat_completions(request: Request) -> Response:
     except NotImplementedError as e:
         raise bad_request(str(e), "messages") from None
     ids = await _encode(tok, prompt, add_special_tokens=False)
-    _check(st, ids, sp, "messages")
+    check_request(ids, sp, st.engine.backend.vocab_size, st.engine.max_model_len, "messages")
     return await ChatAnswer(st, req, sp, [ids]).respond(request, aengine)
 
 
@@ -101,8 +94,7 @@ def _model_card(st: ServerState) -> dict:
 
 async def list_models(request: Request) -> Response:
     """GET /v1/models."""
-    st = _state(request)
-    return JSONResponse({"object": "list", "data": [_model_card(st)]})
+    return JSONResponse({"object": "list", "data": [_model_card(_state(request))]})
 
 
 async def get_model(request: Request) -> Response:
@@ -123,9 +115,7 @@ async def health(request: Request) -> Response:
     if st.draining:
         return JSONResponse({"status": "draining"}, status_code=503)
     if not st.ready:
-        body = {"status": "error" if st.load_error else "loading"}
-        if st.load_error:
-            body["error"] = st.load_error
+        body = {"status": "error", "error": st.load_error} if st.load_error else {"status": "loading"}
         return JSONResponse(body, status_code=503)
     if not st.aengine.running:
         return JSONResponse({"status": "stopped"}, status_code=503)
@@ -136,8 +126,7 @@ async def stats(request: Request) -> Response:
     """GET /stats: the engine's snapshot (queue, running, cache, prefix cache, latencies)."""
     st = _state(request)
     if st.engine is None:
-        return Response(dumps(error_body("the engine is not ready", "service_unavailable", None, "not_ready")),
-                        status_code=503, media_type="application/json")
+        raise ApiError(503, "the engine is not ready", code="not_ready")
     snap = await st.aengine.call(lambda e: e.stats())
     snap["server"] = {"ready": st.ready, "draining": st.draining, "active_requests": st.aengine.num_active,
                       "steps": st.aengine.num_steps}

@@ -30,14 +30,6 @@ class ServerState:
     def model_name(self) -> str:
         return self.config.served_model_name
 
-    @property
-    def max_model_len(self) -> int:
-        return self.engine.max_model_len
-
-    @property
-    def tokenizer(self):
-        return self.engine.tokenizer
-
     def begin_drain(self) -> None:
         """Stop admitting requests (503) and report unhealthy; in-flight requests continue."""
         if not self.draining:

@@ -6,7 +6,6 @@ import os
 
 import torch
 
-from llmserve.config import parse_bytes
 from llmserve.errors import ConfigError
 from llmserve_torch.arch import ArchConfig
 
@@ -23,6 +22,25 @@ def free_memory_bytes(device: torch.device) -> int:
     except OSError:
         pass
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def parse_bytes(value: str | int | float, key: str = "value") -> int:
+    """'512MiB', '2G', 1048576 → bytes."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return int(value)
+    s = str(value).strip().lower().replace(" ", "")
+    units = {"kib": 2**10, "mib": 2**20, "gib": 2**30, "kb": 10**3, "mb": 10**6, "gb": 10**9,
+             "k": 2**10, "m": 2**20, "g": 2**30, "b": 1}
+    for u, mult in units.items():
+        if s.endswith(u):
+            try:
+                return int(float(s[: -len(u)]) * mult)
+            except ValueError:
+                break
+    try:
+        return int(s)
+    except ValueError:
+        raise ConfigError(f"{key}: expected bytes such as '512MiB' or a fraction such as 0.2, got {value!r}") from None
 
 
 def budget_bytes(value: str | float | int, device: torch.device) -> int:

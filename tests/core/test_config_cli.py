@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 from llmserve.cli import build_parser, main
-from llmserve.config import config_from_dict, load_config, parse_bytes
+from llmserve.config import config_from_dict, load_config
 from llmserve.errors import ConfigError
 from tests.server.conftest import free_port
 
@@ -84,14 +84,6 @@ def test_overrides_beat_the_file(tmp_path):
 def test_every_shipped_config_is_valid():
     for f in (ROOT / "configs").glob("*.yaml"):
         load_config(f)
-
-
-def test_parse_bytes():
-    assert parse_bytes("512MiB") == 512 * 2**20
-    assert parse_bytes("2G") == 2 * 2**30
-    assert parse_bytes(1000) == 1000
-    with pytest.raises(ConfigError):
-        parse_bytes("lots")
 
 
 def test_sinks_accept_plain_names():

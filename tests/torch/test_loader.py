@@ -161,6 +161,16 @@ def test_embedded_model_is_small_seeded_and_byte_level():
     assert torch.equal(_logits(b, ids), _logits(make_backend("embedded"), ids))
 
 
+def test_parse_bytes():
+    from llmserve_torch.kv_cache import parse_bytes
+
+    assert parse_bytes("512MiB") == 512 * 2**20
+    assert parse_bytes("2G") == 2 * 2**30
+    assert parse_bytes(1000) == 1000
+    with pytest.raises(ConfigError):
+        parse_bytes("lots")
+
+
 def test_kv_budget_in_bytes_and_as_a_fraction(gpt2_dir):
     from llmserve_torch.backend import TorchBackend
     from llmserve_torch.kv_cache import bytes_per_block
