@@ -1,0 +1,653 @@
+#!/usr/bin/env python
+"""llmserve against llama.cpp's llama-server on the same GGUF file, same token-id prompts, rounds alternated.
+
+llama.cpp is built once from the sources vendored in the llama-cpp-python sdist (pinned below:
+LLAMA_CPP_PYTHON) into the llmserve cache root, `<cache root>/llama.cpp/<version>/build/bin`, and
+reused by later runs; `--llama-server PATH` uses an existing binary instead (no build).
+
+Each (file, case) runs --rounds rounds; a round starts llmserve, warms it up, streams the case's
+workload through it, stops it, then does the same with llama-server (one server at a time, so
+noise from a shared machine hits both alike). Both get the same seeded token-id prompts (a fresh
+seed per round), greedy, EOS ignored, and each run checks that every request produced its
+max_tokens. The figures are client-side (TTFT, ITL between SSE events, TPOT, output tok/s).
+
+    .venv/bin/python benchmarks/vs_llama_cpp.py --build-only     # build llama.cpp into the cache (minutes)
+    .venv/bin/python benchmarks/vs_llama_cpp.py                  # every file and case, 2 rounds
+    .venv/bin/python benchmarks/vs_llama_cpp.py --files q4_1 --cases c1 --requests 4 --output-len 32 --rounds 1
+    .venv/bin/python benchmarks/vs_llama_cpp.py --llama-server ~/llama.cpp/build/bin/llama-server --json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+for _p in (ROOT / "plugins", ROOT):
+    if str(_p) not in sys.path:
+        sys.path.insert(0, str(_p))
+
+# the llama-cpp-python release whose vendored llama.cpp is built (the newest on PyPI when this was
+# written; its CHANGELOG: "update llama.cpp to ggml-org/llama.cpp@0c1e57098")
+LLAMA_CPP_PYTHON = "0.3.36"
+TARGETS = ["llama-server", "llama-perplexity", "llama-quantize"]
+
+
+def log(msg: str) -> None:
+    print(f"[vs_llama_cpp] {msg}", file=sys.stderr, flush=True)
+
+
+# ---------------------------------------------------------------- building llama.cpp
+
+
+def llama_dir(version: str = LLAMA_CPP_PYTHON) -> Path:
+    from llmserve_torch.gguf_cache import cache_root
+
+    return cache_root() / "llama.cpp" / version
+
+
+def vendored_commit(base: Path) -> str | None:
+    """The llama.cpp commit the sdist vendors, from its CHANGELOG ("update llama.cpp to ggml-org/llama.cpp@<sha>")."""
+    for sdist in (base / "sdist").glob("llama_cpp_python-*.tar.gz"):
+        with tarfile.open(sdist) as tf:
+            top = tf.getnames()[0].split("/")[0]
+            try:
+                text = tf.extractfile(f"{top}/CHANGELOG.md").read().decode(errors="replace")
+            except KeyError:
+                return None
+        section = text.split(f"## [{base.name}]", 1)[-1].split("\n## [", 1)[0]
+        m = re.search(r"llama\.cpp@([0-9a-f]{7,40})", section)
+        return m[1] if m else None
+    return None
+
+
+def build_llama_cpp(version: str = LLAMA_CPP_PYTHON, jobs: int | None = None) -> Path:
+    """The directory holding the built binaries (llama-server ...), built on the first call per version.
+
+    Downloads the llama-cpp-python sdist with pip, extracts its vendor/llama.cpp and builds only
+    TARGETS with cmake (Release, GGML_NATIVE, no curl). A finished build is marked by the file
+    BUILT; an interrupted one is resumed (cmake rebuilds only what is missing)."""
+    base = llama_dir(version)
+    bindir = base / "build" / "bin"
+    marker = base / "BUILT"
+    if marker.exists() and all((bindir / t).exists() for t in TARGETS):
+        return bindir
+    base.mkdir(parents=True, exist_ok=True)
+    src = base / "src"
+    sdist_dir = base / "sdist"
+    if not (src / "CMakeLists.txt").exists():
+        sdist_dir.mkdir(exist_ok=True)
+        sdists = list(sdist_dir.glob("llama_cpp_python-*.tar.gz"))
+        if not sdists:
+            log(f"downloading the llama-cpp-python {version} sdist (its vendored llama.cpp) with pip")
+            # --no-binary for this package only: with :all: pip also builds the sdist's build
+            # backend (scikit-build-core, hatchling, setuptools ...) from source to read its metadata
+            subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", "llama-cpp-python",
+                            f"llama-cpp-python=={version}", "-d", str(sdist_dir)], check=True)
+            sdists = list(sdist_dir.glob("llama_cpp_python-*.tar.gz"))
+        log(f"extracting vendor/llama.cpp from {sdists[0].name}")
+        tmp = base / ".extract"
+        shutil.rmtree(tmp, ignore_errors=True)
+        with tarfile.open(sdists[0]) as tf:
+            prefix = tf.getnames()[0].split("/")[0] + "/vendor/llama.cpp/"
+            members = [m for m in tf.getmembers() if m.name.startswith(prefix)]
+            tf.extractall(tmp, members=members, filter="data")
+        shutil.rmtree(src, ignore_errors=True)
+        (tmp / prefix).rename(src)
+        shutil.rmtree(tmp, ignore_errors=True)
+    build = base / "build"
+    jobs = jobs or os.cpu_count() or 1
+    commit = vendored_commit(base) or "unknown"  # no .git in the sdist: tell cmake, so --version says it
+    t0 = time.time()
+    log(f"building llama.cpp {commit} ({', '.join(TARGETS)}) in {build} with -j{jobs}; this takes minutes")
+    subprocess.run(["cmake", "-S", str(src), "-B", str(build), "-DCMAKE_BUILD_TYPE=Release",
+                    "-DGGML_NATIVE=ON", "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF",
+                    f"-DLLAMA_BUILD_COMMIT={commit}"], check=True)
+    subprocess.run(["cmake", "--build", str(build), "--config", "Release", "-j", str(jobs),
+                    "--target", *TARGETS], check=True)
+    took = time.time() - t0
+    marker.write_text(json.dumps({"llama_cpp_python": version, "llama_cpp_commit": commit,
+                                  "build_seconds": round(took), "jobs": jobs}) + "\n")
+    log(f"llama.cpp built in {took:.0f} s")
+    return bindir
+
+
+def llama_version(server: Path) -> dict[str, Any]:
+    """What the binary says of itself (`--version`), plus the build record when it is our cached build."""
+    p = subprocess.run([str(server), "--version"], capture_output=True, text=True, timeout=60)
+    out = {"binary": str(server), "version": " ".join((p.stdout + p.stderr).split())}
+    marker = server.parent.parent.parent / "BUILT"
+    if marker.exists():
+        try:
+            out.update(json.loads(marker.read_text()))
+        except ValueError:
+            pass
+    return out
+
+
+# ---------------------------------------------------------------- the GGUF files
+
+
+def derived_dir() -> Path:
+    from llmserve_torch.gguf_cache import cache_root
+
+    return cache_root() / "llama.cpp" / "models"
+
+
+def _atomic_write(dst: Path, write) -> Path:
+    """write(tmp_path), then rename into dst: a killed run never leaves half a file under the real name."""
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    tmp = dst.with_name(f".{dst.name}.{os.getpid()}.tmp")
+    try:
+        write(tmp)
+        os.replace(tmp, dst)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return dst
+
+
+def write_gguf_copy(src: Path, dst: Path, qtype: str = "F32") -> Path:
+    """src with every tensor dequantized to float32 (qtype F32), or its 2-D tensors requantized to Q8_0 with gguf-py
+    (1-D ones stay float32, as llama-quantize keeps them); the metadata copied as it is."""
+    import gguf
+    import numpy as np
+
+    def write(tmp: Path) -> None:
+        r = gguf.GGUFReader(src)
+        arch = r.get_field("general.architecture").contents()
+        w = gguf.GGUFWriter(str(tmp), arch)
+        for name, f in r.fields.items():
+            if name.startswith("GGUF.") or name in ("general.architecture", "general.alignment", "general.file_type"):
+                continue
+            sub = f.types[-1] if f.types[0] == gguf.GGUFValueType.ARRAY else None
+            w.add_key_value(name, f.contents(), f.types[0], sub_type=sub)
+        w.add_file_type(gguf.LlamaFileType.ALL_F32 if qtype == "F32" else gguf.LlamaFileType.MOSTLY_Q8_0)
+        for t in r.tensors:
+            x = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32)
+            if qtype == "Q8_0" and x.ndim == 2 and x.shape[-1] % 32 == 0:
+                w.add_tensor(t.name, gguf.quants.quantize(x, gguf.GGMLQuantizationType.Q8_0),
+                             raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+            else:
+                w.add_tensor(t.name, x)
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file()
+        w.close()
+
+    log(f"writing {dst.name} ({qtype}) from {src.name}")
+    return _atomic_write(dst, write)
+
+
+def make_q8_0(src: Path, quantize: Path | None) -> Path:
+    """A Q8_0 file of the default model: its Q4_1 tensors dequantized to an F32 file, then llama-quantize'd to Q8_0
+    (no --allow-requantize needed); gguf-py's Q8_0 when there is no llama-quantize binary."""
+    stem = src.name.rsplit(".", 2)[0]  # SmolLM2-135M-Instruct
+    dst = derived_dir() / f"{stem}.Q8_0.gguf"
+    if dst.exists():
+        return dst
+    if quantize is None or not quantize.exists():
+        return write_gguf_copy(src, dst, "Q8_0")
+    f32 = derived_dir() / f"{stem}.F32.gguf"
+    if not f32.exists():
+        write_gguf_copy(src, f32, "F32")
+    log(f"quantizing {f32.name} to Q8_0 with {quantize}")
+
+    def write(tmp: Path) -> None:
+        subprocess.run([str(quantize), str(f32), str(tmp), "Q8_0"], check=True, stdout=subprocess.DEVNULL)
+
+    return _atomic_write(dst, write)
+
+
+def make_random_gpt2(seed: int = 0) -> Path:
+    """The GPT-2 124M shape (12 layers, 768 wide, 12 heads, 1024 positions, 50257 tokens) with random float32 weights,
+    as llama.cpp's converter lays GPT-2 out (the head tied to token_embd), and a synthetic byte-level BPE vocabulary:
+    the 256 byte symbols, 50000 two-symbol merges, <|endoftext|> (id 50256)."""
+    import gguf
+    import numpy as np
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    dst = derived_dir() / f"gpt2-124m-random-seed{seed}.F32.gguf"
+    if dst.exists():
+        return dst
+    n_vocab, n_ctx, n_embd, n_layer, n_head = 50257, 1024, 768, 12, 12
+    byte_syms = list(bytes_to_unicode().values())
+    merges = [f"{byte_syms[k // 256]} {byte_syms[k % 256]}" for k in range(n_vocab - 257)]
+    tokens = byte_syms + [m.replace(" ", "") for m in merges] + ["<|endoftext|>"]
+    types = [gguf.TokenType.NORMAL] * (n_vocab - 1) + [gguf.TokenType.CONTROL]
+
+    def write(tmp: Path) -> None:
+        rng = np.random.default_rng(seed)
+        randn = lambda *shape: (rng.standard_normal(shape, dtype=np.float32) * 0.02)  # noqa: E731
+        w = gguf.GGUFWriter(str(tmp), "gpt2")
+        w.add_name("gpt2-124m-random")
+        w.add_file_type(gguf.LlamaFileType.ALL_F32)
+        w.add_context_length(n_ctx)
+        w.add_embedding_length(n_embd)
+        w.add_feed_forward_length(4 * n_embd)
+        w.add_block_count(n_layer)
+        w.add_head_count(n_head)
+        w.add_layer_norm_eps(1e-5)
+        w.add_vocab_size(n_vocab)
+        w.add_tokenizer_model("gpt2")
+        w.add_tokenizer_pre("gpt-2")
+        w.add_token_list(tokens)
+        w.add_token_types(types)
+        w.add_token_merges(merges)
+        w.add_bos_token_id(n_vocab - 1)
+        w.add_eos_token_id(n_vocab - 1)
+        w.add_add_bos_token(False)
+        ones = lambda n: np.ones(n, dtype=np.float32)  # noqa: E731
+        # numpy shapes are [out, in] (GGUF lists them reversed)
+        w.add_tensor("token_embd.weight", randn(n_vocab, n_embd))
+        w.add_tensor("position_embd.weight", randn(n_ctx, n_embd))
+        for i in range(n_layer):
+            b = f"blk.{i}."
+            for name, shape in (("attn_norm", None), ("attn_qkv", (3 * n_embd, n_embd)),
+                                ("attn_output", (n_embd, n_embd)), ("ffn_norm", None),
+                                ("ffn_up", (4 * n_embd, n_embd)), ("ffn_down", (n_embd, 4 * n_embd))):
+                if shape is None:
+                    w.add_tensor(b + name + ".weight", ones(n_embd))
+                    w.add_tensor(b + name + ".bias", randn(n_embd))
+                else:
+                    w.add_tensor(b + name + ".weight", randn(*shape))
+                    w.add_tensor(b + name + ".bias", randn(shape[0]))
+        w.add_tensor("output_norm.weight", ones(n_embd))
+        w.add_tensor("output_norm.bias", randn(n_embd))
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file()
+        w.close()
+
+    log(f"writing {dst.name} (GPT-2 124M shape, random float32 weights, seed {seed})")
+    return _atomic_write(dst, write)
+
+
+def resolve_file(name: str, quantize: Path | None) -> Path:
+    from llmserve_torch.packaged import DEFAULT_MODEL, resolve
+
+    if name == "q4_1":
+        return resolve(DEFAULT_MODEL)
+    if name == "q8_0":
+        return make_q8_0(resolve(DEFAULT_MODEL), quantize)
+    if name == "gpt2-f32":
+        return make_random_gpt2()
+    p = Path(name).expanduser()
+    if p.suffix == ".gguf" and p.is_file():
+        return p
+    raise SystemExit(f"--files: {name!r} is neither one of {', '.join(FILES)} nor a .gguf file")
+
+
+def prepare_llmserve(path: Path) -> None:
+    """Convert the GGUF into llmserve's cache now, untimed: a first load of a large file (hashing, dequantizing, the
+    tokenizer built by transformers) can take minutes, longer than launch_server waits for /health."""
+    try:
+        from llmserve_torch.gguf_cache import cached_checkpoint
+    except ImportError:
+        return
+    t0 = time.time()
+    cached_checkpoint(path)
+    if time.time() - t0 > 1:
+        log(f"{path.name}: converted into llmserve's GGUF cache in {time.time() - t0:.0f} s")
+
+
+FILES = {"q4_1": "the default model (SmolLM2-135M-Instruct) as packaged, Q4_1",
+         "q8_0": "the default model's Q4_1 values in Q8_0 (dequantized to F32, then llama-quantize Q8_0)",
+         "gpt2-f32": "the GPT-2 124M shape, random float32 weights"}
+
+
+# ---------------------------------------------------------------- cases and servers
+
+
+@dataclass
+class Case:
+    name: str
+    concurrency: int
+    requests: int
+    prompt_len: tuple[int, int]
+    output_len: tuple[int, int]
+    what: str
+
+
+CASES = {c.name: c for c in [
+    Case("c1", 1, 16, (16, 128), (128, 128), "one client: decode latency"),
+    Case("c8", 8, 64, (16, 128), (128, 128), "8 clients"),
+    Case("c64", 64, 256, (16, 128), (128, 128), "64 clients: batched throughput"),
+    Case("ttft", 1, 8, (960, 960), (32, 32), "960-token prompts, one client: prefill (TTFT)"),
+]}
+SYSTEMS = ("llmserve", "llama-server")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def slot_context(case: Case) -> int:
+    """Context per llama-server slot: the longest prompt + output + 1 (llama-server stops a sequence whose next
+    token would fill the slot), rounded up to 256."""
+    need = case.prompt_len[1] + case.output_len[1] + 1
+    return -(-need // 256) * 256
+
+
+class LlamaServer:
+    """llama-server on FILE with one slot per client; its log in a temporary file, shown when it fails."""
+
+    def __init__(self, binary: Path, gguf: Path, case: Case, threads: int, logdir: Path):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.cmd = [str(binary), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(self.port),
+                    "--parallel", str(case.concurrency), "-c", str(case.concurrency * slot_context(case)),
+                    "--threads", str(threads), "--threads-batch", str(threads), "--no-webui"]
+        self.logfile = logdir / f"llama-server-{self.port}.log"
+
+    def __enter__(self) -> LlamaServer:
+        import httpx
+
+        self.log = open(self.logfile, "w")
+        self.proc = subprocess.Popen(self.cmd, stdout=self.log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 300
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"llama-server exited with {self.proc.returncode}:\n{self.tail()}")
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    return self
+            except httpx.TransportError:
+                pass
+            if time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"llama-server did not become healthy within 300 s:\n{self.tail()}")
+            time.sleep(0.2)
+
+    def tail(self, n: int = 3000) -> str:
+        self.log.flush()
+        return self.logfile.read_text(errors="replace")[-n:]
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self.log.close()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+class LLMServe:
+    """`llmserve serve` on FILE (this checkout's code and plugins), through bench.serve.launch_server."""
+
+    def __init__(self, gguf: Path, case: Case, threads: int, extra: list[str]):
+        self.flags = ["--model", str(gguf), "--quantization", "auto", "--dtype", "auto", "--threads", str(threads),
+                      "--max-num-seqs", str(case.concurrency), *extra]
+
+    def __enter__(self) -> LLMServe:
+        from llmserve.bench.serve import launch_server
+
+        paths = [str(ROOT), str(ROOT / "plugins")] + [p for p in [os.environ.get("PYTHONPATH")] if p]
+        self.proc, self.url = launch_server(self.flags, env={**os.environ, "PYTHONPATH": os.pathsep.join(paths)})
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+def client_args(concurrency: int, requests: int, prompt_len, output_len, seed: int, args) -> argparse.Namespace:
+    """The namespace bench.workload.make_workload and bench.clients.run_http read."""
+    return argparse.Namespace(requests=requests, prompt_len=list(prompt_len), output_len=list(output_len),
+                              shared_prefix=0, workload_seed=seed, concurrency=concurrency, timeout=args.timeout,
+                              client="httpx", ignore_eos=True, json=args.json, no_progress=args.no_progress)
+
+
+def measure(url: str, case: Case, vocab: int, seed: int, args) -> dict[str, Any]:
+    """A warm-up, then the case's workload (seed) through the server at url: the summary and its checks."""
+    from llmserve.bench.clients import run_http
+    from llmserve.bench.report import summarize_results
+    from llmserve.bench.serve import _server_facts
+    from llmserve.bench.workload import make_workload
+
+    model = _server_facts(url, None).get("model")
+    warm = client_args(case.concurrency, max(2, min(case.concurrency, 8)), (16, 32), (8, 8), 1_000_000 + seed, args)
+    res, _ = asyncio.run(run_http(warm, url, make_workload(warm, vocab), model))
+    if not all(r.ok for r in res):
+        raise RuntimeError(f"the warm-up failed at {url}: {next(r.error for r in res if not r.ok)}")
+    ca = client_args(case.concurrency, case.requests, case.prompt_len, case.output_len, seed, args)
+    items = make_workload(ca, vocab)
+    res, elapsed = asyncio.run(run_http(ca, url, items, model))
+    s = summarize_results(res, elapsed)
+    ok = [r for r in res if r.ok]
+    s["expected_tokens"] = sum(i.max_tokens for i in items)
+    # every request must produce exactly its max_tokens (EOS ignored): without it the figures compare nothing
+    s["tokens_ok"] = s["failed"] == 0 and s["output_tokens"] == s["expected_tokens"] and (
+        case.output_len[0] != case.output_len[1] or all(r.output_tokens == case.output_len[0] for r in ok))
+    # SSE events that carried text: fewer than tokens where a server holds back an incomplete UTF-8 character
+    s["token_events"] = sum(len(r.itl) + 1 for r in ok)
+    s["prompt_tokens"] = sum(len(i.prompt) for i in items)
+    return s
+
+
+def gguf_facts(path: Path) -> dict[str, Any]:
+    from llmserve_torch.gguf_file import GGUFCheckpoint
+
+    ck = GGUFCheckpoint(path)
+    return {"path": str(path), "arch": ck.arch_name, "bytes": path.stat().st_size,
+            "vocab_size": int(ck.tensors["token_embd.weight"].shape[-1]), "tensor_types": dict(ck.type_counts())}
+
+
+def run_case(name: str, gguf: Path, case: Case, server_bin: Path | None, args, logdir: Path) -> dict[str, Any]:
+    from llmserve.bench.report import summarize_results  # noqa: F401 (imported early: a broken install fails here)
+
+    facts = gguf_facts(gguf)
+    vocab = facts["vocab_size"]
+    per: dict[str, list[dict[str, Any]]] = {s: [] for s in args.systems}
+    cmds: dict[str, Any] = {}
+    for k in range(args.rounds):
+        seed = args.seed + k  # a fresh seed per round, the same for both servers
+        for system in args.systems:
+            log(f"{name}/{case.name} round {k + 1}/{args.rounds}: {system}")
+            if system == "llmserve":
+                srv = LLMServe(gguf, case, args.threads, args.llmserve_flag)
+                cmds[system] = ["llmserve", "serve", *srv.flags]
+            else:
+                srv = LlamaServer(server_bin, gguf, case, args.threads, logdir)
+                cmds[system] = srv.cmd
+            with srv:
+                r = measure(srv.url, case, vocab, seed, args)
+            r["round"], r["workload_seed"] = k, seed
+            per[system].append(r)
+            if not r["tokens_ok"]:
+                log(f"WARNING {system}: {r['output_tokens']} output tokens of {r['expected_tokens']} expected, "
+                    f"{r['failed']} failed {r['errors']}")
+    out: dict[str, Any] = {"file": name, "case": case.name, "what": case.what, "gguf": facts,
+                           "workload": {"concurrency": case.concurrency, "requests": case.requests,
+                                        "prompt_len": list(case.prompt_len), "output_len": list(case.output_len),
+                                        "seeds": [args.seed + k for k in range(args.rounds)], "greedy": True,
+                                        "ignore_eos": True, "prompts": "token ids"},
+                           "commands": cmds, "systems": {}}
+    for system, rounds in per.items():
+        out["systems"][system] = combine(rounds)
+    if len(per) == 2:
+        a, b = (out["systems"][s] for s in SYSTEMS)
+        out["ratio"] = {k: (a[k] / b[k] if a[k] and b[k] else None) for k in ("tok_s", "ttft_p50_ms", "itl_p50_ms",
+                                                                              "tpot_p50_ms")}
+        out["ratio_per_round"] = [x["output_token_throughput"] / y["output_token_throughput"]
+                                  if y["output_token_throughput"] else None
+                                  for x, y in zip(per[SYSTEMS[0]], per[SYSTEMS[1]])]
+    return out
+
+
+def combine(rounds: list[dict[str, Any]]) -> dict[str, Any]:
+    """The rounds of one system as one run: throughput over the summed time, percentiles of the rounds' medians
+    (a median of medians: each round's p50 from its summary; the spread shows in per_round)."""
+    import statistics
+
+    elapsed = sum(r["elapsed_s"] for r in rounds)
+    tokens = sum(r["output_tokens"] for r in rounds)
+    med = lambda key, q: statistics.median(r["latency_ms"][key][q] for r in rounds  # noqa: E731
+                                           if r["latency_ms"][key][q] is not None) if any(
+        r["latency_ms"][key][q] is not None for r in rounds) else None
+    return {
+        "tok_s": tokens / elapsed if elapsed else 0.0,
+        "ttft_p50_ms": med("ttft", "p50"), "itl_p50_ms": med("itl", "p50"), "tpot_p50_ms": med("tpot", "p50"),
+        "ttft_p90_ms": med("ttft", "p90"), "itl_p90_ms": med("itl", "p90"),
+        "completed": sum(r["completed"] for r in rounds), "failed": sum(r["failed"] for r in rounds),
+        "output_tokens": tokens, "expected_tokens": sum(r["expected_tokens"] for r in rounds),
+        "token_events": sum(r["token_events"] for r in rounds),
+        "tokens_ok": all(r["tokens_ok"] for r in rounds),
+        "per_round": [{"workload_seed": r["workload_seed"], "tok_s": r["output_token_throughput"],
+                       "ttft_p50_ms": r["latency_ms"]["ttft"]["p50"], "itl_p50_ms": r["latency_ms"]["itl"]["p50"],
+                       "elapsed_s": r["elapsed_s"], "errors": r["errors"]} for r in rounds],
+    }
+
+
+# ---------------------------------------------------------------- the machine and the report
+
+
+def machine(threads: int, llama: dict[str, Any] | None) -> dict[str, Any]:
+    from importlib.metadata import version
+
+    from llmserve.bench.report import machine_info
+
+    info = machine_info()
+    flags: set[str] = set()
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = set(next((ln for ln in f if ln.startswith("flags")), ":").split(":", 1)[1].split())
+    except OSError:
+        pass
+    info["cpu_flags"] = {k: k in flags for k in ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_tile")}
+    info["threads"] = threads
+    info["torch"] = version("torch")
+    info["llama_cpp"] = llama
+    return info
+
+
+def fmt(v: Any, nd: int = 1) -> str:
+    return "-" if v is None else f"{v:.{nd}f}"
+
+
+def print_report(rep: dict[str, Any]) -> None:
+    m = rep["machine"]
+    flags = " ".join(k for k, v in m["cpu_flags"].items() if v) or "-"
+    print(f"machine: {m.get('cpu', '?')}, {m['cpus']} cpus ({flags}), threads {m['threads']}, python {m['python']}, "
+          f"torch {m['torch']}")
+    if m.get("llama_cpp"):
+        lc = m["llama_cpp"]
+        ver = re.sub(r"^version:\s*", "", lc.get("version") or "?")
+        print(f"llama.cpp: {ver}" + (f" (vendored by llama-cpp-python {lc['llama_cpp_python']})"
+                                     if lc.get("llama_cpp_python") else "") + f"; {lc['binary']}")
+    print(f"rounds {rep['rounds']} (alternated {' / '.join(rep['systems'])}), greedy, EOS ignored, token-id prompts")
+    for c in rep["cases"]:
+        w, g = c["workload"], c["gguf"]
+        types = ", ".join(f"{k}×{v}" for k, v in sorted(g["tensor_types"].items()))
+        print(f"\n## {c['file']} / {c['case']}: {c['what']}")
+        print(f"   {Path(g['path']).name} ({g['arch']}, {g['bytes'] / 1e6:.0f} MB: {types})")
+        print(f"   c={w['concurrency']}, {w['requests']} requests/round, prompt {w['prompt_len'][0]}–{w['prompt_len'][1]}"
+              f", output {w['output_len'][0]}–{w['output_len'][1]}, seeds {w['seeds']}")
+        print(f"   {'system':<16}{'tok/s':>9}{'TTFT p50':>10}{'ITL p50':>9}{'TPOT p50':>10}  {'tokens':<18}")
+        for s, d in c["systems"].items():
+            tok = f"{d['output_tokens']}/{d['expected_tokens']}" + ("" if d["tokens_ok"] else " MISMATCH")
+            print(f"   {s:<16}{fmt(d['tok_s']):>9}{fmt(d['ttft_p50_ms']):>10}{fmt(d['itl_p50_ms'], 2):>9}"
+                  f"{fmt(d['tpot_p50_ms'], 2):>10}  {tok:<18}")
+        if "ratio" in c:
+            r = c["ratio"]
+            print(f"   {'llmserve/llama':<16}{fmt(r['tok_s'], 3):>9}{fmt(r['ttft_p50_ms'], 3):>10}"
+                  f"{fmt(r['itl_p50_ms'], 3):>9}{fmt(r['tpot_p50_ms'], 3):>10}  "
+                  f"(tok/s per round: {', '.join(fmt(x, 3) for x in c['ratio_per_round'])})")
+    print("\ntok/s: output tokens over the wall time of the runs; TTFT/ITL/TPOT p50 in ms (median over rounds); "
+          "tok/s ratio > 1 and latency ratios < 1 favour llmserve")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--build-only", action="store_true", help="build llama.cpp into the cache and stop")
+    ap.add_argument("--llama-server", type=Path,
+                    help="use this llama-server binary (no build); Q8_0 is made with the llama-quantize beside it, "
+                         "else with gguf-py")
+    ap.add_argument("--jobs", type=int, default=os.cpu_count(), help="build parallelism (default: cores)")
+    ap.add_argument("--files", nargs="+", default=list(FILES),
+                    help=f"GGUF files: {'; '.join(f'{k}: {v}' for k, v in FILES.items())}; or PATH.gguf "
+                         f"(default: all three)")
+    ap.add_argument("--cases", nargs="+", default=list(CASES), choices=list(CASES),
+                    help="; ".join(f"{c.name}: c={c.concurrency}, {c.requests} requests, prompt "
+                                   f"{c.prompt_len[0]}-{c.prompt_len[1]}, output {c.output_len[0]}"
+                                   for c in CASES.values()) + " (default: all)")
+    ap.add_argument("--requests", type=int, help="requests per round in every case (default: the case's)")
+    ap.add_argument("--output-len", type=int, help="new tokens per request in every case (default: the case's)")
+    ap.add_argument("--rounds", type=int, default=2, help="rounds per case, servers alternated (default 2)")
+    ap.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=SYSTEMS,
+                    help="run one side only (debugging): no ratio")
+    ap.add_argument("--threads", type=int, default=os.cpu_count(), help="threads of both servers (default: cores)")
+    ap.add_argument("--seed", type=int, default=0, help="workload seed of round 0 (round k: seed + k)")
+    ap.add_argument("--timeout", type=float, default=1800.0, help="per-request client timeout (s)")
+    ap.add_argument("--llmserve-flag", action="append", default=[], metavar="FLAG",
+                    help="an extra `llmserve serve` flag, repeatable (e.g. --llmserve-flag=--quantization=none)")
+    ap.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
+    ap.add_argument("--no-progress", action="store_true", help="no progress bars")
+    args = ap.parse_args(argv)
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+
+    server_bin = quantize = None
+    if "llama-server" in args.systems or args.build_only or "q8_0" in args.files:
+        if args.llama_server:
+            server_bin = args.llama_server.expanduser().resolve()
+            if not server_bin.is_file():
+                raise SystemExit(f"--llama-server: no such file {server_bin}")
+            quantize = server_bin.parent / "llama-quantize"
+        else:
+            bindir = build_llama_cpp(jobs=args.jobs)
+            server_bin, quantize = bindir / "llama-server", bindir / "llama-quantize"
+    if args.build_only:
+        print(server_bin.parent)
+        return 0
+    if "llama-server" not in args.systems:
+        server_bin = None
+
+    files = [(f, resolve_file(f, quantize)) for f in args.files]
+    if "llmserve" in args.systems:
+        for _, path in files:
+            prepare_llmserve(path)
+    report: dict[str, Any] = {
+        "benchmark": "vs_llama_cpp", "rounds": args.rounds, "systems": args.systems,
+        "machine": machine(args.threads, llama_version(server_bin) if server_bin else None), "cases": []}
+    ok = True
+    with tempfile.TemporaryDirectory(prefix="vs_llama_cpp-") as logdir:
+        for fname, path in files:
+            for cname in args.cases:
+                c = CASES[cname]
+                case = Case(c.name, c.concurrency, args.requests or c.requests, c.prompt_len,
+                            (args.output_len, args.output_len) if args.output_len else c.output_len, c.what)
+                res = run_case(fname, path, case, server_bin, args, Path(logdir))
+                ok &= all(d["tokens_ok"] for d in res["systems"].values())
+                report["cases"].append(res)
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        print_report(report)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
