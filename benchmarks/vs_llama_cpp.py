@@ -457,8 +457,6 @@ def gguf_facts(path: Path) -> dict[str, Any]:
 
 
 def run_case(name: str, gguf: Path, case: Case, server_bin: Path | None, args, logdir: Path) -> dict[str, Any]:
-    from llmserve.bench.report import summarize_results  # noqa: F401 (imported early: a broken install fails here)
-
     facts = gguf_facts(gguf)
     vocab = facts["vocab_size"]
     per: dict[str, list[dict[str, Any]]] = {s: [] for s in args.systems}
@@ -564,8 +562,9 @@ def print_report(rep: dict[str, Any]) -> None:
         types = ", ".join(f"{k}×{v}" for k, v in sorted(g["tensor_types"].items()))
         print(f"\n## {c['file']} / {c['case']}: {c['what']}")
         print(f"   {Path(g['path']).name} ({g['arch']}, {g['bytes'] / 1e6:.0f} MB: {types})")
-        print(f"   c={w['concurrency']}, {w['requests']} requests/round, prompt {w['prompt_len'][0]}–{w['prompt_len'][1]}"
-              f", output {w['output_len'][0]}–{w['output_len'][1]}, seeds {w['seeds']}")
+        print(f"   c={w['concurrency']}, {w['requests']} requests/round, prompt "
+              f"{w['prompt_len'][0]}–{w['prompt_len'][1]}, output {w['output_len'][0]}–{w['output_len'][1]}, "
+              f"seeds {w['seeds']}")
         print(f"   {'system':<16}{'tok/s':>9}{'TTFT p50':>10}{'ITL p50':>9}{'TPOT p50':>10}  {'tokens':<18}")
         for s, d in c["systems"].items():
             tok = f"{d['output_tokens']}/{d['expected_tokens']}" + ("" if d["tokens_ok"] else " MISMATCH")

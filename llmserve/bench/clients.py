@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import logging
 import time
 from typing import Any
 
@@ -12,6 +13,8 @@ import httpx
 
 from llmserve.bench.report import Result, Timing, progress_bar
 from llmserve.bench.workload import Item
+
+log = logging.getLogger("llmserve.bench")
 
 
 def _events(buf: bytes) -> tuple[list[bytes], bytes]:
@@ -38,34 +41,48 @@ async def _one(client: httpx.AsyncClient, url: str, headers: dict, model: str | 
         body["ignore_eos"] = True
     if model:
         body["model"] = model
-    timing = Timing(time.perf_counter())
+    for attempt in range(2):
+        timing = Timing(time.perf_counter())
+        try:
+            return await _stream(client, url, headers, body, timing)
+        except httpx.RemoteProtocolError as e:
+            # the server closed a pooled keep-alive connection as the request went out on it (seen with
+            # llama-server on a loaded machine): nothing reached the server, so send it once more on a new one
+            if attempt == 0 and "without sending a response" in str(e):
+                log.warning("%s dropped a request unanswered (%s); sending it again", url, e)
+                continue
+            return Result(False, error=f"{type(e).__name__}: {e}")
+        except Exception as e:  # noqa: BLE001 - every failure is counted and reported
+            return Result(False, error=f"{type(e).__name__}: {e}")
+    raise AssertionError("unreachable")
+
+
+async def _stream(client: httpx.AsyncClient, url: str, headers: dict, body: dict[str, Any], timing: Timing) -> Result:
+    """Send one streamed completion and time its token arrivals; transport errors propagate."""
     tokens = 0
     rest = b""
-    try:
-        async with client.stream("POST", url, json=body, headers=headers) as r:
-            if r.status_code != 200:
-                return Result(False, error=f"HTTP {r.status_code}: {(await r.aread()).decode()[:200]}")
-            # raw bytes, split into events here, and JSON parsed only for the usage and error
-            # events: the client shares the machine with the server, so it should cost little
-            async for data in r.aiter_raw():
-                now = time.perf_counter()
-                payloads, rest = _events(rest + data)
-                for p in payloads:
-                    if p == b"[DONE]":
-                        break
-                    if p.startswith(b'{"error"'):
-                        err = json.loads(p)["error"]
-                        return Result(False, error=err.get("message", "error event"))
-                    if b'"completion_tokens"' in p:  # a chunk carrying usage
-                        chunk = json.loads(p)
-                        tokens = (chunk.get("usage") or {}).get("completion_tokens", tokens)
-                        # no choices, or (as `transformers serve` sends it) a last choice with
-                        # finish_reason and empty text: not a token arrival
-                        if not any(c.get("text") for c in chunk.get("choices") or ()):
-                            continue
-                    timing.token(now)
-    except Exception as e:  # noqa: BLE001 - every failure is counted and reported
-        return Result(False, error=f"{type(e).__name__}: {e}")
+    async with client.stream("POST", url, json=body, headers=headers) as r:
+        if r.status_code != 200:
+            return Result(False, error=f"HTTP {r.status_code}: {(await r.aread()).decode()[:200]}")
+        # raw bytes, split into events here, and JSON parsed only for the usage and error
+        # events: the client shares the machine with the server, so it should cost little
+        async for data in r.aiter_raw():
+            now = time.perf_counter()
+            payloads, rest = _events(rest + data)
+            for p in payloads:
+                if p == b"[DONE]":
+                    break
+                if p.startswith(b'{"error"'):
+                    err = json.loads(p)["error"]
+                    return Result(False, error=err.get("message", "error event"))
+                if b'"completion_tokens"' in p:  # a chunk carrying usage
+                    chunk = json.loads(p)
+                    tokens = (chunk.get("usage") or {}).get("completion_tokens", tokens)
+                    # no choices, or (as `transformers serve` sends it) a last choice with
+                    # finish_reason and empty text: not a token arrival
+                    if not any(c.get("text") for c in chunk.get("choices") or ()):
+                        continue
+                timing.token(now)
     return timing.result(time.perf_counter(), tokens)
 
 

@@ -88,3 +88,41 @@ def test_bench_serve_text_prompts_without_ignore_eos_for_a_strict_peer(capsys, m
     # the default still sends token ids and ignore_eos
     args = p.parse_args(["--requests", "2"])
     assert args.ignore_eos and all(isinstance(it.prompt, list) for it in make_workload(args, 257))
+
+
+def test_bench_serve_resends_a_request_the_server_dropped_unanswered(monkeypatch):
+    """A pooled keep-alive connection closed by the server as a request goes out on it (llama-server on a loaded
+    machine) is answered by no server: the client sends it once more; a second such drop is a failure."""
+    import argparse
+
+    import httpx
+
+    from llmserve.bench.clients import run_http
+    from llmserve.bench.workload import Item
+
+    calls = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        calls.append(json.loads(request.content)["max_tokens"])
+        if calls.count(calls[-1]) == 1 or calls[-1] == 3:  # every first try; max_tokens 3 always
+            raise httpx.RemoteProtocolError("Server disconnected without sending a response.")
+        n = calls[-1]
+        events = "".join("data: " + json.dumps({"choices": [{"index": 0, "text": f" w{i}"}]}) + "\n\n"
+                         for i in range(n))
+        events += "data: " + json.dumps({"choices": [], "usage": {"completion_tokens": n}}) + "\n\ndata: [DONE]\n\n"
+
+        class Stream(httpx.AsyncByteStream):
+            async def __aiter__(self):
+                yield events.encode()
+
+        return httpx.Response(200, stream=Stream(), headers={"content-type": "text/event-stream"})
+
+    real_client = httpx.AsyncClient
+    monkeypatch.setattr(httpx, "AsyncClient",
+                        lambda **kw: real_client(transport=httpx.MockTransport(handler), **kw))
+    args = argparse.Namespace(concurrency=1, timeout=10.0, no_progress=True, json=True, client="httpx",
+                              ignore_eos=True)
+    results, _ = asyncio.run(run_http(args, "http://peer", [Item([1, 2], 2), Item([1, 2], 3)], None))
+    assert calls == [2, 2, 3, 3]
+    assert [(r.ok, r.output_tokens) for r in results] == [(True, 2), (False, 0)]
+    assert "without sending a response" in results[1].error
