@@ -76,15 +76,17 @@ class Probe:
     seconds: float  # what the probes took
 
 
-def probe(dtype: str, hidden: int, rows: int) -> Probe:
-    """Measure bandwidth and the GEMM rate for a decode shape: `rows` tokens through a hidden → 4·hidden linear.
+def probe(dtype: str, hidden: int, batch: int) -> Probe:
+    """Measure bandwidth, and the GEMM rate of max(batch, 64) rows through a hidden → 4·hidden linear.
 
-    Take rows = the largest decode batch: the rate only grows with rows, so smaller batches get a lower
-    compute floor than their own shape would, and the bound stays a floor.
+    The compute term asks what the arithmetic units can do: with fewer rows a GEMM reuses each weight
+    too little, and its "rate" is the cache's bandwidth (the memory term's business). The rate only
+    grows with rows, so batches below the probe's rows get a lower compute floor: the bound stays a floor.
     """
     import torch
 
     t0 = time.perf_counter()
+    rows = max(batch, 64)
     bw = measure_bandwidth()
     rate = measure_gemm_rate(rows, hidden, 4 * hidden, dtype)
     return Probe(bw, rate, (rows, hidden, 4 * hidden), dtype, torch.get_num_threads(), time.perf_counter() - t0)
