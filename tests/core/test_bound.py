@@ -22,13 +22,14 @@ def test_compute_binds_at_a_large_batch():
 
 def test_decode_bound_groups_steps_by_batch():
     fp = {"weight_bytes": 100_000_000, "matmul_params": 50_000_000, "kv_bytes_per_token": 10_000}
-    p = Probe(bandwidth=10e9, gemm_rate=100e9, gemm_shape=(2, 8, 32), dtype="float32", threads=1, seconds=0.0)
+    p = Probe(bandwidth=10e9, bandwidth_readings=[8e9, 10e9], gemm_rate=100e9, gemm_shape=(2, 8, 32), dtype="float32", threads=1, seconds=0.0)
     steps = [(1, 1000, 0.020), (1, 1000, 0.024), (1, 1000, 0.022), (2, 0, 0.050)]
     r = decode_bound(steps, fp, p)
     one, two = r["by_batch"]
     assert (one["batch"], one["steps"], one["context_mean"]) == (1, 3, 1000)
     assert abs(one["step_p50_ms"] - 22.0) < 1e-9 and abs(one["bound_ms"] - 11.0) < 1e-9
     assert abs(one["ratio"] - 2.0) < 1e-9 and one["binds"] == "memory"
+    assert abs(one["read_gbs"] - 5.0) < 1e-9  # the floor's 110 MB in the step's 22 ms
     assert abs(two["bound_ms"] - 10.0) < 1e-9 and abs(two["ratio"] - 5.0) < 1e-9  # memory 10 ms vs compute 2 ms
     assert r["probe"]["bandwidth_gbs"] == 10.0 and r["footprint"] == fp
 
