@@ -1,9 +1,9 @@
 """`llmserve bench offline`: a seeded synthetic workload run through the engine, no HTTP.
 
 Reports latency (queue, TTFT, ITL, e2e), throughput, batch sizes, KV-cache utilization and
-fragmentation, prefix-cache hit rate, and the engine's own overhead per step (everything but
-the backend's forward and sampling). `drive` is also the offline side of `bench serve
---compare-offline`.
+fragmentation, prefix-cache hit rate, the engine's own overhead per step (everything but
+the backend's forward and sampling), and decode step time against the machine's bound
+(bound.py). `drive` is also the offline side of `bench serve --compare-offline`.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from llmserve.bench.bound import bandwidth_before, bound_report, print_decode_bound
 from llmserve.bench.report import Result, Timing, fmt, format_threads, in_ms, machine_info, print_run, \
     progress_bar, summarize_results
 from llmserve.bench.workload import Item, add_workload_arguments, make_workload, workload_facts
@@ -37,6 +38,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="Poisson arrivals per second (0: all requests arrive at once)")
     p.add_argument("--priorities", type=int, default=1, help="draw priorities from 0..N-1 (policy priority)")
     p.add_argument("--n", type=int, default=1, help="completions per request (n > 1 shares the prompt's KV)")
+    p.add_argument("--no-bound", action="store_true",
+                   help="skip the bandwidth and GEMM probes and the decode step vs bound table")
 
 
 def thread_layout(engine) -> dict[str, Any]:
@@ -99,14 +102,21 @@ def run(args: argparse.Namespace, config) -> dict[str, Any]:
     items = make_workload(args, engine.backend.vocab_size)
     full = engine.scheduler_stats().max_num_seqs or config.scheduler.max_num_seqs
     ran: list = []  # the metrics of the steps that ran a batch
+    decodes: list[tuple[int, int, float]] = []  # decode-only steps: batch, context tokens read, step seconds
     peak = {"internal": 0.0, "external": 0.0}
     steps = 0
+    bw_before = bandwidth_before(engine.backend.describe(), skip=args.no_bound)  # the machine drifts: read it twice
 
     def on_step(so) -> None:
         nonlocal steps
         steps += 1
-        if so.metrics is not None and so.metrics.batch_size:
-            ran.append(so.metrics)
+        m = so.metrics
+        if m is not None and m.batch_size:
+            ran.append(m)
+            # each sequence of a decode step put out one token and read its context: prompt + outputs before it
+            if m.num_prefill_tokens == 0 and len(so.outputs) == m.batch_size:
+                ctx = sum(o.num_prompt_tokens + o.num_output_tokens - 1 for o in so.outputs)
+                decodes.append((m.batch_size, ctx, m.step_seconds))
         # read between steps, so its cost is not counted as engine overhead
         c = engine.scheduler_stats().cache
         peak["internal"] = max(peak["internal"], c.internal_fragmentation)
@@ -116,6 +126,8 @@ def run(args: argparse.Namespace, config) -> dict[str, Any]:
                              progress_bar(args, len(items) * args.n, "bench offline"), detokenize=False,
                              on_step=on_step, n=args.n)
     snap = engine.metrics_snapshot()
+    desc = engine.backend.describe()
+    bound = bound_report(decodes, desc, args.no_bound, bw_before)  # probes on the engine's thread: its torch threads
     cache = engine.scheduler_stats().cache
     total_prompt = sum(len(it.prompt) for it in items) * args.n  # every sequence's prompt: the fan-out total
     summary = summarize_results(results, elapsed)
@@ -132,7 +144,7 @@ def run(args: argparse.Namespace, config) -> dict[str, Any]:
             "cache": config.cache.name, "block_size": config.cache.block_size, "num_blocks": cache.num_blocks,
             "prefix_caching": config.cache.enable_prefix_caching,
         },
-        "backend": engine.backend.describe(),
+        "backend": desc,
         "threads": thread_layout(engine),
         "machine": machine_info(),
         **summary,
@@ -147,6 +159,7 @@ def run(args: argparse.Namespace, config) -> dict[str, Any]:
             f"steps_with_{full}_running": in_ms(summarize([m.overhead_seconds for m in ran if m.batch_size >= full])),
         },
         "backend_ms": in_ms(summarize([m.backend_seconds for m in ran])),
+        "decode_bound": bound,
         "kv_cache": {
             "peak_utilization": max((m.kv_cache_usage for m in ran), default=0.0),
             "peak_internal_fragmentation": peak["internal"],
@@ -193,6 +206,7 @@ def print_report(r: dict[str, Any]) -> None:
     pc = r["prefix_cache"]
     print(f"prefix cache: hit rate {pc['hit_rate']:.1%}; prefill tokens computed {pc['prefill_tokens_computed']} of "
           f"{pc['prompt_tokens_total']} prompt tokens ({pc['prefill_reduction']:+.1%} saved; recompute after preemption counts)")
+    print_decode_bound(r["decode_bound"])
 
 
 def bench_config(args: argparse.Namespace):

@@ -12,6 +12,7 @@ from llmserve.config import EngineConfig, check_options
 from llmserve.errors import ConfigError
 from llmserve.interfaces import ModelBackend
 from llmserve_torch.attention import KERNELS, StepMetadata, cpu_argmax, make_attention
+from llmserve_torch.footprint import footprint
 from llmserve_torch.kv_cache import KVCache, budget_bytes, bytes_per_block
 from llmserve_torch.loader import load_model
 from llmserve_torch.sampling import Sampler, prompt_logprobs
@@ -53,6 +54,8 @@ class TorchBackend(ModelBackend):
         self.arch = loaded.arch
         self.device = loaded.device
         self.dtype = loaded.dtype
+        # bytes and multiply-accumulates of a decode step, for the limit `bench offline` prints
+        self.footprint = footprint(self.model, self.arch, self.dtype)
         self.vocab_size = self.arch.vocab_size
         limit = self.arch.max_position_embeddings
         if mc.max_model_len is not None:
@@ -216,7 +219,7 @@ class TorchBackend(ModelBackend):
         return p
 
     def describe(self) -> dict[str, Any]:
-        """Model, dtype, device, kernel, weights, cache size, threads."""
+        """Model, dtype, device, kernel, weights, cache size, threads, and what a decode step reads (footprint.py)."""
         a = self.arch
         d = {
             "backend": "torch",
@@ -234,6 +237,7 @@ class TorchBackend(ModelBackend):
             "max_model_len": self.max_model_len,
             "threads": torch.get_num_threads(),
             "torch": torch.__version__,
+            **self.footprint,
         }
         if self.kv is not None:
             d.update({"attention": self.attention.name, "kv_blocks": self.kv.num_blocks,

@@ -48,6 +48,17 @@ class Linear:
             self.weight = None  # the packed copy replaces it (callers keep their own reference if they need one)
 
     @property
+    def nbytes(self) -> int:
+        """Bytes one call reads from memory: the weight (plain or packed) and the bias."""
+        w = self.weight if self.packed is None else self.packed
+        return w.nbytes + (0 if self.bias is None else self.bias.nbytes)
+
+    @property
+    def params(self) -> int:
+        """Multiply-accumulates per input row: out_features × in_features."""
+        return (self.weight if self.packed is None else self.packed).numel()
+
+    @property
     def fused_gelu(self) -> bool:
         return self.post[0] == "gelu"
 
