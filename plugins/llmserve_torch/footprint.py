@@ -5,13 +5,12 @@ sequence's K and V once per layer. The embedding table is not counted: a lookup 
 token; when the LM head is tied to it, the head's linear counts it. Norm weights and biases outside
 the linears are a few KiB and are left out.
 
-Only the `nbytes` and `params` of the model's linear objects are used, so any linear class that
-implements those two properties (plain, oneDNN-packed, quantized) is counted as it is stored.
+Only the `nbytes` and `params` of the model's linears (`model.linears()`) are used, so every linear
+class (plain, oneDNN-packed, quantized: what a step at a few rows reads) is counted as it is stored.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -20,25 +19,9 @@ from llmserve_torch.arch import ArchConfig
 from llmserve_torch.kv_cache import bytes_per_block
 
 
-def linears(model: Any) -> Iterator[Any]:
-    """Every distinct linear object the model holds: anything with `nbytes` and `params` that is not a tensor."""
-    seen: set[int] = set()
-    stack = [model.__dict__]
-    while stack:
-        obj = stack.pop()
-        if isinstance(obj, dict):
-            stack.extend(obj.values())
-        elif isinstance(obj, (list, tuple)):
-            stack.extend(obj)
-        elif not isinstance(obj, torch.Tensor) and hasattr(obj, "params") and hasattr(obj, "nbytes"):
-            if id(obj) not in seen:
-                seen.add(id(obj))
-                yield obj
-
-
 def footprint(model: Any, arch: ArchConfig, kv_dtype: torch.dtype) -> dict[str, int]:
     """weight_bytes and matmul_params of a decode step (per token), and K+V bytes per token of context."""
-    lin = list(linears(model))
+    lin = model.linears()
     return {
         "weight_bytes": sum(x.nbytes for x in lin),
         "matmul_params": sum(x.params for x in lin),

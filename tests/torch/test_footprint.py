@@ -13,7 +13,6 @@ from torch_helpers import make_backend
 def test_embedded_model(dtype, linear):
     from llmserve.config import ModelConfig
     from llmserve_torch import embedded
-    from llmserve_torch.footprint import linears
     from llmserve_torch.models.common import onednn_available
     from llmserve_torch.sources import find_source
 
@@ -31,7 +30,7 @@ def test_embedded_model(dtype, linear):
     assert d["matmul_params"] == sum(sd[n].numel() for n in read if sd[n].dim() == 2)
     a = embedded.arch()
     assert d["kv_bytes_per_token"] == 2 * a.num_layers * a.hidden_size * elem
-    assert len(list(linears(b.model))) == 4 * a.num_layers + 1
+    assert len(b.model.linears()) == 4 * a.num_layers + 1
 
 
 @pytest.mark.parametrize("tied", [False, True])

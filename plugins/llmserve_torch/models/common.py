@@ -62,18 +62,6 @@ class Linear:
     def fused_gelu(self) -> bool:
         return self.post[0] == "gelu"
 
-    @property
-    def nbytes(self) -> int:
-        """Bytes of weight (and bias) a matmul reads."""
-        w = self.packed if self.packed is not None else self.weight
-        return w.numel() * w.element_size() + (0 if self.bias is None else self.bias.numel() * self.bias.element_size())
-
-    @property
-    def params(self) -> int:
-        """Multiply-accumulates per row of input."""
-        w = self.packed if self.packed is not None else self.weight
-        return w.numel()
-
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed, self.bias, *self.post)
