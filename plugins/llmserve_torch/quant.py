@@ -93,9 +93,10 @@ def cat_rows(parts: list[QuantWeight]) -> QuantWeight:
                        "+".join(sources))
 
 
-# csrc/decoder_ops.cpp's int8 matmul read SmolLM2's int8 LM head at 2.2 ms against aten's 4.0 at one row and
-# 3.3 against 4.7 at two; from four rows on aten's kernel won (AMD EPYC, 2 threads)
-OWN_INT8_MAX_ROWS = 2
+# csrc/decoder_ops.cpp's int8 matmul, SmolLM2's 49152 x 576 int8 LM head, AMD EPYC, 2 threads, ms at 1/2/4/8
+# rows: float activations 1.16/1.98/4.20/7.18, activations quantized to int8 per 64 (VNNI) -/1.02/1.59/3.24,
+# aten._weight_int8pack_mm 2.81/3.55/3.96/6.53. One row is memory-bound either way: it keeps float activations.
+OWN_INT8_MAX_ROWS = 8
 _own_kernel: list = []
 
 
@@ -115,7 +116,7 @@ class QuantLinear:
     """y = x @ w.T (+ bias) through a weight-only quantized kernel, or a dense copy above plan's row limit."""
 
     __slots__ = ("kind", "source", "out_features", "in_features", "bias", "plan", "dense", "_w", "_scale", "_zero",
-                 "_scales")
+                 "_scales", "_wsum")
 
     fused_gelu = False  # no post-op fusion in these kernels: the model applies its activation itself
 
@@ -126,8 +127,11 @@ class QuantLinear:
         self.bias = bias
         self.plan = plan  # kernel_plan.KernelPlan: activation dtype and dense row limit per kind
         self.dense = dense  # a common.Linear over the dequantized weight, or None
+        self._wsum = None
         if qw.kind == "int8":
             self._w = qw.q.contiguous()
+            if self.in_features % 64 == 0:  # per-64 weight sums: the VNNI path of our int8 kernel needs them
+                self._wsum = self._w.view(self.out_features, -1, 64).sum(-1, dtype=torch.int32).contiguous()
         else:
             # the CPU packing takes int32 values 0..15 and stores two per byte, [out, in/2]
             self._w = torch.ops.aten._convert_weight_to_int4pack_for_cpu(qw.q.to(torch.int32).contiguous(), 1)
@@ -162,10 +166,12 @@ class QuantLinear:
         xa = x if x.dtype == act else x.to(act)
         if self.kind == "int8":
             own = _own_int8_kernel()
-            if own is not None and x.shape[0] <= OWN_INT8_MAX_ROWS and self.in_features <= 4096:
-                y = torch.empty((x.shape[0], self.out_features), dtype=torch.float32)
+            rows = x.shape[0]
+            if own is not None and rows <= OWN_INT8_MAX_ROWS and self.in_features <= 8192:
+                y = torch.empty((rows, self.out_features), dtype=torch.float32)
                 xc = x.contiguous()  # it reads float32 or bf16 directly: no cast to act
-                own(xc.data_ptr(), xc.stride(0), xc.shape[0], self._w.data_ptr(), self._scale.data_ptr(), y.data_ptr(),
+                wsum = self._wsum.data_ptr() if rows > 1 and self._wsum is not None else None
+                own(xc.data_ptr(), xc.stride(0), rows, self._w.data_ptr(), wsum, self._scale.data_ptr(), y.data_ptr(),
                     y.stride(0), self.out_features, self.in_features, xc.element_size(), torch.get_num_threads())
                 return y
             return torch.ops.aten._weight_int8pack_mm(xa.contiguous(), self._w, self.scales_for(act))

@@ -223,3 +223,15 @@ def test_a_measured_crossover_is_remembered_for_the_next_load(monkeypatch):
     assert second.kinds["int4"].how == "measured earlier on this machine"
     assert second.kinds["int4"].max_rows == first.kinds["int4"].max_rows
     assert second.kinds["int4"].timings == first.kinds["int4"].timings
+
+
+@pytest.mark.parametrize("rows", [1, 3, 8, 12])  # our kernel: float activations, int8 activations (VNNI); aten
+@pytest.mark.parametrize("serving", DTYPES)
+def test_each_int8_kernel_path_matches_the_reference(rows, serving):
+    qw = quantize_int8(torch.from_numpy(_weights(80, 320)))
+    lin = QuantLinear(qw, None, _plan("int8", torch.bfloat16, 16))
+    x = torch.randn(rows, 320)
+    want = F.linear(x, qw.dequantize())
+    got = lin(x.to(serving)).float()
+    tol = (1e-4 if rows == 1 and serving == torch.float32 else 0.02) * want.abs().max().item()
+    torch.testing.assert_close(got, want, atol=tol, rtol=0)

@@ -9,6 +9,10 @@
 
 #include <cstdint>
 
+#if defined(__AVX512VNNI__) && defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
 #include "bf16.h"
 
 namespace {
@@ -77,18 +81,69 @@ void silu_mul(const T* gu, int64_t gs, T* out, int64_t os, int rows, int inter, 
 
 // y[r, n] = scale[n] * sum_k x[r, k] * w[n, k] for a few rows: each int8 weight row is read once from
 // memory for all of them (torch's _weight_int8pack_mm streamed SmolLM2's 28 MB LM head at ~8 GB/s).
+constexpr int kMaxRows = 8;
+constexpr int kMaxK = 8192;
+constexpr int kBlock = 64;  // activations are quantized to int8 with one scale per 64 values
+
+#if defined(__AVX512VNNI__) && defined(__AVX512F__)
+// With VNNI, as llama.cpp does: the activations are quantized to int8 per block of 64 (stored +128 as
+// uint8, so vpdpbusd can multiply them with the signed weights), and each block's int32 dot product is
+// scaled back; wsum[n, b] (the block's weight sum) removes the +128.
+void int8_matmul_vnni(const float* xf, int rows, const int8_t* w, const int32_t* wsum, const float* scale, float* y,
+                      int64_t ys, int N, int K, int th) {
+  const int nb = K / kBlock;
+  alignas(64) static thread_local uint8_t xq[kMaxRows][kMaxK];
+  static thread_local float xs[kMaxRows][kMaxK / kBlock];
+  for (int r = 0; r < rows; ++r) {
+    for (int b = 0; b < nb; ++b) {
+      const float* x = xf + r * kMaxK + b * kBlock;
+      float mx = 0.f;
+      for (int i = 0; i < kBlock; ++i) mx = fmaxf(mx, fabsf(x[i]));
+      const float s = mx / 127.f, inv = mx > 0.f ? 127.f / mx : 0.f;
+      xs[r][b] = s;
+      for (int i = 0; i < kBlock; ++i) xq[r][b * kBlock + i] = static_cast<uint8_t>(lrintf(x[i] * inv) + 128);
+    }
+  }
+  const uint8_t(*xqp)[kMaxK] = xq;
+  const float(*xsp)[kMaxK / kBlock] = xs;
+#pragma omp parallel for num_threads(th) schedule(static)
+  for (int n = 0; n < N; ++n) {
+    const int8_t* wn = w + static_cast<int64_t>(n) * K;
+    const int32_t* sn = wsum + static_cast<int64_t>(n) * nb;
+    for (int r = 0; r < rows; ++r) {
+      __m512 acc = _mm512_setzero_ps();
+      float corr = 0.f;
+      for (int b = 0; b < nb; ++b) {
+        const __m512i xi = _mm512_load_si512(xqp[r] + b * kBlock);
+        const __m512i wi = _mm512_loadu_si512(wn + b * kBlock);
+        const __m512i d = _mm512_dpbusd_epi32(_mm512_setzero_si512(), xi, wi);
+        acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), _mm512_set1_ps(xsp[r][b]), acc);
+        corr += xsp[r][b] * 128.f * static_cast<float>(sn[b]);
+      }
+      y[r * ys + n] = (_mm512_reduce_add_ps(acc) - corr) * scale[n];
+    }
+  }
+}
+#endif
+
 template <typename T>
-void int8_matmul(const T* x, int64_t xs, int rows, const int8_t* w, const float* scale, float* y, int64_t ys, int N,
-                 int K, int th) {
-  constexpr int kMaxRows = 8;
-  float xf[kMaxRows][4096];
+void int8_matmul(const T* x, int64_t xs, int rows, const int8_t* w, const int32_t* wsum, const float* scale,
+                 float* y, int64_t ys, int N, int K, int th) {
+  static thread_local float xf[kMaxRows][kMaxK];
   for (int r = 0; r < rows; ++r)
     for (int k = 0; k < K; ++k) xf[r][k] = load(x[r * xs + k]);
+#if defined(__AVX512VNNI__) && defined(__AVX512F__)
+  if (wsum != nullptr && K % kBlock == 0) {
+    int8_matmul_vnni(&xf[0][0], rows, w, wsum, scale, y, ys, N, K, th);
+    return;
+  }
+#endif
+  const float(*xfp)[kMaxK] = xf;
 #pragma omp parallel for num_threads(th) schedule(static)
   for (int n = 0; n < N; ++n) {
     const int8_t* wn = w + static_cast<int64_t>(n) * K;
     for (int r = 0; r < rows; ++r) {
-      const float* xr = xf[r];
+      const float* xr = xfp[r];
       float acc = 0.f;
 #pragma omp simd reduction(+ : acc)
       for (int k = 0; k < K; ++k) acc += xr[k] * static_cast<float>(wn[k]);
@@ -101,13 +156,19 @@ void int8_matmul(const T* x, int64_t xs, int rows, const int8_t* w, const float*
 
 extern "C" {
 
-// rows <= 8 and K <= 4096 (the caller checks): float32 results
-void llmserve_int8_matmul(const void* x, int64_t xs, int rows, const int8_t* w, const float* scale, float* y,
-                          int64_t ys, int N, int K, int elem_size, int th) {
+// rows <= 8 and K <= 8192 (the caller checks): float32 results. wsum: [N, K/64] int32 block sums of w
+// (or NULL: no VNNI path); returns 1 when the activations were quantized (the VNNI path), else 0.
+int llmserve_int8_matmul(const void* x, int64_t xs, int rows, const int8_t* w, const int32_t* wsum,
+                         const float* scale, float* y, int64_t ys, int N, int K, int elem_size, int th) {
   if (elem_size == 4)
-    int8_matmul<float>(static_cast<const float*>(x), xs, rows, w, scale, y, ys, N, K, th);
+    int8_matmul<float>(static_cast<const float*>(x), xs, rows, w, wsum, scale, y, ys, N, K, th);
   else
-    int8_matmul<uint16_t>(static_cast<const uint16_t*>(x), xs, rows, w, scale, y, ys, N, K, th);
+    int8_matmul<uint16_t>(static_cast<const uint16_t*>(x), xs, rows, w, wsum, scale, y, ys, N, K, th);
+#if defined(__AVX512VNNI__) && defined(__AVX512F__)
+  return wsum != nullptr && K % kBlock == 0;
+#else
+  return 0;
+#endif
 }
 
 void llmserve_add_rms_norm(void* x, int64_t xs, const void* delta, int64_t ds, const void* w, void* out, int64_t os,
