@@ -140,6 +140,14 @@ def _cpu_id() -> str:
     return "\n".join(lines)
 
 
+def kernel_library_id() -> str:
+    """The built kernel library's file name (it carries the hash of its sources, flags and CPU), or "none"."""
+    try:
+        return Path(build_kernel()._name).name
+    except RuntimeError:
+        return "none"
+
+
 def build_kernel() -> ctypes.CDLL:
     """Compile the csrc/ kernels (paged attention, fused decoder ops) once per source/compiler/CPU (cached on disk)
     into one library and load it."""

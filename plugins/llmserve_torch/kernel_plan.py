@@ -133,7 +133,7 @@ def _plans_file():
 
 
 def _key(group: list, serving: torch.dtype, act: torch.dtype, max_batch_rows: int) -> str:
-    """What a measurement depends on: the CPU, torch and its threads, dtypes, and the linears' shapes."""
+    """What a measurement depends on: the CPU, torch and its threads, dtypes, the linears' shapes, our kernels."""
     from collections import Counter
 
     cpu = ""
@@ -143,7 +143,10 @@ def _key(group: list, serving: torch.dtype, act: torch.dtype, max_batch_rows: in
     except OSError:
         pass
     shapes = sorted(Counter((lin.kind, lin.out_features, lin.in_features) for lin in group).items())
-    facts = [cpu, torch.__version__, torch.get_num_threads(), str(serving), str(act), max_batch_rows, shapes]
+    from llmserve_torch.attention import kernel_library_id  # our own int8 kernel is part of what was measured
+
+    facts = [cpu, torch.__version__, torch.get_num_threads(), str(serving), str(act), max_batch_rows, shapes,
+             kernel_library_id()]
     return hashlib.sha256(json.dumps(facts, default=str).encode()).hexdigest()[:24]
 
 
