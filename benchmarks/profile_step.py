@@ -32,7 +32,7 @@ for p in (ROOT, ROOT / "plugins"):
 
 import torch  # noqa: E402
 
-from llmserve.bench.bound import bandwidth_before, probe, step_bound, wants_bound  # noqa: E402
+from llmserve.bench.bound import probe, probe_before, step_bound, wants_bound  # noqa: E402
 
 PREFIX = "llmserve::"
 FAMILIES = ["linear", "attention", "norm", "rope", "elementwise & other ops", "sampling", "lm_head", "step set-up"]
@@ -131,7 +131,7 @@ def run(args) -> dict:
     engine = build_engine(args)
     backend = engine.backend
     c = args.concurrency
-    bw_before = bandwidth_before(backend.describe(), args.no_bound)
+    before = probe_before(backend.describe(), c, args.no_bound)  # the machine drifts: probe before and after
     total = args.warmup + 2 * args.steps + 1
     sp = SamplingParams(max_tokens=total + 8, temperature=0.0, ignore_eos=True, detokenize=False)
     g = torch.Generator().manual_seed(args.seed)
@@ -165,7 +165,7 @@ def run(args) -> dict:
         "top_other_ops_ms": {k: v / n / 1e3 for k, v in sorted(loose.items(), key=lambda kv: -kv[1])[:8]},
     }
     if not wants_bound(desc, args.no_bound):
-        p = probe(desc["dtype"], desc["hidden_size"], c, bw_before)
+        p = probe(desc["dtype"], desc["hidden_size"], c, before)
         b = step_bound(desc["weight_bytes"], desc["kv_bytes_per_token"], desc["matmul_params"], c, ctx // n,
                        p.bandwidth, p.gemm_rate)
         step = report["step_ms_p50_without_profiler"]
@@ -173,7 +173,9 @@ def run(args) -> dict:
                            "compute_ms": b["compute_s"] * 1e3, "binds": b["binds"],
                            "bandwidth_gbs": p.bandwidth / 1e9, "bandwidth_readings_gbs": [x / 1e9 for x in
                                                                                           p.bandwidth_readings],
-                           "gemm_gflops": p.gemm_rate / 1e9, "step_over_bound": step / (b["bound_s"] * 1e3),
+                           "gemm_gflops": p.gemm_rate / 1e9,
+                           "gemm_readings_gflops": [x / 1e9 for x in p.gemm_readings],
+                           "step_over_bound": step / (b["bound_s"] * 1e3),
                            "step_read_gbs": b["memory_s"] * p.bandwidth / step * 1e3 / 1e9}
     engine.shutdown()
     return report
@@ -191,7 +193,8 @@ def print_report(r: dict) -> None:
         b = r["bound"]
         seen = ", ".join(f"{x:.1f}" for x in b["bandwidth_readings_gbs"])
         print(f"  bound: {b['bound_ms']:.2f} ms ({b['binds']}; memory {b['memory_ms']:.2f}, compute {b['compute_ms']:.2f}; "
-              f"{b['bandwidth_gbs']:.1f} GB/s, best of {seen}; {b['gemm_gflops']:.0f} GFLOP/s); step p50 / bound "
+              f"{b['bandwidth_gbs']:.1f} GB/s, best of {seen}; {b['gemm_gflops']:.0f} GFLOP/s, best of "
+              f"{', '.join(f'{x:.0f}' for x in b['gemm_readings_gflops'])}); step p50 / bound "
               f"{b['step_over_bound']:.2f}; the step read {b['step_read_gbs']:.1f} GB/s")
     print("\n| family | ms / step | % of step |\n|---|---|---|")
     for f, ms in r["families_ms"].items():

@@ -10,10 +10,10 @@ weight_bytes, matmul_params, kv_bytes_per_token); the bandwidth and the GEMM rat
 here, in the bench's process and on the thread that steps the engine, so with the engine's torch
 thread count. Activations, norms and the sampler are left out: the bound is a floor, not a model.
 
-The read bandwidth of a shared VM drifts by tens of percent over seconds (22-40 GB/s within one
-process on the 2-core dev EPYC), so it is read before and after a run and the best reading bounds
-the steps; each row also says what the step itself read per second (bytes / step time), a figure
-that does not move with the probe.
+A shared VM drifts by tens of percent over seconds (read bandwidth 22-40 GB/s within one process on
+the 2-core dev EPYC; a GEMM probe now and then at half rate), so both are read before and after a
+run and the best readings bound the steps. Each row also says what the step itself read per second
+(the floor's bytes / step time), a figure that does not move with the probes.
 """
 
 from __future__ import annotations
@@ -71,20 +71,27 @@ def measure_gemm_rate(rows: int, k: int, n: int, dtype: str, reps: int = 10) -> 
 
 @dataclass(slots=True)
 class Probe:
-    """What this machine did just now: read bandwidth, GEMM rate at the model's dtype, and how they were taken."""
+    """What this machine did: read bandwidth and GEMM rate readings at the model's dtype, and how they were taken."""
 
-    bandwidth: float  # bytes/s: the best of the readings
     bandwidth_readings: list[float]  # bytes/s, in the order taken
-    gemm_rate: float  # FLOP/s
+    gemm_readings: list[float]  # FLOP/s
     gemm_shape: tuple[int, int, int]  # rows, k, n
     dtype: str
     threads: int
     seconds: float  # what the probes took
 
+    @property
+    def bandwidth(self) -> float:
+        return max(self.bandwidth_readings)
 
-def probe(dtype: str, hidden: int, batch: int, earlier_bandwidths: list[float] = ()) -> Probe:
-    """Measure bandwidth (the best of this and any earlier readings is used), and the GEMM rate of
-    max(batch, 64) rows through a hidden → 4·hidden linear.
+    @property
+    def gemm_rate(self) -> float:
+        return max(self.gemm_readings)
+
+
+def probe(dtype: str, hidden: int, batch: int, earlier: Probe | None = None) -> Probe:
+    """Read bandwidth and the GEMM rate of max(batch, 64) rows through a hidden → 4·hidden linear, added to
+    `earlier` readings (whose shape it keeps).
 
     The compute term asks what the arithmetic units can do: with fewer rows a GEMM reuses each weight
     too little, and its "rate" is the cache's bandwidth (the memory term's business). The rate only
@@ -93,11 +100,12 @@ def probe(dtype: str, hidden: int, batch: int, earlier_bandwidths: list[float] =
     import torch
 
     t0 = time.perf_counter()
-    rows = max(batch, 64)
-    readings = [*earlier_bandwidths, measure_bandwidth()]
+    rows = earlier.gemm_shape[0] if earlier else max(batch, 64)
+    bw = measure_bandwidth()
     rate = measure_gemm_rate(rows, hidden, 4 * hidden, dtype)
-    return Probe(max(readings), readings, rate, (rows, hidden, 4 * hidden), dtype, torch.get_num_threads(),
-                 time.perf_counter() - t0)
+    before = earlier or Probe([], [], (rows, hidden, 4 * hidden), dtype, torch.get_num_threads(), 0.0)
+    return Probe([*before.bandwidth_readings, bw], [*before.gemm_readings, rate], before.gemm_shape, dtype,
+                 torch.get_num_threads(), before.seconds + time.perf_counter() - t0)
 
 
 def step_bound(weight_bytes: int, kv_bytes_per_token: int, matmul_params: int, batch: int, context_tokens: int,
@@ -137,7 +145,8 @@ def decode_bound(steps: list[tuple[int, int, float]], footprint: dict[str, int],
                      "binds": "memory" if memory >= compute else "compute",
                      "read_gbs": memory * p.bandwidth / step / 1e9})  # the floor's bytes over the step's time
     return {"probe": {**asdict(p), "bandwidth_gbs": p.bandwidth / 1e9, "gemm_gflops": p.gemm_rate / 1e9,
-                      "bandwidth_readings_gbs": [x / 1e9 for x in p.bandwidth_readings]},
+                      "bandwidth_readings_gbs": [x / 1e9 for x in p.bandwidth_readings],
+                      "gemm_readings_gflops": [x / 1e9 for x in p.gemm_readings]},
             "footprint": {k: footprint[k] for k in FOOTPRINT_KEYS}, "by_batch": rows}
 
 
@@ -150,18 +159,18 @@ def wants_bound(describe: dict[str, Any], skip: bool = False) -> str | None:
     return None
 
 
-def bandwidth_before(describe: dict[str, Any], skip: bool = False) -> list[float]:
-    """A bandwidth reading before the run (none when there will be no bound)."""
-    return [] if wants_bound(describe, skip) else [measure_bandwidth()]
+def probe_before(describe: dict[str, Any], max_batch: int, skip: bool = False) -> Probe | None:
+    """The first readings, before the run (None when there will be no bound)."""
+    return None if wants_bound(describe, skip) else probe(describe["dtype"], describe["hidden_size"], max_batch)
 
 
 def bound_report(steps: list[tuple[int, int, float]], describe: dict[str, Any], skip: bool = False,
-                 earlier_bandwidths: list[float] = ()) -> dict[str, Any]:
-    """decode_bound of a run's decode-only steps with probes taken now (and earlier readings), or {"skipped": why}."""
+                 before: Probe | None = None) -> dict[str, Any]:
+    """decode_bound of a run's decode-only steps with readings taken now and `before`, or {"skipped": why}."""
     why = wants_bound(describe, skip) or (None if steps else "no decode-only steps")
     if why:
         return {"skipped": why}
-    p = probe(describe["dtype"], describe["hidden_size"], max(b for b, _, _ in steps), earlier_bandwidths)
+    p = probe(describe["dtype"], describe["hidden_size"], max(b for b, _, _ in steps), before)
     return decode_bound(steps, describe, p)
 
 
@@ -171,15 +180,18 @@ def print_decode_bound(r: dict[str, Any], max_rows: int = 8) -> None:
         print(f"decode step vs bound: skipped ({r['skipped']})")
         return
     p, f = r["probe"], r["footprint"]
-    seen = ", ".join(f"{x:.1f}" for x in p["bandwidth_readings_gbs"])
-    print(f"decode step vs bound: read bandwidth {p['bandwidth_gbs']:.1f} GB/s (best of {seen}), GEMM {p['gemm_gflops']:.0f} GFLOP/s "
-          f"({p['dtype']}, {'×'.join(map(str, p['gemm_shape']))}, {p['threads']} threads; probes {p['seconds']:.2f} s); "
+    bws = ", ".join(f"{x:.1f}" for x in p["bandwidth_readings_gbs"])
+    rates = ", ".join(f"{x:.0f}" for x in p["gemm_readings_gflops"])
+    print(f"decode step vs bound: read bandwidth {p['bandwidth_gbs']:.1f} GB/s (best of {bws}), GEMM "
+          f"{p['gemm_gflops']:.0f} GFLOP/s (best of {rates}; {p['dtype']}, {'×'.join(map(str, p['gemm_shape']))}, "
+          f"{p['threads']} threads; probes {p['seconds']:.2f} s); "
           f"weights {f['weight_bytes'] / 1e6:.1f} MB, {f['matmul_params'] / 1e6:.1f} M matmul params, "
           f"KV {f['kv_bytes_per_token'] / 1024:.1f} KiB/token")
     rows = sorted(sorted(r["by_batch"], key=lambda x: -x["steps"])[:max_rows], key=lambda x: x["batch"])
     print("   batch  steps  ctx/seq  step p50 ms  bound ms  (memory / compute)  step/bound  binds    step read GB/s")
     for x in rows:
-        print(f"  {x['batch']:6d} {x['steps']:6d} {x['context_mean']:8.0f} {x['step_p50_ms']:12.2f} {x['bound_ms']:9.2f}"
-              f"  ({x['memory_ms']:.2f} / {x['compute_ms']:.2f}) {x['ratio']:11.2f}  {x['binds']:8s} {x['read_gbs']:.1f}")
+        print(f"  {x['batch']:6d} {x['steps']:6d} {x['context_mean']:8.0f} {x['step_p50_ms']:12.2f} "
+              f"{x['bound_ms']:9.2f}  ({x['memory_ms']:.2f} / {x['compute_ms']:.2f}) {x['ratio']:11.2f}  "
+              f"{x['binds']:8s} {x['read_gbs']:.1f}")
     if len(r["by_batch"]) > len(rows):
         print(f"  ({len(r['by_batch']) - len(rows)} more batch sizes with fewer steps in --json)")

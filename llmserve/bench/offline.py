@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from llmserve.bench.bound import bandwidth_before, bound_report, print_decode_bound
+from llmserve.bench.bound import bound_report, print_decode_bound, probe_before
 from llmserve.bench.report import Result, Timing, fmt, format_threads, in_ms, machine_info, print_run, \
     progress_bar, summarize_results
 from llmserve.bench.workload import Item, add_workload_arguments, make_workload, workload_facts
@@ -105,7 +105,7 @@ def run(args: argparse.Namespace, config) -> dict[str, Any]:
     decodes: list[tuple[int, int, float]] = []  # decode-only steps: batch, context tokens read, step seconds
     peak = {"internal": 0.0, "external": 0.0}
     steps = 0
-    bw_before = bandwidth_before(engine.backend.describe(), skip=args.no_bound)  # the machine drifts: read it twice
+    before = probe_before(engine.backend.describe(), full, args.no_bound)  # the machine drifts: probe it twice
 
     def on_step(so) -> None:
         nonlocal steps
@@ -127,7 +127,7 @@ def run(args: argparse.Namespace, config) -> dict[str, Any]:
                              on_step=on_step, n=args.n)
     snap = engine.metrics_snapshot()
     desc = engine.backend.describe()
-    bound = bound_report(decodes, desc, args.no_bound, bw_before)  # probes on the engine's thread: its torch threads
+    bound = bound_report(decodes, desc, args.no_bound, before)  # probes on the engine's thread: its torch threads
     cache = engine.scheduler_stats().cache
     total_prompt = sum(len(it.prompt) for it in items) * args.n  # every sequence's prompt: the fan-out total
     summary = summarize_results(results, elapsed)

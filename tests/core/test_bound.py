@@ -22,7 +22,8 @@ def test_compute_binds_at_a_large_batch():
 
 def test_decode_bound_groups_steps_by_batch():
     fp = {"weight_bytes": 100_000_000, "matmul_params": 50_000_000, "kv_bytes_per_token": 10_000}
-    p = Probe(bandwidth=10e9, bandwidth_readings=[8e9, 10e9], gemm_rate=100e9, gemm_shape=(2, 8, 32), dtype="float32", threads=1, seconds=0.0)
+    p = Probe(bandwidth_readings=[8e9, 10e9], gemm_readings=[100e9, 50e9], gemm_shape=(2, 8, 32), dtype="float32",
+              threads=1, seconds=0.0)  # the best readings bound: 10 GB/s, 100 GFLOP/s
     steps = [(1, 1000, 0.020), (1, 1000, 0.024), (1, 1000, 0.022), (2, 0, 0.050)]
     r = decode_bound(steps, fp, p)
     one, two = r["by_batch"]
