@@ -48,8 +48,6 @@ import argparse
 import gc
 import json
 import math
-import os
-import platform
 import re
 import subprocess
 import sys
@@ -262,18 +260,11 @@ def gguf_of(model: str) -> Path | None:
 # --- the run --------------------------------------------------------------------------------------------
 
 
-def machine_facts() -> dict[str, Any]:
-    import torch
+def report_machine() -> dict[str, Any]:
+    """llmserve.bench.report.machine_info() (imported late: the script puts the repo on sys.path first)."""
+    from llmserve.bench.report import machine_info
 
-    model = platform.processor()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return {"cpu": model, "cores": os.cpu_count(), "torch": torch.__version__, "python": platform.python_version()}
+    return machine_info()
 
 
 def build_engine(args: argparse.Namespace, dtype: str, quantization: str):
@@ -328,7 +319,7 @@ def fmt_table(report: dict[str, Any]) -> str:
     rows = report["rows"]
     lines = [
         f"model {report['model']} ({report['weights']}); {report['machine']['cpu']}, "
-        f"{report['machine']['cores']} cores, torch {report['machine']['torch']}",
+        f"{report['machine']['cpus']} cores, torch {report['machine']['torch']}",
         f"perplexity: {report['text']} ({report['text_tokens']} tokens), windows of {report['ctx']} "
         f"stride {report['stride']}: {rows[0]['windows']} windows, {rows[0]['tokens_scored']} tokens scored",
         f"agreement: {report['prompts']} chat prompts, greedy, first {report['max_tokens']} tokens, "
@@ -407,7 +398,7 @@ def main(argv: list[str] | None = None) -> int:
     report: dict[str, Any] = {"model": args.model, "text": str(where.relative_to(ROOT) if where.is_relative_to(ROOT)
                                                                else args.text),
                               "ctx": args.ctx, "stride": args.stride, "prompts": args.prompts,
-                              "max_tokens": args.max_tokens, "threads": args.threads, "machine": machine_facts(),
+                              "max_tokens": args.max_tokens, "threads": args.threads, "machine": report_machine(),
                               "rows": []}
     refs: dict[str, dict[str, Any]] = {}  # dtype → its none row
     t_all = time.perf_counter()

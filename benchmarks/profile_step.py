@@ -19,8 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import sys
 import time
 from pathlib import Path
@@ -33,27 +31,12 @@ for p in (ROOT, ROOT / "plugins"):
 import torch  # noqa: E402
 
 from llmserve.bench.bound import probe, probe_before, step_bound, wants_bound  # noqa: E402
+from llmserve.bench.report import machine_info  # noqa: E402
 
 PREFIX = "llmserve::"
 FAMILIES = ["linear", "attention", "norm", "rope", "elementwise & other ops", "sampling", "lm_head", "step set-up"]
 LINEAR_OPS = {"aten::linear", "aten::addmm", "aten::mm", "aten::matmul", "aten::bmm", "mkldnn::_linear_pointwise"}
 NORM_OPS = {"aten::layer_norm", "aten::native_layer_norm"}
-
-
-def machine_facts() -> dict:
-    """CPU model, the flags that matter for GEMMs, cores, torch version and threads."""
-    flags, model = set(), platform.processor()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags") and not flags:
-                flags = set(line.split(":", 1)[1].split())
-            elif line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    wanted = ["avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "amx_tile", "amx_bf16", "avx512_fp16"]
-    return {"cpu": model, "cores": os.cpu_count(), "flags": [f for f in wanted if f in flags],
-            "torch": torch.__version__, "threads": torch.get_num_threads(), "python": platform.python_version()}
 
 
 def build_engine(args):
@@ -153,7 +136,7 @@ def run(args) -> dict:
     rows["python / other"] = wall_ms - sum(rows.values())
     desc = backend.describe()
     report = {
-        "machine": machine_facts(),
+        "machine": machine_info(),
         "model": desc["model"], "dtype": desc["dtype"], "linear": desc["linear"], "attention": desc.get("attention"),
         "shape": {k: desc[k] for k in ("layers", "hidden_size", "heads", "kv_heads", "vocab_size")},
         "concurrency": c, "prompt_len": args.prompt_len, "steps": n, "context_per_seq": ctx / n / c,
@@ -185,7 +168,7 @@ def print_report(r: dict) -> None:
     m = r["machine"]
     print(f"Where a decode step goes: {r['model']}, {r['dtype']}, c = {r['concurrency']}, "
           f"context ~{r['context_per_seq']:.0f} tokens/seq, {r['steps']} steps profiled")
-    print(f"  machine: {m['cpu']}, {m['cores']} cores, flags {' '.join(m['flags'])}, torch {m['torch']}, "
+    print(f"  machine: {m['cpu']}, {m['cpus']} cores, flags {' '.join(m['flags'])}, torch {m['torch']}, "
           f"{m['threads']} threads; linear {r['linear']}, attention {r['attention']}")
     print(f"  step without profiler: p50 {r['step_ms_p50_without_profiler']:.2f} ms "
           f"(mean {r['step_ms_mean_without_profiler']:.2f}); under the profiler: mean {r['step_ms_mean_profiled']:.2f} ms")

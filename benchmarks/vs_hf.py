@@ -20,7 +20,6 @@ import argparse
 import json
 import math
 import os
-import platform
 import sys
 import tempfile
 import time
@@ -37,28 +36,14 @@ from tqdm import tqdm  # noqa: E402
 
 from shapes import SHAPES  # noqa: E402
 
+from llmserve.bench.report import machine_info  # noqa: E402
+
 MODELS = {k: SHAPES[k] for k in ("gpt2", "qwen2.5-0.5b")}
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 PEERS = ("hf-seq", "hf-static", "hf-cb")
 
 
 # --- the machine ------------------------------------------------------------------------------------
-
-
-def machine_facts() -> dict:
-    """Cores, CPU model and flags that matter for GEMMs, torch version and threads."""
-    flags, model = set(), platform.processor()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags") and not flags:
-                flags = set(line.split(":", 1)[1].split())
-            elif line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    wanted = ["avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "amx_tile", "amx_bf16", "avx512_fp16"]
-    return {"cpu": model, "cores": os.cpu_count(), "flags": [f for f in wanted if f in flags],
-            "torch": torch.__version__, "threads": torch.get_num_threads(), "python": platform.python_version()}
 
 
 class Clock:
@@ -235,12 +220,8 @@ def _rates(r: dict) -> None:
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
+    """How many leading tokens two outputs share."""
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
 def run_ours(model_dir: Path, dtype: str, prompts, new_tokens: int, args) -> dict:
@@ -366,7 +347,7 @@ def main(argv=None) -> int:
     g = torch.Generator().manual_seed(args.seed)
     lens = torch.randint(args.min_prompt, args.max_prompt + 1, (args.requests,), generator=g).tolist()
     N = args.max_new_tokens
-    report = {"machine": machine_facts(), "workload": {
+    report = {"machine": machine_info(), "workload": {
         "requests": args.requests, "prompt_lens": f"uniform [{args.min_prompt}, {args.max_prompt}]",
         "prompt_tokens": sum(lens), "new_tokens": N, "greedy": True, "ignore_eos": True, "seed": args.seed},
         "results": []}
@@ -457,7 +438,7 @@ def print_summary(report: dict, peers: list[str]) -> None:
     """Machine, workload, and one table row per model/dtype."""
     m = report["machine"]
     w = report["workload"]
-    print(f"\nmachine: {m['cpu']}, {m['cores']} cores, flags {' '.join(m['flags'])}, torch {m['torch']}, "
+    print(f"\nmachine: {m['cpu']}, {m['cpus']} cores, flags {' '.join(m['flags'])}, torch {m['torch']}, "
           f"{m['threads']} threads, read bandwidth {m['bandwidth_gbs']:.1f} GB/s")
     print(f"workload: {w['requests']} requests, prompts {w['prompt_lens']} ({w['prompt_tokens']} tokens), "
           f"{w['new_tokens']} new tokens each, greedy, EOS ignored, seed {w['seed']}")

@@ -160,6 +160,14 @@ def _atomic_write(dst: Path, write) -> Path:
     return dst
 
 
+def _close(w) -> None:
+    """What every GGUFWriter needs at the end: header, metadata, tensors, close."""
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
 def write_gguf_copy(src: Path, dst: Path, qtype: str = "F32") -> Path:
     """src with every tensor dequantized to float32 (qtype F32), or its 2-D tensors requantized to Q8_0 with gguf-py
     (1-D ones stay float32, as llama-quantize keeps them); the metadata copied as it is."""
@@ -183,10 +191,7 @@ def write_gguf_copy(src: Path, dst: Path, qtype: str = "F32") -> Path:
                              raw_dtype=gguf.GGMLQuantizationType.Q8_0)
             else:
                 w.add_tensor(t.name, x)
-        w.write_header_to_file()
-        w.write_kv_data_to_file()
-        w.write_tensors_to_file()
-        w.close()
+        _close(w)
 
     log(f"writing {dst.name} ({qtype}) from {src.name}")
     return _atomic_write(dst, write)
@@ -267,10 +272,7 @@ def make_random_gpt2(seed: int = 0) -> Path:
                     w.add_tensor(b + name + ".bias", randn(shape[0]))
         w.add_tensor("output_norm.weight", ones(n_embd))
         w.add_tensor("output_norm.bias", randn(n_embd))
-        w.write_header_to_file()
-        w.write_kv_data_to_file()
-        w.write_tensors_to_file()
-        w.close()
+        _close(w)
 
     log(f"writing {dst.name} (GPT-2 124M shape, random float32 weights, seed {seed})")
     return _atomic_write(dst, write)
@@ -379,16 +381,21 @@ class LlamaServer:
         return self.logfile.read_text(errors="replace")[-n:]
 
     def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(60)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+        _terminate(self.proc)
         self.log.close()
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def _terminate(proc: subprocess.Popen) -> None:
+    """SIGTERM, a minute to exit, then SIGKILL."""
+    proc.terminate()
+    try:
+        proc.wait(60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
 
 
 class LLMServe:
@@ -406,12 +413,7 @@ class LLMServe:
         return self
 
     def __exit__(self, *exc) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(60)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+        _terminate(self.proc)
 
 
 def client_args(concurrency: int, requests: int, prompt_len, output_len, seed: int, args) -> argparse.Namespace:
@@ -529,13 +531,6 @@ def machine(threads: int, llama: dict[str, Any] | None) -> dict[str, Any]:
     from llmserve.bench.report import machine_info
 
     info = machine_info()
-    flags: set[str] = set()
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = set(next((ln for ln in f if ln.startswith("flags")), ":").split(":", 1)[1].split())
-    except OSError:
-        pass
-    info["cpu_flags"] = {k: k in flags for k in ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_tile")}
     info["threads"] = threads
     info["torch"] = version("torch")
     info["llama_cpp"] = llama
@@ -548,7 +543,7 @@ def fmt(v: Any, nd: int = 1) -> str:
 
 def print_report(rep: dict[str, Any]) -> None:
     m = rep["machine"]
-    flags = " ".join(k for k, v in m["cpu_flags"].items() if v) or "-"
+    flags = " ".join(m["flags"]) or "-"
     print(f"machine: {m.get('cpu', '?')}, {m['cpus']} cpus ({flags}), threads {m['threads']}, python {m['python']}, "
           f"torch {m['torch']}")
     if m.get("llama_cpp"):

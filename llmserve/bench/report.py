@@ -73,18 +73,27 @@ def summarize_results(results: list[Result], elapsed: float) -> dict[str, Any]:
     }
 
 
+GEMM_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "amx_tile", "amx_bf16", "avx512_fp16")
+
+
 def machine_info() -> dict[str, Any]:
-    """The facts a figure needs next to it."""
+    """The facts a figure needs next to it: CPU model, the flags that matter for GEMMs, cores, torch and threads."""
     info: dict[str, Any] = {"python": platform.python_version(), "cpus": os.cpu_count(),
-                            "platform": platform.platform()}
+                            "platform": platform.platform(), "cpu": platform.processor(), "flags": []}
     try:
         with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    info["cpu"] = line.split(":", 1)[1].strip()
-                    break
+            lines = [ln for ln in f if ln.startswith(("model name", "flags"))][:2]
     except OSError:
-        pass
+        lines = []
+    for ln in lines:
+        key, _, value = ln.partition(":")
+        if key.strip() == "model name":
+            info["cpu"] = value.strip()
+        else:
+            info["flags"] = [f for f in GEMM_FLAGS if f in value.split()]
+    torch = sys.modules.get("torch")  # reported when the run uses it; never imported just for this
+    if torch is not None:
+        info.update(torch=torch.__version__, threads=torch.get_num_threads())
     return info
 
 
