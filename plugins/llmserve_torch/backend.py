@@ -13,6 +13,7 @@ from llmserve.errors import ConfigError
 from llmserve.interfaces import ModelBackend
 from llmserve_torch.attention import KERNELS, StepMetadata, cpu_argmax, make_attention
 from llmserve_torch.footprint import footprint
+from llmserve_torch.fused import DECODER_OPS
 from llmserve_torch.kv_cache import KVCache, budget_bytes, bytes_per_block
 from llmserve_torch.loader import load_model
 from llmserve_torch.sampling import Sampler, prompt_logprobs
@@ -42,6 +43,9 @@ class TorchBackend(ModelBackend):
             raise ConfigError(f"backend.options.attention: must be one of {', '.join(KERNELS)}, "
                               f"got {self.options['attention']!r}")
         mc = config.model
+        if self.options["decoder_ops"] not in DECODER_OPS:
+            raise ConfigError(f"backend.options.decoder_ops: must be one of {', '.join(DECODER_OPS)}, "
+                              f"got {self.options['decoder_ops']!r}")
         quant_rows = self.options["quant_rows"]
         if quant_rows != "auto" and (isinstance(quant_rows, bool) or not isinstance(quant_rows, int) or quant_rows < 0):
             raise ConfigError(f"backend.options.quant_rows: must be auto or a number of rows >= 0, got {quant_rows!r}")

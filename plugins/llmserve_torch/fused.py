@@ -14,6 +14,8 @@ import torch.nn.functional as F
 
 log = logging.getLogger("llmserve.torch")
 
+DECODER_OPS = ("auto", "torch", "cpu")
+
 
 class TorchOps:
     """The reference: plain torch ops, any device and dtype."""

@@ -203,6 +203,8 @@ def test_bad_settings_are_config_errors(qwen2_dir):
         make_backend(str(qwen2_dir[0]), quantization="int3")
     with pytest.raises(ConfigError, match="quant_rows"):
         make_backend(str(qwen2_dir[0]), options={"quant_rows": -1})
+    with pytest.raises(ConfigError, match="decoder_ops: must be one of auto, torch, cpu, got 'gpu'"):
+        make_backend("embedded", options={"decoder_ops": "gpu"})
 
 
 def test_a_measured_crossover_is_remembered_for_the_next_load(monkeypatch):
