@@ -127,25 +127,21 @@ def _measure_crossover(group: list, kp: KindPlan, serving: torch.dtype, max_batc
 # --- measured crossovers, remembered per CPU, torch build, threads and weight shapes ------------------------
 
 def _plans_file():
-    from llmserve_torch.gguf_cache import cache_root
+    """Beside the built kernels (the one rule for where they live: attention._cache_dir)."""
+    from llmserve_torch.attention import _cache_dir
 
-    return cache_root() / "kernels" / "quant-plans.json"
+    return _cache_dir() / "quant-plans.json"
 
 
 def _key(group: list, serving: torch.dtype, act: torch.dtype, max_batch_rows: int) -> str:
     """What a measurement depends on: the CPU, torch and its threads, dtypes, the linears' shapes, our kernels."""
     from collections import Counter
 
-    cpu = ""
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")
-    except OSError:
-        pass
-    shapes = sorted(Counter((lin.kind, lin.out_features, lin.in_features) for lin in group).items())
-    from llmserve_torch.attention import kernel_library_id  # our own int8 kernel is part of what was measured
+    # the CPU and our kernel library's build (our int8 kernel is part of what was measured)
+    from llmserve_torch.attention import _cpu_id, kernel_library_id
 
-    facts = [cpu, torch.__version__, torch.get_num_threads(), str(serving), str(act), max_batch_rows, shapes,
+    shapes = sorted(Counter((lin.kind, lin.out_features, lin.in_features) for lin in group).items())
+    facts = [_cpu_id(), torch.__version__, torch.get_num_threads(), str(serving), str(act), max_batch_rows, shapes,
              kernel_library_id()]
     return hashlib.sha256(json.dumps(facts, default=str).encode()).hexdigest()[:24]
 
