@@ -8,6 +8,7 @@ to a dense copy of the weight; kernel_plan.py measures where that crossover lies
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -96,20 +97,19 @@ def cat_rows(parts: list[QuantWeight]) -> QuantWeight:
 # csrc/decoder_ops.cpp's int8 matmul, SmolLM2's 49152 x 576 int8 LM head, AMD EPYC, 2 threads, ms at 1/2/4/8
 # rows: float activations 1.16/1.98/4.20/7.18, activations quantized to int8 per 64 (VNNI) -/1.02/1.59/3.24,
 # aten._weight_int8pack_mm 2.81/3.55/3.96/6.53. One row is memory-bound either way: it keeps float activations.
-OWN_INT8_MAX_ROWS = 8
-_own_kernel: list = []
+OWN_INT8_MAX_ROWS = 8  # kMaxRows in decoder_ops.cpp; it also caps the inputs at kMaxK = 8192
+OWN_INT8_DTYPES = (torch.float32, torch.bfloat16)  # what it reads (it tells them apart by element size)
 
 
+@functools.cache
 def _own_int8_kernel():
     """Our C int8 matmul for a few rows (None where the kernel library cannot be built)."""
-    if not _own_kernel:
-        from llmserve_torch.attention import build_kernel
+    from llmserve_torch.attention import build_kernel
 
-        try:
-            _own_kernel.append(build_kernel().llmserve_int8_matmul)
-        except RuntimeError:
-            _own_kernel.append(None)
-    return _own_kernel[0]
+    try:
+        return build_kernel().llmserve_int8_matmul
+    except RuntimeError:
+        return None
 
 
 class QuantLinear:
@@ -163,19 +163,21 @@ class QuantLinear:
 
     def quantized(self, x: torch.Tensor, act: torch.dtype) -> torch.Tensor:
         """The quantized kernel with activations in act (result in act, or float32 from our own int8 kernel)."""
-        xa = x if x.dtype == act else x.to(act)
         if self.kind == "int8":
             own = _own_int8_kernel()
             rows = x.shape[0]
-            if own is not None and rows <= OWN_INT8_MAX_ROWS and self.in_features <= 8192:
+            if own is not None and rows <= OWN_INT8_MAX_ROWS and self.in_features <= 8192 and \
+                    x.dtype in OWN_INT8_DTYPES:
                 y = torch.empty((rows, self.out_features), dtype=torch.float32)
                 xc = x.contiguous()  # it reads float32 or bf16 directly: no cast to act
                 wsum = self._wsum.data_ptr() if rows > 1 and self._wsum is not None else None
                 own(xc.data_ptr(), xc.stride(0), rows, self._w.data_ptr(), wsum, self._scale.data_ptr(), y.data_ptr(),
                     y.stride(0), self.out_features, self.in_features, xc.element_size(), torch.get_num_threads())
                 return y
-            return torch.ops.aten._weight_int8pack_mm(xa.contiguous(), self._w, self.scales_for(act))
-        return torch.ops.aten._weight_int4pack_mm_for_cpu(xa.contiguous(), self._w, GROUP, self.scales_for(act))
+        xa = (x if x.dtype == act else x.to(act)).contiguous()
+        if self.kind == "int8":
+            return torch.ops.aten._weight_int8pack_mm(xa, self._w, self.scales_for(act))
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(xa, self._w, GROUP, self.scales_for(act))
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         act, limit = self.plan.choice(self.kind)
