@@ -115,7 +115,7 @@ _lib: ctypes.CDLL | None = None
 _lib_error: str | None = None
 
 
-def _cache_dir() -> Path:
+def kernel_cache_dir() -> Path:
     """Where built kernels live: $LLMSERVE_CACHE_DIR, else kernels/ in llmserve's cache root, else the temp dir."""
     from llmserve_torch.gguf_cache import cache_root  # the one rule for where llmserve caches things
 
@@ -131,7 +131,8 @@ def _cache_dir() -> Path:
     return Path(tempfile.gettempdir()) / f"llmserve-kernels-{os.getuid()}"
 
 
-def _cpu_id() -> str:
+def cpu_id() -> str:
+    """The CPU's model name and flags (what a -march=native build and a kernel measurement depend on)."""
     try:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
@@ -162,8 +163,8 @@ def build_kernel() -> ctypes.CDLL:
             cxx = os.environ.get("CXX", "g++")
             flags = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
             # -march=native: the binary is only valid on this kind of CPU, so the CPU is part of the key
-            key = hashlib.sha256(src + " ".join([cxx, *flags, sys.platform, _cpu_id()]).encode()).hexdigest()[:16]
-            out = _cache_dir() / f"paged_attention_{key}.so"
+            key = hashlib.sha256(src + " ".join([cxx, *flags, sys.platform, cpu_id()]).encode()).hexdigest()[:16]
+            out = kernel_cache_dir() / f"paged_attention_{key}.so"
             if not out.exists():
                 out.parent.mkdir(parents=True, exist_ok=True)
                 with tempfile.TemporaryDirectory(dir=out.parent) as tmp:

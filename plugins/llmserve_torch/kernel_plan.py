@@ -127,10 +127,10 @@ def _measure_crossover(group: list, kp: KindPlan, serving: torch.dtype, max_batc
 # --- measured crossovers, remembered per CPU, torch build, threads and weight shapes ------------------------
 
 def _plans_file():
-    """Beside the built kernels (the one rule for where they live: attention._cache_dir)."""
-    from llmserve_torch.attention import _cache_dir
+    """Beside the built kernels (the one rule for where they live: attention.kernel_cache_dir)."""
+    from llmserve_torch.attention import kernel_cache_dir
 
-    return _cache_dir() / "quant-plans.json"
+    return kernel_cache_dir() / "quant-plans.json"
 
 
 def _key(group: list, serving: torch.dtype, act: torch.dtype, max_batch_rows: int) -> str:
@@ -138,10 +138,10 @@ def _key(group: list, serving: torch.dtype, act: torch.dtype, max_batch_rows: in
     from collections import Counter
 
     # the CPU and our kernel library's build (our int8 kernel is part of what was measured)
-    from llmserve_torch.attention import _cpu_id, kernel_library_id
+    from llmserve_torch.attention import cpu_id, kernel_library_id
 
     shapes = sorted(Counter((lin.kind, lin.out_features, lin.in_features) for lin in group).items())
-    facts = [_cpu_id(), torch.__version__, torch.get_num_threads(), str(serving), str(act), max_batch_rows, shapes,
+    facts = [cpu_id(), torch.__version__, torch.get_num_threads(), str(serving), str(act), max_batch_rows, shapes,
              kernel_library_id()]
     return hashlib.sha256(json.dumps(facts, default=str).encode()).hexdigest()[:24]
 
