@@ -74,6 +74,12 @@ class TokenizerConfig:
 
 
 @dataclass(slots=True)
+class StructuredOutputConfig:
+    name: str = "llguidance"  # the grammar engine that response_format / guided_* / tool_choice compile with
+    options: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
 class SinkConfig:
     name: str
     options: dict[str, Any] = field(default_factory=dict)
@@ -104,6 +110,7 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
+    structured_output: StructuredOutputConfig = field(default_factory=StructuredOutputConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     server: ServerConfig = field(default_factory=ServerConfig)
     source: str = "<defaults>"  # where the values came from, for error messages

@@ -43,6 +43,11 @@ def register_metric_sinks(register):
     """Register metric sinks: ``register(name, factory)``, ``factory(config, options) -> MetricSink``."""
 
 
+@hookspec
+def register_structured_output(register):
+    """Register grammar engines: ``register(name, factory)``, ``factory(config, tokenizer, vocab_size) -> GrammarEngine``."""
+
+
 # --- server and command line ------------------------------------------------------------------
 
 

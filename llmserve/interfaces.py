@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from llmserve.batch import ModelOutput, SchedulerOutput
     from llmserve.metrics import RequestMetrics, StepMetrics
-    from llmserve.request import Request
+    from llmserve.request import Request, StructuredOutput
     from llmserve.stats import CacheStats, SchedulerStats
 
 
@@ -151,6 +151,34 @@ class Tokenizer(ABC):
     @property
     def all_special_ids(self) -> set[int]:
         return set() if self.eos_token_id is None else {self.eos_token_id}
+
+
+class GrammarMatcher(ABC):
+    """One sequence's position in a compiled grammar: which tokens may come next, and the ones taken."""
+
+    @abstractmethod
+    def fill_bitmask(self, bitmask: Any, row: int) -> None:
+        """Write the allowed next tokens into int32 bitmask[row] (bit t % 32 of word t // 32 set = allowed)."""
+
+    @abstractmethod
+    def accept(self, token_id: int) -> bool:
+        """Advance past a sampled token; False if the grammar does not allow it."""
+
+    @abstractmethod
+    def is_terminated(self) -> bool:
+        """True when the grammar is complete and allows no further token (the sequence ends with STOP)."""
+
+
+class GrammarEngine(ABC):
+    """Compiles constraints (JSON schema, regex, choice, Lark grammar) against one tokenizer's vocabulary."""
+
+    @abstractmethod
+    def compile(self, spec: StructuredOutput) -> Any:
+        """A compiled grammar for spec (thread-safe, cached by the caller); InvalidRequestError naming spec.param if bad."""
+
+    @abstractmethod
+    def matcher(self, compiled: Any) -> GrammarMatcher:
+        """A fresh matcher at the start of a compiled grammar."""
 
 
 class MetricSink(ABC):

@@ -45,6 +45,7 @@ COMPONENT_HOOKS: dict[str, str] = {
     "cache": "register_cache_allocators",
     "tokenizer": "register_tokenizers",
     "metric_sink": "register_metric_sinks",
+    "grammar": "register_structured_output",
 }
 
 

@@ -29,6 +29,15 @@ class FinishReason(str, enum.Enum):
     ERROR = "error"  # FAILED: the message says why
 
 
+@dataclass(frozen=True, slots=True)
+class StructuredOutput:
+    """A grammar the output must follow; `param` is the request field it came from (named in errors)."""
+
+    kind: str  # json (a JSON schema, serialized) | json_object | regex | choice (a JSON list) | grammar (Lark)
+    value: str = ""
+    param: str = "response_format"
+
+
 @dataclass(slots=True)
 class SamplingParams:
     """What to generate and how; field names follow the OpenAI API and vLLM's extensions."""
@@ -53,6 +62,10 @@ class SamplingParams:
     n: int = 1
     skip_special_tokens: bool = True
     detokenize: bool = True
+    # constraints, applied as one token mask per step (llmserve/constraints.py)
+    structured: StructuredOutput | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words_token_ids: list[list[int]] | None = None  # token sequences that may not be completed
 
     def validate(self) -> None:
         """Raise InvalidRequestError naming the first bad field."""
