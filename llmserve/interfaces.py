@@ -144,6 +144,10 @@ class Tokenizer(ABC):
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         """Text of token ids (may end in U+FFFD when a multi-byte character is cut)."""
 
+    def vocab_bytes(self) -> list[bytes]:
+        """Every token id's exact bytes, in id order (grammar engines build their token trie from it)."""
+        raise NotImplementedError(f"{type(self).__name__} cannot list its vocabulary")
+
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
         """Render chat messages into one prompt string."""
         raise NotImplementedError(f"{type(self).__name__} has no chat template")

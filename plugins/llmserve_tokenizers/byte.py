@@ -76,6 +76,10 @@ class ByteTokenizer(Tokenizer):
         """The raw bytes of one token (for OpenAI's logprobs `bytes` field)."""
         return self._enc.decode_single_token_bytes(token_id)
 
+    def vocab_bytes(self) -> list[bytes]:
+        """The 256 bytes, then the EOS text."""
+        return [bytes([i]) for i in range(256)] + [EOS_TEXT.encode()]
+
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
         """Render with the simple ``role: content`` template described in the module docstring."""
         return render_simple_chat(messages, add_generation_prompt)

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import functools
+import json
 import os
+import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -68,6 +71,17 @@ class HFTokenizer(Tokenizer):
         """UTF-8 bytes of one token's text (for OpenAI's logprobs `bytes` field)."""
         return self._tok.decode([token_id], skip_special_tokens=False).encode("utf-8", errors="replace")
 
+    def vocab_bytes(self) -> list[bytes]:
+        """Each id's bytes: byte-level BPE pieces mapped back to bytes, SentencePiece's "▁" and <0xNN> undone."""
+        pieces = self._tok.convert_ids_to_tokens(list(range(len(self._tok))))
+        added = {i: t.content for i, t in self._tok.added_tokens_decoder.items()}
+        decoder = json.loads(self._tok.backend_tokenizer.to_str()).get("decoder") or {}
+        if "ByteLevel" in json.dumps(decoder):
+            table = _byte_level_table()
+            return [added[i].encode() if i in added else bytes(table[c] for c in p or "")
+                    for i, p in enumerate(pieces)]
+        return [added[i].encode() if i in added else _sentencepiece_bytes(p or "") for i, p in enumerate(pieces)]
+
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
         """Render with the checkpoint's chat template; a 400 when the checkpoint has none."""
         if not getattr(self._tok, "chat_template", None):
@@ -79,3 +93,22 @@ class HFTokenizer(Tokenizer):
     @property
     def all_special_ids(self) -> set[int]:
         return self._special
+
+
+@functools.cache
+def _byte_level_table() -> dict[str, int]:
+    """GPT-2's byte ↔ printable-character table, inverted (character → byte)."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in keep:
+            chars[chr(b)] = b
+        else:
+            chars[chr(256 + extra)] = b
+            extra += 1
+    return chars
+
+
+def _sentencepiece_bytes(piece: str) -> bytes:
+    m = re.fullmatch(r"<0x([0-9A-Fa-f]{2})>", piece)
+    return bytes([int(m.group(1), 16)]) if m else piece.replace("\u2581", " ").encode()
