@@ -51,8 +51,10 @@ class XGrammarEngine(GrammarEngine):
         c = self._compiler
         try:
             if spec.kind in ("json", "json_object"):
+                # compact separators, as llguidance writes JSON when whitespace is not flexible
                 return c.compile_json_schema(spec.value if spec.kind == "json" else OBJECT_SCHEMA,
-                                             any_whitespace=self.whitespace_flexible)
+                                             any_whitespace=self.whitespace_flexible,
+                                             separators=None if self.whitespace_flexible else (",", ":"))
             if spec.kind == "regex":
                 return c.compile_regex(spec.value)
             if spec.kind == "choice":
