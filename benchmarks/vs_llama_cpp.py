@@ -406,7 +406,7 @@ class LLMServe:
                       "--max-num-seqs", str(case.concurrency), *extra]
 
     def __enter__(self) -> LLMServe:
-        from llmserve.bench.serve import launch_server
+        from llmserve_bench.serve import launch_server
 
         paths = [str(ROOT), str(ROOT / "plugins")] + [p for p in [os.environ.get("PYTHONPATH")] if p]
         self.proc, self.url = launch_server(self.flags, env={**os.environ, "PYTHONPATH": os.pathsep.join(paths)})
@@ -425,10 +425,10 @@ def client_args(concurrency: int, requests: int, prompt_len, output_len, seed: i
 
 def measure(url: str, case: Case, vocab: int, seed: int, args) -> dict[str, Any]:
     """A warm-up, then the case's workload (seed) through the server at url: the summary and its checks."""
-    from llmserve.bench.clients import run_http
-    from llmserve.bench.report import summarize_results
-    from llmserve.bench.serve import _server_facts
-    from llmserve.bench.workload import make_workload
+    from llmserve_bench.clients import run_http
+    from llmserve_bench.report import summarize_results
+    from llmserve_bench.serve import _server_facts
+    from llmserve_bench.workload import make_workload
 
     model = _server_facts(url, None).get("model")
     warm = client_args(case.concurrency, max(2, min(case.concurrency, 8)), (16, 32), (8, 8), 1_000_000 + seed, args)
@@ -528,7 +528,7 @@ def combine(rounds: list[dict[str, Any]]) -> dict[str, Any]:
 def machine(threads: int, llama: dict[str, Any] | None) -> dict[str, Any]:
     from importlib.metadata import version
 
-    from llmserve.bench.report import machine_info
+    from llmserve_bench.report import machine_info
 
     info = machine_info()
     info["threads"] = threads

@@ -36,6 +36,7 @@ DEFAULT_PLUGINS: tuple[str, ...] = (
     "llmserve_tokenizers",
     "llmserve_jsonl",
     "llmserve_prometheus",
+    "llmserve_bench",
 )
 
 # registry kind → the hook that fills it
