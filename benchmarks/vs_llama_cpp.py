@@ -399,7 +399,7 @@ def _terminate(proc: subprocess.Popen) -> None:
 
 
 class LLMServe:
-    """`llmserve serve` on FILE (this checkout's code and plugins), through bench.serve.launch_server."""
+    """`llmserve serve` on FILE (this checkout's code and plugins), through llmserve_bench.serve.launch_server."""
 
     def __init__(self, gguf: Path, case: Case, threads: int, extra: list[str]):
         self.flags = ["--model", str(gguf), "--quantization", "auto", "--dtype", "auto", "--threads", str(threads),
@@ -417,7 +417,7 @@ class LLMServe:
 
 
 def client_args(concurrency: int, requests: int, prompt_len, output_len, seed: int, args) -> argparse.Namespace:
-    """The namespace bench.workload.make_workload and bench.clients.run_http read."""
+    """The namespace llmserve_bench.workload.make_workload and llmserve_bench.clients.run_http read."""
     return argparse.Namespace(requests=requests, prompt_len=list(prompt_len), output_len=list(output_len),
                               shared_prefix=0, workload_seed=seed, concurrency=concurrency, timeout=args.timeout,
                               client="httpx", ignore_eos=True, json=args.json, no_progress=args.no_progress)

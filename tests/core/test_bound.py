@@ -1,4 +1,4 @@
-"""bench/bound.py's arithmetic: the floor of a decode step from bytes, params, bandwidth and GEMM rate."""
+"""llmserve_bench/bound.py's arithmetic: the floor of a decode step from bytes, params, bandwidth and GEMM rate."""
 
 from llmserve_bench.bound import Probe, bound_report, decode_bound, step_bound
 
