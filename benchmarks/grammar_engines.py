@@ -27,7 +27,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "plugins")]
 
 import torch  # noqa: E402
 
-from llmserve.bench.report import machine_info  # noqa: E402
+from llmserve_bench.report import machine_info  # noqa: E402
 from llmserve.interfaces import Tokenizer  # noqa: E402
 from llmserve.request import StructuredOutput  # noqa: E402
 

@@ -26,7 +26,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "plugins"), str(ROOT / "benchmarks")]
 from grammar_engines import SCHEMA, real_tokenizer  # noqa: E402
 from shapes import SHAPES  # noqa: E402
 
-from llmserve.bench.report import machine_info  # noqa: E402
+from llmserve_bench.report import machine_info  # noqa: E402
 from llmserve.engine import Engine  # noqa: E402
 from llmserve.request import SamplingParams, StructuredOutput  # noqa: E402
 

@@ -37,6 +37,7 @@ DEFAULT_PLUGINS: tuple[str, ...] = (
     "llmserve_jsonl",
     "llmserve_prometheus",
     "llmserve_grammar",
+    "llmserve_bench",
 )
 
 # registry kind → the hook that fills it
