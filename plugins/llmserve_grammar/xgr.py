@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-import torch
+import xgrammar
 
 from llmserve.errors import InvalidRequestError
 from llmserve.interfaces import GrammarEngine, GrammarMatcher, Tokenizer
@@ -13,34 +13,20 @@ from llmserve.request import StructuredOutput
 from llmserve_grammar.llg import OBJECT_SCHEMA
 
 
-class XGrammarMatcher(GrammarMatcher):
-    """One sequence's xgrammar matcher."""
+class XGrammarMatcher(xgrammar.GrammarMatcher):
+    """xgrammar's matcher under the names GrammarMatcher gives them (is_terminated is already one)."""
 
-    __slots__ = ("_m",)
+    fill_bitmask = xgrammar.GrammarMatcher.fill_next_token_bitmask
+    accept = xgrammar.GrammarMatcher.accept_token
 
-    def __init__(self, m: Any):
-        self._m = m
 
-    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
-        """Write the allowed next tokens into bitmask[row]."""
-        self._m.fill_next_token_bitmask(bitmask, row)
-
-    def accept(self, token_id: int) -> bool:
-        """Consume a sampled token."""
-        return self._m.accept_token(token_id)
-
-    def is_terminated(self) -> bool:
-        """True once the grammar allows no further token."""
-        return self._m.is_terminated()
+GrammarMatcher.register(XGrammarMatcher)
 
 
 class XGrammarEngine(GrammarEngine):
     """Compiles constraints with xgrammar's GrammarCompiler over one tokenizer."""
 
     def __init__(self, tokenizer: Tokenizer, vocab_size: int, whitespace_flexible: bool = False):
-        import xgrammar
-
-        self._xgr = xgrammar
         stop = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else None
         info = xgrammar.TokenizerInfo(tokenizer.vocab_bytes(), vocab_size=vocab_size, stop_token_ids=stop)
         self._compiler = xgrammar.GrammarCompiler(info, max_threads=2)
@@ -61,10 +47,10 @@ class XGrammarEngine(GrammarEngine):
                 return c.compile_grammar("root ::= " + " | ".join(json.dumps(x) for x in json.loads(spec.value)))
             if spec.kind == "grammar":
                 return c.compile_grammar(spec.value)
-        except (RuntimeError, ValueError, self._xgr.InvalidJSONError) as e:
+        except (RuntimeError, ValueError, xgrammar.InvalidJSONError) as e:
             raise InvalidRequestError(f"{spec.param}: {str(e).splitlines()[0][:500]}", param=spec.param) from None
         raise InvalidRequestError(f"{spec.param}: unknown constraint kind {spec.kind!r}", param=spec.param)
 
     def matcher(self, compiled: Any) -> GrammarMatcher:
         """A fresh matcher at the grammar's start."""
-        return XGrammarMatcher(self._xgr.GrammarMatcher(compiled))
+        return XGrammarMatcher(compiled)

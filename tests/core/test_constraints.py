@@ -110,6 +110,30 @@ def test_every_output_full_matches_its_regex(eng, regex):
 # --- the rest of the behaviour ------------------------------------------------------------------
 
 
+@pytest.fixture(scope="module", params=["llguidance", "xgrammar"])
+def each_engine(request):
+    if request.param == "xgrammar":  # an optional extra (it pulls triton, ~1 GB): CI installs only llguidance
+        pytest.importorskip("xgrammar")
+    return Engine.from_config({"backend": {"name": "fake"}, "model": {"model": "embedded"},
+                               "structured_output": {"name": request.param}})
+
+
+def test_choice_regex_json_and_a_bad_schema_on_each_grammar_engine(each_engine):
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9},
+                                               "s": {"enum": ["x", "y"]}},
+              "required": ["n", "s"], "additionalProperties": False}
+    (text, reason), = run(each_engine, StructuredOutput("json", json.dumps(schema)))
+    assert reason is FinishReason.STOP
+    jsonschema.validate(json.loads(text), schema)
+    (text, _), = run(each_engine, StructuredOutput("regex", "[a-c]{2}-[0-9]"))
+    assert re.fullmatch("[a-c]{2}-[0-9]", text)
+    (text, _), = run(each_engine, StructuredOutput("choice", json.dumps(["one", "two words"])))
+    assert text in ("one", "two words")
+    with pytest.raises(InvalidRequestError) as e:
+        each_engine.add_request([1], SamplingParams(structured=StructuredOutput("json", '{"type": 5}', "guided_json")))
+    assert e.value.param == "guided_json"
+
+
 def test_choice_grammar_and_json_object(eng):
     (text, _), = run(eng, StructuredOutput("choice", json.dumps(["left", "right", "up"])))
     assert text in ("left", "right", "up")
