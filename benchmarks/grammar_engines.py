@@ -5,8 +5,8 @@ The vocabulary has Qwen2's size (151,936): SmolLM2's 49,152 real tokens (the def
 tokenizer), 20,000 CJK characters (Qwen2's vocabulary holds many), then real tokens extended by a
 short real token, the way BPE merges grow words. `--vocab real` measures the 49,152 alone.
 Each of the 64 sequences walks a valid JSON document of its schema token by token (teacher
-forcing); every step times fill_bitmask over the 64 rows (what Constraints.fill does on the engine
-thread) and accept. Coverage: a list of JSON-schema features, each compiled and walked with a
+forcing); every step times fill_bitmask over the 64 rows (what Constraints.fill does before each
+forward) and accept. Coverage: a list of JSON-schema features, each compiled and walked with a
 valid instance.
 
     .venv/bin/python benchmarks/grammar_engines.py [--batch 64] [--steps 200] [--json]
@@ -165,8 +165,7 @@ def walk(engine, spec: StructuredOutput, docs: list[str], tok: Tokenizer, steps:
         if not live:
             break
         t0 = time.perf_counter()
-        for k in live:
-            ms[k].fill_bitmask(mask, k)
+        engine.fill_bitmasks([(ms[k], k) for k in live], mask)  # as Constraints.fill calls it
         t1 = time.perf_counter()
         for k in live:
             t = toks[k][step]
@@ -202,11 +201,12 @@ def main() -> int:
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--steps", type=int, default=400)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--threads", type=int, default=torch.get_num_threads())
     ap.add_argument("--vocab", choices=["synthetic", "real"], default="synthetic",
                     help="Qwen2-sized synthetic vocabulary (default), or the real 49,152-token one alone")
     ap.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     args = ap.parse_args()
-    torch.set_num_threads(1)  # the engine thread fills the mask; torch's threads belong to the forward
+    torch.set_num_threads(args.threads)  # an engine's grammar threads follow torch's (they run before the forward)
     global VOCAB
     real = real_tokenizer()
     tok = SyntheticVocab(real, seed=args.seed) if args.vocab == "synthetic" else real

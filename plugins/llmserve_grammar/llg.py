@@ -81,6 +81,8 @@ class LLGuidanceEngine(GrammarEngine):
         vocab = _Vocab(tokenizer, vocab_size)
         self.tokenizer = llguidance.LLTokenizer(llguidance.TokenizerWrapper(vocab), n_vocab=vocab_size)
         self.whitespace_flexible = whitespace_flexible
+        # the step's masks are filled before the forward, while torch's threads wait: use as many
+        self._executor = llguidance.LLExecutor(num_threads=max(1, torch.get_num_threads()))
 
     def compile(self, spec: StructuredOutput) -> llguidance.LLMatcher:
         """A validated matcher at the grammar's start, kept as the prototype that matcher() copies."""
@@ -99,13 +101,14 @@ class LLGuidanceEngine(GrammarEngine):
         """A fresh copy of the prototype (no recompilation)."""
         return LLGuidanceMatcher(compiled.deep_copy())
 
+    def fill_bitmasks(self, rows: list[tuple[LLGuidanceMatcher, int]], bitmask: torch.Tensor) -> None:
+        """All rows of the step in parallel on llguidance's threads (it releases the GIL)."""
+        self._executor.unsafe_compute_mask_ptr([(m._m, row) for m, row in rows], bitmask.data_ptr(),
+                                               bitmask.shape[1] * 4, bitmask.shape[0])
+
 
 def _short(error: str) -> str:
     """llguidance's error without its internal trace lines."""
     lines = [ln for ln in error.splitlines() if ln.strip()]
     return " ".join(lines[:3])[:500] if lines else "invalid grammar"
 
-
-def describe(engine: Any) -> dict[str, Any]:
-    """Facts for /stats and the benchmark report."""
-    return {"engine": "llguidance", "version": llguidance.__version__, "vocab_size": engine.tokenizer.vocab_size}
