@@ -62,7 +62,7 @@ class Answer:
         self.st, self.req, self.sp, self.prompts = st, req, sp, prompts
         self.id = f"{self.prefix}-{uuid.uuid4().hex}"
         self.created = int(time.time())
-        self.tt = TokenText(st.engine.tokenizer)
+        self.tt = TokenText(st.engine.tokenizer, as_ids=req.return_tokens_as_token_ids)
         self.choices = [_Choice(self._new_lp()) for _ in range(len(prompts) * sp.n)]
 
     async def respond(self, request: Request, aengine: AsyncEngine) -> Response:
@@ -114,8 +114,8 @@ class Answer:
     def _chunk(self, choices: list[dict], usage: dict | None = None) -> bytes:
         d = {"id": self.id, "object": self.chunk_object_name, "created": self.created, "model": self.st.model_name,
              "choices": choices}
-        if self.req.include_usage:
-            d["usage"] = usage
+        if self.req.include_usage:  # null until the last chunk, or the usage so far on every one (vLLM's option)
+            d["usage"] = self._usage() if usage is None and self.req.stream_options.continuous_usage_stats else usage
         return b"data: " + dumps(d).encode() + b"\n\n"
 
     def _fold(self, batch: tuple[int, list[RequestOutput]]) -> list[tuple[int, str, Any, str | None, Any]]:
