@@ -87,3 +87,18 @@ def chat_logprobs(tt: TokenText, token_ids: Sequence[int], lps: Sequence[Logprob
                     "top_logprobs": [{"token": tt.text(tid), "logprob": _lp(v), "bytes": tt.bytes(tid)}
                                      for tid, v in top]})
     return out
+
+
+def prompt_logprobs(tt: TokenText, lps: Sequence[Logprob | None]) -> list[dict | None]:
+    """vLLM's prompt_logprobs: per prompt token (None for the first), {token id: {logprob, rank, decoded_token}}
+    for the token itself, then the top N."""
+    def entry(v: float, rank: int, tid: int) -> dict:
+        return {"logprob": _lp(v), "rank": rank, "decoded_token": tt.text(tid)}
+
+    out: list[dict | None] = []
+    for lp in lps:
+        d = None if lp is None else {str(lp.token_id): entry(lp.logprob, lp.rank, lp.token_id)}
+        for r, (tid, v) in enumerate(lp.top if lp is not None else ()):
+            d.setdefault(str(tid), entry(v, r + 1, tid))
+        out.append(d)
+    return out

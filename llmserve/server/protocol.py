@@ -173,6 +173,8 @@ class CompletionRequest(_Request):
             raise bad_request("max_tokens must be at least 1 (0 is allowed only with echo)", "max_tokens")
         if self.suffix:
             raise bad_request("suffix is not supported (no fill-in-the-middle model)", "suffix")
+        if self.prompt_logprobs is not None and self.stream:  # as vLLM: they come with the whole answer only
+            raise bad_request("prompt_logprobs are not available when streaming", "prompt_logprobs")
         echoed = self.logprobs if self.echo else None  # the prompt's logprobs come back with the echoed prompt
         return self._sampling(self.max_tokens or 1, self.logprobs,
                               self.prompt_logprobs if self.prompt_logprobs is not None else echoed, defaults=defaults)

@@ -89,3 +89,30 @@ def test_logprobs_zero_still_lists_the_chosen_token(fake_server):
     # chat, as OpenAI and vLLM answer top_logprobs 0: the chosen token is the entry itself, no alternatives
     r = client.chat.completions.create(model="embedded", messages=CHAT, max_tokens=3, logprobs=True, top_logprobs=0)
     assert all(e.top_logprobs == [] and e.logprob <= 0 for e in r.choices[0].logprobs.content)
+
+
+def test_prompt_logprobs_come_back_in_vllms_shape(fake_server):
+    client = fake_server.client()
+    r = client.completions.create(model="embedded", prompt=["abcd", "xy"], max_tokens=2, n=2,
+                                  extra_body={"prompt_logprobs": 1})
+    for c in r.choices:
+        plp, prompt = c.model_extra["prompt_logprobs"], ("abcd", "xy")[c.index // 2]
+        assert len(plp) == len(prompt) and plp[0] is None
+        for ch, d in zip(prompt[1:], plp[1:]):
+            # the prompt token itself first (the fake model gives it logprob -1, rank 1), then the top N
+            assert next(iter(d.items())) == (str(ord(ch)), {"logprob": -1.0, "rank": 1, "decoded_token": ch})
+    assert client.completions.create(model="embedded", prompt="ab", max_tokens=1).choices[0].model_extra[
+        "prompt_logprobs"] is None
+    resp = httpx.post(fake_server.url + "/v1/completions", json={"prompt": "ab", "prompt_logprobs": 1, "stream": True})
+    assert resp.status_code == 400 and resp.json()["error"]["param"] == "prompt_logprobs"
+
+
+def test_prompt_logprobs_list_the_token_then_its_top_alternatives_with_their_ranks():
+    from llmserve.request import Logprob
+    from llmserve.server.logprobs import TokenText, prompt_logprobs
+
+    got = prompt_logprobs(TokenText(None), [None, Logprob(98, -2.0, 3, [(97, -0.5), (99, -1.0), (98, -2.0)])])
+    assert got[0] is None and list(got[1].items()) == [
+        ("98", {"logprob": -2.0, "rank": 3, "decoded_token": "token_id:98"}),
+        ("97", {"logprob": -0.5, "rank": 1, "decoded_token": "token_id:97"}),
+        ("99", {"logprob": -1.0, "rank": 2, "decoded_token": "token_id:99"})]
