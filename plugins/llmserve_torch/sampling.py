@@ -92,7 +92,9 @@ def filter_logits(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min
 
 def _exp_noise(shape: tuple[int, ...], gen: torch.Generator, device: torch.device) -> torch.Tensor:
     u = torch.rand(shape, generator=gen, device=device, dtype=torch.float32)
-    return -torch.log1p(-u)  # Exp(1); log1p(-u) is finite since u < 1
+    # Exp(1); log1p(-u) is finite since u < 1. u == 0 (one draw in 2^24) would give 0 noise, and a masked
+    # token's 0 / 0 = NaN, which argmax picks: the floor keeps a masked token at 0
+    return (-torch.log1p(-u)).clamp_min_(torch.finfo(torch.float32).tiny)
 
 
 def _logprob_entries(lp: torch.Tensor, chosen: torch.Tensor, ns: list[int]) -> list[Logprob]:
