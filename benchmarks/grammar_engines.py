@@ -165,7 +165,8 @@ def walk(engine, spec: StructuredOutput, docs: list[str], tok: Tokenizer, steps:
         if not live:
             break
         t0 = time.perf_counter()
-        engine.fill_bitmasks([(ms[k], k) for k in live], mask)  # as Constraints.fill calls it
+        for k in live:  # as Constraints.fill calls them, one row at a time on the engine thread
+            ms[k].fill_bitmask(mask, k)
         t1 = time.perf_counter()
         for k in live:
             t = toks[k][step]
@@ -201,12 +202,11 @@ def main() -> int:
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--steps", type=int, default=400)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--threads", type=int, default=torch.get_num_threads())
     ap.add_argument("--vocab", choices=["synthetic", "real"], default="synthetic",
                     help="Qwen2-sized synthetic vocabulary (default), or the real 49,152-token one alone")
     ap.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     args = ap.parse_args()
-    torch.set_num_threads(args.threads)  # an engine's grammar threads follow torch's (they run before the forward)
+    torch.set_num_threads(1)
     global VOCAB
     real = real_tokenizer()
     tok = SyntheticVocab(real, seed=args.seed) if args.vocab == "synthetic" else real

@@ -127,12 +127,11 @@ class Constraints:
         if not rows:
             return
         mask = torch.full((len(rows), self.words), -1, dtype=torch.int32)
-        grammars = [(self._matchers[batch.requests[i].request_id], k) for k, i in enumerate(rows)
-                    if batch.requests[i].request_id in self._matchers]
-        if grammars:
-            self._engine.fill_bitmasks(grammars, mask)
         for k, i in enumerate(rows):
             sr = batch.requests[i]
+            m = self._matchers.get(sr.request_id)
+            if m is not None:
+                m.fill_bitmask(mask, k)
             allowed = self._allowed.get(sr.request_id)
             if allowed is not None:
                 mask[k] &= allowed

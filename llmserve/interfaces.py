@@ -188,11 +188,6 @@ class GrammarEngine(ABC):
     def matcher(self, compiled: Any) -> GrammarMatcher:
         """A fresh matcher at the start of a compiled grammar."""
 
-    def fill_bitmasks(self, rows: list[tuple[GrammarMatcher, int]], bitmask: Any) -> None:
-        """Fill each (matcher, row) of a step at once (an engine may use threads); by default one by one."""
-        for m, row in rows:
-            m.fill_bitmask(bitmask, row)
-
 
 class MetricSink(ABC):
     """Receives per-step and per-request measurements from the engine."""

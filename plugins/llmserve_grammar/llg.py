@@ -81,8 +81,6 @@ class LLGuidanceEngine(GrammarEngine):
         vocab = _Vocab(tokenizer, vocab_size)
         self.tokenizer = llguidance.LLTokenizer(llguidance.TokenizerWrapper(vocab), n_vocab=vocab_size)
         self.whitespace_flexible = whitespace_flexible
-        # the step's masks are filled before the forward, while torch's threads wait: use as many
-        self._executor = llguidance.LLExecutor(num_threads=max(1, torch.get_num_threads()))
 
     def compile(self, spec: StructuredOutput) -> llguidance.LLMatcher:
         """A validated matcher at the grammar's start, kept as the prototype that matcher() copies."""
@@ -100,11 +98,6 @@ class LLGuidanceEngine(GrammarEngine):
     def matcher(self, compiled: llguidance.LLMatcher) -> GrammarMatcher:
         """A fresh copy of the prototype (no recompilation)."""
         return LLGuidanceMatcher(compiled.deep_copy())
-
-    def fill_bitmasks(self, rows: list[tuple[LLGuidanceMatcher, int]], bitmask: torch.Tensor) -> None:
-        """All rows of the step in parallel on llguidance's threads (it releases the GIL)."""
-        self._executor.unsafe_compute_mask_ptr([(m._m, row) for m, row in rows], bitmask.data_ptr(),
-                                               bitmask.shape[1] * 4, bitmask.shape[0])
 
 
 def _short(error: str) -> str:

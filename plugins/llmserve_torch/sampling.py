@@ -136,15 +136,18 @@ class Sampler:
         if any(n is not None for n in want_lp):
             raw_lp = torch.log_softmax(logits, dim=-1)  # the model's own distribution, before any processing
         processed = any(_needs_processing(r.sampling, r.num_output_tokens) for r in reqs)
-        if processed or bitmask is not None:
-            logits = logits.clone()
         if processed:
+            logits = logits.clone()
             apply_logit_processors(logits, reqs, self.eos_token_ids)
-        if bitmask is not None:  # one masked_fill for every constrained row
-            processed = True
-            idx = torch.tensor(list(bitmask_rows), dtype=torch.long, device=logits.device)
+        if bitmask is not None:  # one tensor operation for every constrained row
             allowed = unpack_bitmask(bitmask.to(logits.device), logits.shape[1])
-            logits.index_copy_(0, idx, logits.index_select(0, idx).masked_fill_(~allowed, _MASK))
+            if len(bitmask_rows) == R:  # where() writes a new tensor: cheaper than clone + masked_fill
+                logits = torch.where(allowed, logits, _MASK)
+            else:
+                logits = logits if processed else logits.clone()
+                idx = torch.tensor(list(bitmask_rows), dtype=torch.long, device=logits.device)
+                logits[idx] = torch.where(allowed, logits[idx], _MASK)
+            processed = True
         greedy = [r.sampling.temperature == 0.0 for r in reqs]
         tokens = torch.empty(R, dtype=torch.long, device=logits.device)
         g_rows = [i for i in range(R) if greedy[i]]
