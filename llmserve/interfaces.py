@@ -166,7 +166,10 @@ class GrammarMatcher(ABC):
 
     @abstractmethod
     def fill_bitmask(self, bitmask: Any, row: int) -> None:
-        """Write the allowed next tokens into int32 bitmask[row] (bit t % 32 of word t // 32 set = allowed)."""
+        """Write the allowed next tokens into int32 bitmask[row] (bit t % 32 of word t // 32 set = allowed).
+
+        Raise ValueError when the grammar cannot go on (an engine limit): that sequence alone fails.
+        """
 
     @abstractmethod
     def accept(self, token_id: int) -> bool:
