@@ -36,6 +36,7 @@ DEFAULT_PLUGINS: tuple[str, ...] = (
     "llmserve_tokenizers",
     "llmserve_jsonl",
     "llmserve_prometheus",
+    "llmserve_tools",
 )
 
 # registry kind → the hook that fills it
@@ -46,6 +47,8 @@ COMPONENT_HOOKS: dict[str, str] = {
     "tokenizer": "register_tokenizers",
     "metric_sink": "register_metric_sinks",
     "grammar": "register_structured_output",
+    "tool_parser": "register_tool_parsers",
+    "reasoning_parser": "register_reasoning_parsers",
 }
 
 

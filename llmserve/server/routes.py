@@ -75,12 +75,15 @@ async def chat_completions(request: Request) -> Response:
         raise bad_request("this server has no tokenizer, so it cannot render chat messages; "
                           "use /v1/completions with token ids", "messages")
     try:
-        prompt = tok.apply_chat_template(req.template_messages(), add_generation_prompt=req.add_generation_prompt)
+        prompt = tok.apply_chat_template(
+            req.template_messages(), add_generation_prompt=req.add_generation_prompt,
+            tools=req.template_tools(),
+            continue_final_message=req.continue_final_message, **(req.chat_template_kwargs or {}))
     except NotImplementedError as e:
         raise bad_request(str(e), "messages") from None
     ids = await _encode(tok, prompt, add_special_tokens=False)
     check_request(ids, sp, st.engine.backend.vocab_size, st.engine.max_model_len, "messages")
-    return await ChatAnswer(st, req, sp, [ids]).respond(request, aengine)
+    return await ChatAnswer(st, req, sp, [ids], prompt).respond(request, aengine)
 
 
 # --- models, health, stats --------------------------------------------------------------------
