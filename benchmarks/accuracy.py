@@ -261,8 +261,8 @@ def gguf_of(model: str) -> Path | None:
 
 
 def report_machine() -> dict[str, Any]:
-    """llmserve.bench.report.machine_info() (imported late: the script puts the repo on sys.path first)."""
-    from llmserve.bench.report import machine_info
+    """llmserve_bench.report.machine_info() (imported late: the script puts the repo on sys.path first)."""
+    from llmserve_bench.report import machine_info
 
     return machine_info()
 

@@ -9,7 +9,7 @@ profiled steps only (attention, norms, rope, LM head, sampling, step set-up); li
 are the matmul ops by name. Attention and greedy sampling run in the kernel library through
 ctypes, invisible to the profiler: their ranges count whole. "python / other" is the step's wall
 time minus everything the families account for (the engine, the scheduler, the layer loop, the
-profiler's own cost). The bound (llmserve/bench/bound.py) is printed beside the step.
+profiler's own cost). The bound (plugins/llmserve_bench/bound.py) is printed beside the step.
 
     .venv/bin/python benchmarks/profile_step.py                       # c = 1, the model's auto dtype
     .venv/bin/python benchmarks/profile_step.py --dtype float32 --concurrency 64 --json
@@ -30,8 +30,8 @@ for p in (ROOT, ROOT / "plugins"):
 
 import torch  # noqa: E402
 
-from llmserve.bench.bound import probe, probe_before, step_bound, wants_bound  # noqa: E402
-from llmserve.bench.report import machine_info  # noqa: E402
+from llmserve_bench.bound import probe, probe_before, step_bound, wants_bound  # noqa: E402
+from llmserve_bench.report import machine_info  # noqa: E402
 
 PREFIX = "llmserve::"
 # our own int8 matmul (csrc, via ctypes) is invisible to the profiler: under lm_head it counts there, elsewhere

@@ -57,7 +57,7 @@ def _cli(*args: str) -> dict:
 
 
 def start_server(flags: list[str]) -> tuple[subprocess.Popen, str]:
-    from llmserve.bench.serve import launch_server
+    from llmserve_bench.serve import launch_server
 
     return launch_server(flags, env={**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'plugins'}"})
 
@@ -99,7 +99,7 @@ def run(args: argparse.Namespace) -> dict:
                 finally:
                     proc.terminate()
                     proc.wait(60)
-    from llmserve.bench.report import machine_info
+    from llmserve_bench.report import machine_info
 
     return {"machine": machine_info(), "rows": rows}
 

@@ -36,7 +36,7 @@ from tqdm import tqdm  # noqa: E402
 
 from shapes import SHAPES  # noqa: E402
 
-from llmserve.bench.report import machine_info  # noqa: E402
+from llmserve_bench.report import machine_info  # noqa: E402
 
 MODELS = {k: SHAPES[k] for k in ("gpt2", "qwen2.5-0.5b")}
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}

@@ -399,14 +399,14 @@ def _terminate(proc: subprocess.Popen) -> None:
 
 
 class LLMServe:
-    """`llmserve serve` on FILE (this checkout's code and plugins), through bench.serve.launch_server."""
+    """`llmserve serve` on FILE (this checkout's code and plugins), through llmserve_bench.serve.launch_server."""
 
     def __init__(self, gguf: Path, case: Case, threads: int, extra: list[str]):
         self.flags = ["--model", str(gguf), "--quantization", "auto", "--dtype", "auto", "--threads", str(threads),
                       "--max-num-seqs", str(case.concurrency), *extra]
 
     def __enter__(self) -> LLMServe:
-        from llmserve.bench.serve import launch_server
+        from llmserve_bench.serve import launch_server
 
         paths = [str(ROOT), str(ROOT / "plugins")] + [p for p in [os.environ.get("PYTHONPATH")] if p]
         self.proc, self.url = launch_server(self.flags, env={**os.environ, "PYTHONPATH": os.pathsep.join(paths)})
@@ -417,7 +417,7 @@ class LLMServe:
 
 
 def client_args(concurrency: int, requests: int, prompt_len, output_len, seed: int, args) -> argparse.Namespace:
-    """The namespace bench.workload.make_workload and bench.clients.run_http read."""
+    """The namespace llmserve_bench.workload.make_workload and llmserve_bench.clients.run_http read."""
     return argparse.Namespace(requests=requests, prompt_len=list(prompt_len), output_len=list(output_len),
                               shared_prefix=0, workload_seed=seed, concurrency=concurrency, timeout=args.timeout,
                               client="httpx", ignore_eos=True, json=args.json, no_progress=args.no_progress)
@@ -425,10 +425,10 @@ def client_args(concurrency: int, requests: int, prompt_len, output_len, seed: i
 
 def measure(url: str, case: Case, vocab: int, seed: int, args) -> dict[str, Any]:
     """A warm-up, then the case's workload (seed) through the server at url: the summary and its checks."""
-    from llmserve.bench.clients import run_http
-    from llmserve.bench.report import summarize_results
-    from llmserve.bench.serve import _server_facts
-    from llmserve.bench.workload import make_workload
+    from llmserve_bench.clients import run_http
+    from llmserve_bench.report import summarize_results
+    from llmserve_bench.serve import _server_facts
+    from llmserve_bench.workload import make_workload
 
     model = _server_facts(url, None).get("model")
     warm = client_args(case.concurrency, max(2, min(case.concurrency, 8)), (16, 32), (8, 8), 1_000_000 + seed, args)
@@ -528,7 +528,7 @@ def combine(rounds: list[dict[str, Any]]) -> dict[str, Any]:
 def machine(threads: int, llama: dict[str, Any] | None) -> dict[str, Any]:
     from importlib.metadata import version
 
-    from llmserve.bench.report import machine_info
+    from llmserve_bench.report import machine_info
 
     info = machine_info()
     info["threads"] = threads

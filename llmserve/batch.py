@@ -7,6 +7,7 @@ goes back to the scheduler's update_from_output. Neither side reaches into the o
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from llmserve.request import Logprob, SamplingParams
 
@@ -39,6 +40,10 @@ class SchedulerOutput:
     # sequences that ended or were preempted since the last batch: drop any per-sequence state
     finished_request_ids: list[str] = field(default_factory=list)
     preempted_request_ids: list[str] = field(default_factory=list)
+    # constraints (llmserve/constraints.py): an int32 tensor [len(bitmask_rows), ceil(vocab/32)];
+    # row k says which tokens requests[bitmask_rows[k]] may sample (bit t % 32 of word t // 32)
+    token_bitmask: Any = None
+    bitmask_rows: list[int] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:

@@ -1,4 +1,4 @@
-"""The `llmserve` command: serve (the default), plugins, config, bench, and the plugins' commands.
+"""The `llmserve` command: serve (the default), plugins, config, and the plugins' commands (bench, …).
 
 Heavy imports (torch, transformers, the server) happen inside the commands that need them,
 so `llmserve --help` and `llmserve plugins` stay fast.
@@ -11,8 +11,6 @@ import json
 import logging
 import sys
 
-from llmserve.bench import offline as bench_offline
-from llmserve.bench import serve as bench_serve
 from llmserve.config_args import add_config_arguments, config_from_args
 from llmserve.errors import LLMServeError, PluginError
 from llmserve.plugins import load_plugins, loaded_once
@@ -110,15 +108,6 @@ def build_parser() -> argparse.ArgumentParser:
     add_config_arguments(p)
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_config)
-
-    bench = sub.add_parser("bench", help="benchmarks (offline engine, serving)")
-    bsub = bench.add_subparsers(dest="bench_command", metavar="BENCH", required=True, action=_Commands)
-    p = bsub.add_parser("offline", help="run a synthetic workload through the engine, no HTTP")
-    bench_offline.add_arguments(p)
-    p.set_defaults(func=bench_offline.main)
-    p = bsub.add_parser("serve", help="load an OpenAI-compatible server with streaming clients")
-    bench_serve.add_arguments(p)
-    p.set_defaults(func=bench_serve.main)
 
     try:
         load_plugins().pm.hook.register_commands(subparsers=sub)

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from llmserve.config import EngineConfig, config_from_dict
+from llmserve.constraints import Constraints
 from llmserve.detokenize import IncrementalDetokenizer
 from llmserve.errors import InvalidRequestError, PluginError
 from llmserve.interfaces import MetricSink, ModelBackend, Scheduler, Tokenizer
@@ -81,6 +82,7 @@ class Engine:
         self.eos_token_id = self.backend.eos_token_id
         if self.eos_token_id is None and self.tokenizer is not None:
             self.eos_token_id = self.tokenizer.eos_token_id
+        self.constraints = Constraints(*self._build_grammar(), self.backend.vocab_size)
         self.collector = MetricsCollector()
         self._seqs: dict[str, Request] = {}
         self._groups: dict[str, _Group] = {}
@@ -120,6 +122,17 @@ class Engine:
                                                                            tokenizer=self.backend.tokenizer_path))
         return self._factory("tokenizer", name)(config)
 
+    def _build_grammar(self):
+        """The grammar engine, or None and why there is none (no tokenizer, or one that cannot list its vocabulary)."""
+        if self.tokenizer is None:
+            return None, "this server has no tokenizer"
+        try:
+            return self._factory("grammar", self.config.structured_output.name)(
+                self.config, self.tokenizer, self.backend.vocab_size), ""
+        except NotImplementedError as e:
+            log.info("no structured output: %s", e)
+            return None, str(e)
+
     def add_metric_sink(self, sink: MetricSink) -> None:
         """Attach a sink after construction (a plugin's route hook serving it, say); it gets every later event."""
         self.metric_sinks.append(sink)
@@ -139,6 +152,7 @@ class Engine:
         # SamplingParams.validate ran where the params were made (the server's protocol layer, or
         # the offline caller); what only the engine knows is checked here, by the shared rule
         check_prompt(prompt, sp, self.backend.vocab_size, self.max_model_len)
+        self.constraints.check(sp)  # compiled once and cached: the server has usually done it already
         now = time.perf_counter() if arrival_time is None else arrival_time
         max_total = self.max_model_len if sp.max_tokens is None else min(self.max_model_len, len(prompt) + sp.max_tokens)
         ids = [rid] if sp.n == 1 else [f"{rid}#{i}" for i in range(sp.n)]
@@ -151,6 +165,8 @@ class Engine:
         for r in seqs[1:]:
             r.arrival_seq = seqs[0].arrival_seq  # one arrival: the policy orders the n together
         self.scheduler.add(seqs[0])  # the policy may refuse it (InvalidRequestError): nothing is held yet
+        for r in seqs:
+            self.constraints.add(r)
         group = _Group(ids, sp.n)
         # fan-out: the others wait until the first has computed the prompt, then hit its cached
         # blocks; without prefix reuse (caching off, prompt logprobs) they would gain nothing
@@ -210,6 +226,7 @@ class Engine:
     def _end(self, r: Request, now: float) -> None:
         """Release the sequence everywhere and report its metrics."""
         self.scheduler.finish((r.request_id,))
+        self.constraints.drop(r.request_id)
         self._seqs.pop(r.request_id, None)
         g = self._groups.get(r.group_id)
         if g is not None:
@@ -274,6 +291,7 @@ class Engine:
         batch = self.scheduler.schedule()
         backend_s = 0.0
         if batch.requests:
+            self.constraints.fill(batch, self._seqs)
             tb = time.perf_counter()
             try:
                 mo = self.backend.execute(batch)
@@ -322,6 +340,11 @@ class Engine:
             r.last_token_time = now
             r.status = RequestStatus.DECODE
             sp = r.sampling
+            try:
+                complete = self.constraints.accept(r, tok)
+            except ValueError as e:
+                self._fail(r, str(e))
+                continue
             n_out = len(r.token_ids) - len(r.prompt_token_ids)
             if n_out >= sp.min_tokens and ((tok == eos and not sp.ignore_eos) or tok in sp.stop_token_ids):
                 # the stop token counts as an output token but adds no text
@@ -336,6 +359,9 @@ class Engine:
                 if hit is not None:
                     self._finish(r, FinishReason.STOP, outputs, stop_reason=hit, text=text)
                     continue
+            if complete:  # the grammar allows nothing more: the output is whole
+                self._finish(r, FinishReason.STOP, outputs, text=text)
+                continue
             if len(r.token_ids) >= r.max_total_tokens:
                 self._finish(r, FinishReason.LENGTH, outputs, text=text)
                 continue

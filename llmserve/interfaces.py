@@ -146,6 +146,10 @@ class Tokenizer(ABC):
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         """Text of token ids (may end in U+FFFD when a multi-byte character is cut)."""
 
+    def vocab_bytes(self) -> list[bytes]:
+        """Every token id's exact bytes, in id order (grammar engines build their token trie from it)."""
+        raise NotImplementedError(f"{type(self).__name__} cannot list its vocabulary")
+
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
                             tools: list[dict] | None = None, continue_final_message: bool = False, **kwargs) -> str:
         """Render chat messages into one prompt string; tools (OpenAI's shape) and kwargs are the template's."""
@@ -182,6 +186,11 @@ class GrammarEngine(ABC):
     @abstractmethod
     def matcher(self, compiled: Any) -> GrammarMatcher:
         """A fresh matcher at the start of a compiled grammar."""
+
+    def fill_bitmasks(self, rows: list[tuple[GrammarMatcher, int]], bitmask: Any) -> None:
+        """Fill each (matcher, row) of a step at once (an engine may use threads); by default one by one."""
+        for m, row in rows:
+            m.fill_bitmask(bitmask, row)
 
 
 @dataclass(slots=True)

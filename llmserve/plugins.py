@@ -36,6 +36,8 @@ DEFAULT_PLUGINS: tuple[str, ...] = (
     "llmserve_tokenizers",
     "llmserve_jsonl",
     "llmserve_prometheus",
+    "llmserve_grammar",
+    "llmserve_bench",
     "llmserve_tools",
 )
 

@@ -19,7 +19,7 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationEr
 from pydantic.json_schema import models_json_schema
 
 from llmserve.errors import InvalidRequestError
-from llmserve.request import SamplingParams
+from llmserve.request import SamplingParams, StructuredOutput
 from llmserve.server.errors import bad_request
 from llmserve.server.tools import tool_grammar
 
@@ -40,6 +40,33 @@ class _Model(BaseModel):
 
 class StreamOptions(_Model):
     include_usage: bool = False
+
+
+class JsonSchemaFormat(_Model):
+    name: str = "response"
+    description: str | None = None
+    schema_: dict[str, Any] | bool = Field(default=True, alias="schema")
+    strict: bool | None = None  # the schema is always enforced; strict changes nothing here
+
+
+class ResponseFormat(_Model):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputs(_Model):
+    """vLLM's structured_outputs: exactly one of json, regex, choice, grammar, json_object."""
+
+    model_config = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
+    json_: dict[str, Any] | bool | str | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+
+def _json_text(schema: Any) -> str:
+    return schema if isinstance(schema, str) else json.dumps(schema, sort_keys=True)
 
 
 class _Request(_Model):
@@ -70,12 +97,51 @@ class _Request(_Model):
     cache_salt: str | None = Field(default=None, min_length=1)
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    # constraints: one grammar (response_format, structured_outputs or guided_*), and token masks
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: dict[str, Any] | bool | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
 
     @model_validator(mode="before")
     @classmethod
     def _null_is_absent(cls, body: Any) -> Any:
         # clients send null for "not set"; it means the default, as in OpenAI's API
         return {k: v for k, v in body.items() if v is not None} if isinstance(body, dict) else body
+
+    def _structured(self) -> StructuredOutput | None:
+        """The one grammar the body asks for (a 400 naming the fields when it asks for several)."""
+        found: list[StructuredOutput] = []
+        rf = self.response_format
+        if rf is not None and rf.type == "json_object":
+            found.append(StructuredOutput("json_object", param="response_format"))
+        elif rf is not None and rf.type == "json_schema":
+            if rf.json_schema is None:
+                raise bad_request("response_format of type json_schema needs json_schema.schema",
+                                  "response_format.json_schema")
+            found.append(StructuredOutput("json", _json_text(rf.json_schema.schema_), "response_format.json_schema.schema"))
+        so = self.structured_outputs
+        for field_, kind, value in (
+                ("structured_outputs.json", "json", so and so.json_), ("structured_outputs.regex", "regex", so and so.regex),
+                ("structured_outputs.choice", "choice", so and so.choice),
+                ("structured_outputs.grammar", "grammar", so and so.grammar),
+                ("structured_outputs.json_object", "json_object", so and so.json_object),
+                ("guided_json", "json", self.guided_json), ("guided_regex", "regex", self.guided_regex),
+                ("guided_choice", "choice", self.guided_choice), ("guided_grammar", "grammar", self.guided_grammar)):
+            if value is None or value is False:
+                continue
+            if kind == "choice" and not value:
+                raise bad_request(f"{field_} must list at least one string", field_)
+            text = "" if kind == "json_object" else _json_text(value) if kind in ("json", "choice") else value
+            found.append(StructuredOutput(kind, text, field_))
+        if len(found) > 1:
+            raise bad_request("only one structured output constraint may be given, got "
+                              + ", ".join(f.param for f in found), found[1].param)
+        return found[0] if found else None
 
     @property
     def include_usage(self) -> bool:
@@ -102,7 +168,8 @@ class _Request(_Model):
             stop=[s for s in stop if s], stop_token_ids=self.stop_token_ids,
             include_stop_str_in_output=self.include_stop_str_in_output, ignore_eos=self.ignore_eos,
             min_tokens=self.min_tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs, n=self.n,
-            skip_special_tokens=self.skip_special_tokens)
+            skip_special_tokens=self.skip_special_tokens, structured=self._structured(),
+            allowed_token_ids=self.allowed_token_ids)
         try:
             sp.validate()
         except InvalidRequestError as e:
@@ -191,10 +258,6 @@ class ToolChoice(_Model):
     function: FunctionName
 
 
-class ResponseFormat(_Model):
-    type: Literal["text"]
-
-
 class ChatRequest(_Request):
     """A /v1/chat/completions body."""
 
@@ -207,7 +270,6 @@ class ChatRequest(_Request):
     parallel_tool_calls: bool = True
     functions: Any = None  # the legacy function-calling fields are refused
     function_call: Any = None
-    response_format: ResponseFormat | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template: str | None = None  # refused: only the server's template renders
@@ -269,7 +331,9 @@ def _json_object(text: str) -> Any:
 
 # the names a path is made of; pydantic's loc also holds union-member tags ("list[int]") and "[key]"
 _FIELDS = set().union(*(m.model_fields for m in (CompletionRequest, ChatRequest, Message, TextPart, StreamOptions,
-                                                  ToolCall, FunctionCall, Tool, FunctionDef, ToolChoice)))
+                                                  ResponseFormat, JsonSchemaFormat, StructuredOutputs, ToolCall,
+                                                  FunctionCall, Tool, FunctionDef, ToolChoice)),
+                      {"json", "schema"})
 
 
 def parse(model: type[_Request], raw: bytes, endpoint: str) -> tuple[Any, SamplingParams]:

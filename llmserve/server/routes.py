@@ -28,7 +28,20 @@ async def _admit(request: Request, model) -> tuple[ServerState, AsyncEngine, Any
     # the body limit is enforced by BodyLimitMiddleware while this reads
     req, sp = parse(model, await request.body(), request.url.path)
     st.check_model(req.model)
+    if req.bad_words:
+        sp.bad_words_token_ids = _bad_words(st.engine.tokenizer, req.bad_words)
+    if sp.structured is not None or sp.allowed_token_ids is not None:
+        # compiled off the event loop (a large schema takes a while), cached for the engine's own check
+        await asyncio.to_thread(st.engine.constraints.check, sp)
     return st, aengine, req, sp
+
+
+def _bad_words(tok, words: list[str]) -> list[list[int]]:
+    """Each bad word's token ids, alone and after a space (vLLM's rule: both spellings are banned)."""
+    if tok is None:
+        raise bad_request("bad_words needs a tokenizer and this server has none", "bad_words")
+    seqs = {tuple(tok.encode(p + w, add_special_tokens=False)) for w in words for p in ("", " ") if w.strip()}
+    return [list(s) for s in seqs if s]
 
 
 _BIG_TEXT = 16_384  # characters; longer texts are tokenized off the event loop

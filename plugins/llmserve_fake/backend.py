@@ -11,6 +11,7 @@ import time
 from typing import Any
 
 from llmserve.batch import ModelOutput, SchedulerOutput
+from llmserve.constraints import unpack_bitmask
 from llmserve.interfaces import ModelBackend
 from llmserve.request import Logprob
 
@@ -67,6 +68,10 @@ class FakeBackend(ModelBackend):
         V, eos = self.vocab_size, self.eos_token_id
         sampled: list[int | None] = []
         logprobs: list[Logprob | None] | None = None
+        allowed = {}  # batch row → its allowed token ids, where a constraint limits them
+        if batch.token_bitmask is not None:
+            rows = unpack_bitmask(batch.token_bitmask, V)
+            allowed = {i: rows[k].nonzero().flatten().tolist() for k, i in enumerate(batch.bitmask_rows)}
         for i, r in enumerate(batch.requests):
             if not r.do_sample:
                 sampled.append(None)
@@ -75,6 +80,9 @@ class FakeBackend(ModelBackend):
             tok = next_token(r.token_ids, len(r.token_ids), V, eos)
             if tok == eos and (sp.ignore_eos or r.num_output_tokens < sp.min_tokens):
                 tok = (tok + 1) % V
+            ok = allowed.get(i)
+            if ok and tok not in ok:  # constrained: the allowed token the hash picks, still deterministic
+                tok = ok[next_token(r.token_ids, len(r.token_ids) + 1, len(ok), None)]
             sampled.append(tok)
             if sp.logprobs is not None:
                 if logprobs is None:

@@ -82,6 +82,10 @@ class ByteTokenizer(Tokenizer):
         """The raw bytes of one token (for OpenAI's logprobs `bytes` field)."""
         return self._enc.decode_single_token_bytes(token_id)
 
+    def vocab_bytes(self) -> list[bytes]:
+        """The 256 bytes, then the EOS text."""
+        return [bytes([i]) for i in range(256)] + [EOS_TEXT.encode()]
+
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
                             tools: list[dict] | None = None, continue_final_message: bool = False, **kwargs) -> str:
         """Render with the simple ``role: content`` template of the module docstring (it shows no tools)."""

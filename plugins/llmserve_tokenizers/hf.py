@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import functools
 import inspect
+import json
 import os
+import re
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -78,6 +81,17 @@ class HFTokenizer(Tokenizer):
         """UTF-8 bytes of one token's text (for OpenAI's logprobs `bytes` field)."""
         return self._tok.decode([token_id], skip_special_tokens=False).encode("utf-8", errors="replace")
 
+    def vocab_bytes(self) -> list[bytes]:
+        """Each id's bytes: byte-level BPE pieces mapped back to bytes, SentencePiece's "▁" and <0xNN> undone."""
+        pieces = self._tok.convert_ids_to_tokens(list(range(len(self._tok))))
+        added = {i: t.content for i, t in self._tok.added_tokens_decoder.items()}
+        decoder = json.loads(self._tok.backend_tokenizer.to_str()).get("decoder") or {}
+        if "ByteLevel" in json.dumps(decoder):
+            table = _byte_level_table()
+            return [added[i].encode() if i in added else bytes(table[c] for c in p or "")
+                    for i, p in enumerate(pieces)]
+        return [added[i].encode() if i in added else _sentencepiece_bytes(p or "") for i, p in enumerate(pieces)]
+
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
                             tools: list[dict] | None = None, continue_final_message: bool = False, **kwargs) -> str:
         """Render with the checkpoint's chat template (or model.chat_template); a 400 when there is none or it fails."""
@@ -102,6 +116,25 @@ class HFTokenizer(Tokenizer):
     @property
     def all_special_ids(self) -> set[int]:
         return self._special
+
+
+@functools.cache
+def _byte_level_table() -> dict[str, int]:
+    """GPT-2's byte ↔ printable-character table, inverted (character → byte)."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in keep:
+            chars[chr(b)] = b
+        else:
+            chars[chr(256 + extra)] = b
+            extra += 1
+    return chars
+
+
+def _sentencepiece_bytes(piece: str) -> bytes:
+    m = re.fullmatch(r"<0x([0-9A-Fa-f]{2})>", piece)
+    return bytes([int(m.group(1), 16)]) if m else piece.replace("\u2581", " ").encode()
 
 
 def _template(config) -> str:

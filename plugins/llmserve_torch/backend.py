@@ -187,7 +187,11 @@ class TorchBackend(ModelBackend):
             if sample_reqs:
                 rows = torch.tensor(sample_rows, dtype=torch.long, device=self.device)
                 logits = self.model.logits(hidden.index_select(0, rows))
-                toks, lps = self.sampler.sample(logits, sample_reqs)
+                mask_rows = ()
+                if batch.token_bitmask is not None:  # the mask's rows index reqs; the sampler's, sample_reqs
+                    pos = {i: j for j, i in enumerate(i for i, r in enumerate(reqs) if r.do_sample)}
+                    mask_rows = [pos[i] for i in batch.bitmask_rows]
+                toks, lps = self.sampler.sample(logits, sample_reqs, batch.token_bitmask, mask_rows)
                 it = iter(zip(toks, lps))
                 if any(lp is not None for lp in lps):
                     logprobs = [None] * len(reqs)

@@ -1,4 +1,4 @@
-"""What one decode step reads and computes, for the limit `llmserve bench offline` prints (llmserve/bench/bound.py).
+"""What one decode step reads and computes, for the limit `llmserve bench offline` prints (llmserve_bench/bound.py).
 
 A step reads every linear's weight once (the LM head included) whatever the batch, and every
 sequence's K and V once per layer. The embedding table is not counted: a lookup reads one row per

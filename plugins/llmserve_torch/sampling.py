@@ -14,6 +14,7 @@ from collections.abc import Sequence
 import torch
 
 from llmserve.batch import ScheduledRequest
+from llmserve.constraints import unpack_bitmask
 from llmserve.request import Logprob, SamplingParams
 
 _MASK = float("-inf")
@@ -120,17 +121,27 @@ class Sampler:
         # a faster row argmax for raw float32 CPU logits (set by the backend when its kernel library builds)
         self.fast_argmax = None
 
-    def sample(self, logits: torch.Tensor, reqs: Sequence[ScheduledRequest]) -> tuple[list[int], list[Logprob | None]]:
-        """logits: float32 [R, V], one row per request; returns one token per row and optional logprobs."""
+    def sample(self, logits: torch.Tensor, reqs: Sequence[ScheduledRequest], bitmask: torch.Tensor | None = None,
+               bitmask_rows: Sequence[int] = ()) -> tuple[list[int], list[Logprob | None]]:
+        """logits: float32 [R, V], one row per request; bitmask[k] limits row bitmask_rows[k] (constraints.py).
+
+        Returns one token per row and optional logprobs.
+        """
         R = logits.shape[0]
         want_lp = [r.sampling.logprobs for r in reqs]
         raw_lp = None
         if any(n is not None for n in want_lp):
             raw_lp = torch.log_softmax(logits, dim=-1)  # the model's own distribution, before any processing
         processed = any(_needs_processing(r.sampling, r.num_output_tokens) for r in reqs)
-        if processed:
+        if processed or bitmask is not None:
             logits = logits.clone()
+        if processed:
             apply_logit_processors(logits, reqs, self.eos_token_id)
+        if bitmask is not None:  # one masked_fill for every constrained row
+            processed = True
+            idx = torch.tensor(list(bitmask_rows), dtype=torch.long, device=logits.device)
+            allowed = unpack_bitmask(bitmask.to(logits.device), logits.shape[1])
+            logits.index_copy_(0, idx, logits.index_select(0, idx).masked_fill_(~allowed, _MASK))
         greedy = [r.sampling.temperature == 0.0 for r in reqs]
         tokens = torch.empty(R, dtype=torch.long, device=logits.device)
         g_rows = [i for i in range(R) if greedy[i]]

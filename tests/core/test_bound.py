@@ -1,6 +1,6 @@
-"""bench/bound.py's arithmetic: the floor of a decode step from bytes, params, bandwidth and GEMM rate."""
+"""llmserve_bench/bound.py's arithmetic: the floor of a decode step from bytes, params, bandwidth and GEMM rate."""
 
-from llmserve.bench.bound import Probe, bound_report, decode_bound, step_bound
+from llmserve_bench.bound import Probe, bound_report, decode_bound, step_bound
 
 
 def test_memory_binds_at_batch_one():

@@ -45,9 +45,9 @@ def test_bench_serve_text_prompts_without_ignore_eos_for_a_strict_peer(capsys, m
 
     import httpx
 
-    from llmserve.bench.clients import run_http
-    from llmserve.bench.serve import add_arguments
-    from llmserve.bench.workload import make_workload
+    from llmserve_bench.clients import run_http
+    from llmserve_bench.serve import add_arguments
+    from llmserve_bench.workload import make_workload
 
     bodies = []
 
@@ -97,8 +97,8 @@ def test_bench_serve_resends_a_request_the_server_dropped_unanswered(monkeypatch
 
     import httpx
 
-    from llmserve.bench.clients import run_http
-    from llmserve.bench.workload import Item
+    from llmserve_bench.clients import run_http
+    from llmserve_bench.workload import Item
 
     calls = []
 

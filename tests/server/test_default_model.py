@@ -46,3 +46,18 @@ def test_the_default_model_knows_the_capital_of_france(default_server):
     assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == answer
     backend = default_server.stats()["backend"]
     assert backend["model_type"] == "llama" and backend["dtype_reason"].startswith("auto: ")
+
+
+def test_the_extraction_example_parses_a_person_from_free_text(default_server):
+    """examples/clients/extract_pydantic.py: chat.completions.parse with a pydantic model, enforced by the grammar."""
+    import json
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, str(ROOT / "examples" / "clients" / "extract_pydantic.py"),
+                           "--base-url", default_server.url + "/v1", "--json"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    person = json.loads(proc.stdout)
+    assert "Curie" in person["name"] and person["birth_city"] == "Warsaw", person
+    assert 1000 <= person["birth_year"] <= 2100

@@ -235,7 +235,7 @@ def test_bad_completion_fields_are_400_naming_the_field(client, kwargs, param):
      "messages[0].content"),
     ({"top_logprobs": 2}, "top_logprobs"),
     ({"tools": [{"type": "function", "function": {"name": "no spaces", "parameters": {}}}]}, "tools[0].function.name"),
-    ({"response_format": {"type": "json_object"}}, "response_format.type"),
+    ({"response_format": {"type": "xml"}}, "response_format.type"),
     ({"stream_options": {"include_usage": True}}, "stream_options"),
 ])
 def test_bad_chat_fields_are_400_naming_the_field(client, kwargs, param):

@@ -14,10 +14,10 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from llmserve.bench.bound import bound_report, print_decode_bound, probe_before
-from llmserve.bench.report import Result, Timing, fmt, format_threads, in_ms, machine_info, print_run, \
+from llmserve_bench.bound import bound_report, print_decode_bound, probe_before
+from llmserve_bench.report import Result, Timing, fmt, format_threads, in_ms, machine_info, print_run, \
     progress_bar, summarize_results
-from llmserve.bench.workload import Item, add_workload_arguments, make_workload, workload_facts
+from llmserve_bench.workload import Item, add_workload_arguments, make_workload, workload_facts
 from llmserve.config_args import add_config_arguments, config_from_args
 from llmserve.errors import ConfigError
 from llmserve.metrics import summarize

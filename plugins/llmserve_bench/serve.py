@@ -21,10 +21,10 @@ import sys
 import time
 from typing import Any
 
-from llmserve.bench.offline import drive, thread_layout
-from llmserve.bench.report import Result, format_threads, machine_info, print_run, progress_bar, \
+from llmserve_bench.offline import drive, thread_layout
+from llmserve_bench.report import Result, format_threads, machine_info, print_run, progress_bar, \
     summarize_results
-from llmserve.bench.workload import add_workload_arguments, make_workload, workload_facts
+from llmserve_bench.workload import add_workload_arguments, make_workload, workload_facts
 from llmserve.config_args import add_config_arguments, config_from_args, flag_overrides
 from llmserve.errors import LLMServeError
 
@@ -120,7 +120,7 @@ def _server_facts(base_url: str, api_key: str | None) -> dict[str, Any]:
 
 def main(args: argparse.Namespace) -> int:
     """Entry point of `llmserve bench serve`; returns 0 when no request failed."""
-    from llmserve.bench.clients import run_http
+    from llmserve_bench.clients import run_http
 
     if args.compare_offline and args.text_prompts:
         raise LLMServeError("--compare-offline needs token-id prompts (drop --text-prompts)")

@@ -11,8 +11,8 @@ from typing import Any
 
 import httpx
 
-from llmserve.bench.report import Result, Timing, progress_bar
-from llmserve.bench.workload import Item
+from llmserve_bench.report import Result, Timing, progress_bar
+from llmserve_bench.workload import Item
 
 log = logging.getLogger("llmserve.bench")
 

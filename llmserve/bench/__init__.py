@@ -1,1 +1,0 @@
-"""Benchmarks: `llmserve bench offline` (engine, no HTTP) and `llmserve bench serve` (HTTP)."""

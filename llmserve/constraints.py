@@ -1,0 +1,140 @@
+"""Per-step token masks: grammars (structured output, enforced tool calls), allowed_token_ids and bad words.
+
+Constraints is the one owner of every sequence's matcher. Before each forward the engine asks it
+for the batch's bitmask (one int32 row per constrained sampling row, bit t % 32 of word t // 32
+set = token t allowed); the backend's sampler applies it with one tensor operation, so a batch
+without constraints pays nothing. After sampling, accept() advances the sequence's matcher.
+Grammars are compiled by the registered grammar engine, built on first use and cached per spec.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+
+from llmserve.batch import SchedulerOutput
+from llmserve.errors import InvalidRequestError
+from llmserve.interfaces import GrammarEngine, GrammarMatcher
+from llmserve.request import Request, SamplingParams, StructuredOutput
+
+_COMPILED_CACHE = 256  # grammars kept per engine; a schema is compiled once, not per request
+
+
+def _is_constrained(sp: SamplingParams) -> bool:
+    return sp.structured is not None or sp.allowed_token_ids is not None or bool(sp.bad_words_token_ids)
+
+
+_SHIFTS = torch.arange(32, dtype=torch.int32)
+
+
+def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """The bool [rows, vocab_size] allowed-token matrix of an int32 bitmask (for samplers)."""
+    bits = (bitmask.unsqueeze(-1) >> _SHIFTS.to(bitmask.device)) & 1
+    return bits.view(bitmask.shape[0], -1)[:, :vocab_size].bool()
+
+
+def _set_bits(words: torch.Tensor, ids: list[int], value: bool) -> None:
+    """Set (or clear) the bits of token ids in one int32 bitmask row, in place."""
+    if not ids:
+        return
+    t = torch.tensor(ids, dtype=torch.long)
+    bits = torch.zeros(words.shape[0] * 32, dtype=torch.bool)
+    bits[t] = True
+    packed = (bits.view(-1, 32).to(torch.int64) << torch.arange(32)).sum(1)
+    packed = torch.where(packed >= 1 << 31, packed - (1 << 32), packed).to(torch.int32)
+    if value:
+        words |= packed
+    else:
+        words &= ~packed
+
+
+class Constraints:
+    """Compiles constraints, owns each constrained sequence's matcher, and makes the batch's bitmask."""
+
+    def __init__(self, engine: GrammarEngine | None, unavailable: str, vocab_size: int):
+        self._engine = engine  # None: no grammar can be compiled, for the reason in `unavailable`
+        self._unavailable = unavailable
+        # lru_cache is thread-safe: the server compiles in worker threads, the engine thread too
+        self._compile = functools.lru_cache(maxsize=_COMPILED_CACHE)(self._compile_uncached)
+        self.vocab_size = vocab_size
+        self.words = (vocab_size + 31) // 32
+        self._matchers: dict[str, GrammarMatcher] = {}
+        self._allowed: dict[str, torch.Tensor] = {}  # allowed_token_ids as a bitmask row
+
+    def compile(self, spec: StructuredOutput) -> Any:
+        """The compiled grammar of spec (cached); InvalidRequestError naming spec.param when it is bad."""
+        return self._compile(spec)
+
+    def _compile_uncached(self, spec: StructuredOutput) -> Any:
+        if self._engine is None:
+            raise InvalidRequestError(f"structured output is not available: {self._unavailable}", param=spec.param)
+        return self._engine.compile(spec)
+
+    def check(self, sp: SamplingParams) -> None:
+        """Compile the grammar and check the token ids now, so a bad one is a 400 before anything is queued."""
+        if sp.allowed_token_ids is not None:
+            bad = [t for t in sp.allowed_token_ids if not 0 <= t < self.vocab_size]
+            if not sp.allowed_token_ids or bad:
+                raise InvalidRequestError(f"allowed_token_ids must be a non-empty list of token ids below "
+                                          f"{self.vocab_size}" + (f", got {bad[:5]}" if bad else ""),
+                                          param="allowed_token_ids")
+        if sp.structured is not None:
+            self.compile(sp.structured)
+
+    # --- per sequence ---------------------------------------------------------------------------
+
+    def add(self, r: Request) -> None:
+        """Start the sequence's matcher (its grammar was checked when the request was made)."""
+        sp = r.sampling
+        if sp.structured is not None:
+            self._matchers[r.request_id] = self._engine.matcher(self.compile(sp.structured))
+        if sp.allowed_token_ids is not None:
+            row = torch.zeros(self.words, dtype=torch.int32)
+            _set_bits(row, sp.allowed_token_ids, True)
+            self._allowed[r.request_id] = row
+
+    def accept(self, r: Request, token_id: int) -> bool | None:
+        """Advance the sequence's matcher: None when it has none, else whether the grammar is complete.
+
+        Raises ValueError when the token breaks the grammar (a backend that ignored the mask).
+        """
+        m = self._matchers.get(r.request_id)
+        if m is None:
+            return None
+        if not m.accept(token_id):
+            raise ValueError(f"token {token_id} is not allowed by the request's grammar")
+        return m.is_terminated()
+
+    def drop(self, request_id: str) -> None:
+        """Forget an ended sequence."""
+        self._matchers.pop(request_id, None)
+        self._allowed.pop(request_id, None)
+
+    # --- per step ---------------------------------------------------------------------------------
+
+    def fill(self, batch: SchedulerOutput, seqs: dict[str, Request]) -> None:
+        """Set batch.token_bitmask / bitmask_rows for the sampling rows that carry a constraint."""
+        rows = [i for i, sr in enumerate(batch.requests) if sr.do_sample and _is_constrained(sr.sampling)]
+        if not rows:
+            return
+        mask = torch.full((len(rows), self.words), -1, dtype=torch.int32)
+        grammars = [(self._matchers[batch.requests[i].request_id], k) for k, i in enumerate(rows)
+                    if batch.requests[i].request_id in self._matchers]
+        if grammars:
+            self._engine.fill_bitmasks(grammars, mask)
+        for k, i in enumerate(rows):
+            sr = batch.requests[i]
+            allowed = self._allowed.get(sr.request_id)
+            if allowed is not None:
+                mask[k] &= allowed
+            if sr.sampling.bad_words_token_ids:
+                _set_bits(mask[k], self._banned(sr.sampling.bad_words_token_ids, seqs[sr.request_id]), False)
+        batch.token_bitmask, batch.bitmask_rows = mask, rows
+
+    @staticmethod
+    def _banned(bad_words: list[list[int]], r: Request) -> list[int]:
+        """The last token of each bad word whose other tokens the output ends with (vLLM's rule)."""
+        out = r.token_ids[r.num_prompt_tokens:]
+        return [w[-1] for w in bad_words if len(w) == 1 or (len(out) >= len(w) - 1 and out[len(out) - len(w) + 1:] == w[:-1])]

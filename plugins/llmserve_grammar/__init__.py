@@ -1,0 +1,38 @@
+"""Default grammar engines for structured output: "llguidance" (the default) and "xgrammar" (when installed).
+
+Options (structured_output.options): whitespace_flexible (default false: JSON is compact, as
+small models given free whitespace tend to emit it forever).
+"""
+
+from __future__ import annotations
+
+from llmserve.config import check_options
+from llmserve.errors import PluginError
+from llmserve.hookspecs import hookimpl
+
+_OPTIONS = {"whitespace_flexible": False}
+
+
+def _llguidance(config, tokenizer, vocab_size):
+    from llmserve_grammar.llg import LLGuidanceEngine
+
+    opts = check_options(config.structured_output.options, _OPTIONS, f"{config.source}: structured_output.options")
+    return LLGuidanceEngine(tokenizer, vocab_size, bool(opts["whitespace_flexible"]))
+
+
+def _xgrammar(config, tokenizer, vocab_size):
+    opts = check_options(config.structured_output.options, _OPTIONS, f"{config.source}: structured_output.options")
+    try:
+        from llmserve_grammar.xgr import XGrammarEngine
+
+        return XGrammarEngine(tokenizer, vocab_size, bool(opts["whitespace_flexible"]))
+    except ImportError as e:
+        raise PluginError(f"structured_output.name 'xgrammar' needs the xgrammar package ({e}); "
+                          "pip install xgrammar, or use 'llguidance'") from None
+
+
+@hookimpl
+def register_structured_output(register):
+    """Register the llguidance and xgrammar engines."""
+    register("llguidance", _llguidance)
+    register("xgrammar", _xgrammar)

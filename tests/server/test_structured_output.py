@@ -1,0 +1,138 @@
+"""Structured output through a real server: response_format, structured_outputs, guided_*, token masks.
+
+The fake backend picks among the allowed tokens deterministically, so every test checks what a
+client relies on: the text follows the grammar, whatever the model would have preferred.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+import httpx
+import jsonschema
+import pydantic
+import pytest
+
+from tests.server.conftest import FAKE, start_server
+
+
+class City(pydantic.BaseModel):
+    name: str = pydantic.Field(max_length=12)
+    population: int = pydantic.Field(ge=0, le=10_000_000)
+    capital: bool
+    tags: list[str] = pydantic.Field(max_length=2)
+
+
+@pytest.fixture(scope="module")
+def server():
+    s = start_server(FAKE | {"model": {"model": "embedded", "max_model_len": 4096}, "cache": {"num_blocks": 1024}})
+    yield s
+    s.stop()
+
+
+def post(server, path: str, body: dict) -> httpx.Response:
+    return httpx.post(server.url + path, json=body, timeout=60)
+
+
+def test_sdk_parse_returns_the_pydantic_object(server):
+    client = server.client()
+    r = client.chat.completions.parse(model="embedded", messages=[{"role": "user", "content": "Paris?"}],
+                                      response_format=City, max_tokens=2000)
+    city = r.choices[0].message.parsed
+    assert isinstance(city, City) and r.choices[0].finish_reason == "stop"
+    assert City.model_validate_json(r.choices[0].message.content) == city
+
+
+def test_json_schema_streamed_with_n_choices_each_validate(server):
+    schema = City.model_json_schema()
+    stream = server.client().chat.completions.create(
+        model="embedded", messages=[{"role": "user", "content": "two cities"}], n=2, stream=True, max_tokens=2000,
+        response_format={"type": "json_schema", "json_schema": {"name": "city", "schema": schema, "strict": True}},
+        logprobs=True)
+    texts, finish = ["", ""], [None, None]
+    for chunk in stream:
+        for c in chunk.choices:
+            texts[c.index] += c.delta.content or ""
+            finish[c.index] = c.finish_reason or finish[c.index]
+    assert finish == ["stop", "stop"]
+    for t in texts:
+        jsonschema.validate(json.loads(t), schema)
+
+
+def test_json_object_on_both_endpoints(server):
+    r = post(server, "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_tokens": 3000,
+                                              "response_format": {"type": "json_object"}})
+    assert r.status_code == 200 and isinstance(json.loads(r.json()["choices"][0]["message"]["content"]), dict)
+    r = post(server, "/v1/completions", {"prompt": "x", "max_tokens": 3000, "response_format": {"type": "json_object"}})
+    assert r.status_code == 200 and isinstance(json.loads(r.json()["choices"][0]["text"]), dict)
+
+
+@pytest.mark.parametrize("body, check", [
+    ({"guided_choice": ["yes", "no"]}, lambda t: t in ("yes", "no")),
+    ({"guided_regex": r"[0-9]{3}-[a-z]{2}"}, lambda t: re.fullmatch(r"[0-9]{3}-[a-z]{2}", t)),
+    ({"guided_json": {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 9}, "maxItems": 3}},
+     lambda t: all(0 <= x <= 9 for x in json.loads(t))),
+    ({"guided_grammar": 'start: "go " DIR\nDIR: "north" | "south"'}, lambda t: t in ("go north", "go south")),
+    ({"structured_outputs": {"regex": "[A-Z]{4}"}}, lambda t: re.fullmatch("[A-Z]{4}", t)),
+    ({"structured_outputs": {"choice": ["a b", "c\"d"]}}, lambda t: t in ("a b", 'c"d')),
+])
+def test_vllm_constraint_fields(server, body, check):
+    r = post(server, "/v1/completions", {"prompt": "q", "max_tokens": 200, **body})
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    assert choice["finish_reason"] == "stop" and check(choice["text"]), choice
+
+
+def test_max_tokens_cuts_a_grammar_with_length(server):
+    r = post(server, "/v1/completions", {"prompt": "q", "max_tokens": 4, "guided_regex": "[a-z]{40}"})
+    c = r.json()["choices"][0]
+    assert c["finish_reason"] == "length" and re.fullmatch("[a-z]{4}", c["text"])
+
+
+def test_allowed_token_ids_and_bad_words(server):
+    r = post(server, "/v1/completions", {"prompt": "q", "max_tokens": 12,
+                                         "allowed_token_ids": [ord("x"), ord("y"), ord(" ")], "bad_words": ["xx", "yy"]})
+    text = r.json()["choices"][0]["text"]
+    assert set(text) <= {"x", "y", " "} and "xx" not in text and "yy" not in text, text
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": 7}}}},
+     "response_format.json_schema.schema"),
+    ({"response_format": {"type": "json_schema"}}, "response_format.json_schema"),
+    ({"response_format": {"type": "xml"}}, "response_format.type"),
+    ({"guided_regex": "(unclosed"}, "guided_regex"),
+    ({"guided_json": "{oops"}, "guided_json"),
+    ({"guided_choice": []}, "guided_choice"),
+    ({"guided_grammar": "start: nothing_here"}, "guided_grammar"),
+    ({"guided_regex": "a", "guided_choice": ["a"]}, "guided_choice"),
+    ({"structured_outputs": {"regex": "a", "bogus": 1}}, "structured_outputs"),
+    ({"allowed_token_ids": [1, 99999]}, "allowed_token_ids"),
+    ({"allowed_token_ids": ["1"]}, "allowed_token_ids[0]"),
+    ({"bad_words": "xx"}, "bad_words"),
+])
+def test_a_bad_constraint_is_a_400_naming_the_field(server, body, param):
+    r = post(server, "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], **body})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and err["type"] == "invalid_request_error", err
+    assert server.wait_idle()["running"] == 0
+
+
+def test_the_torch_sampler_applies_the_mask_greedy_sampled_and_seeded():
+    """The embedded random GPT-2 on the torch backend: greedy, sampled and penalised rows all obey the grammar."""
+    s = start_server({"backend": {"kv_cache_memory": "16MiB"}, "model": {"model": "embedded", "max_model_len": 256}})
+    try:
+        schema = {"type": "object", "properties": {"id": {"type": "integer", "minimum": 0, "maximum": 99},
+                                                   "ok": {"type": "boolean"}}, "required": ["id", "ok"],
+                  "additionalProperties": False}
+        for extra in ({"temperature": 0}, {"temperature": 1.0, "seed": 7, "top_p": 0.9},
+                      {"temperature": 0.7, "repetition_penalty": 1.3, "logprobs": 2}):
+            r = post(s, "/v1/completions", {"prompt": "Once", "max_tokens": 60, "n": 2, "guided_json": schema, **extra})
+            assert r.status_code == 200, r.text
+            for c in r.json()["choices"]:
+                assert c["finish_reason"] == "stop", c
+                jsonschema.validate(json.loads(c["text"]), schema)
+    finally:
+        s.stop()
