@@ -9,9 +9,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from llmserve_tools import HermesParser, Llama3JsonParser, ThinkParser, auto
+from llmserve_tools.jsoncalls import JsonCalls
 
 from llmserve.errors import InvalidRequestError
-from llmserve.server.tools import ChoiceParser, JsonCalls, _Named, _Required
+from llmserve.server.tools import ChoiceParser, _Named, _Required
 
 
 def assemble(deltas: list[dict]) -> dict:
