@@ -39,6 +39,9 @@ class ModelConfig:
     seed: int = 0
     threads: int | None = None  # torch intra-op threads; None leaves torch's default
     trust_remote_code: bool = False
+    # auto: the checkpoint's generation_config.json (a GGUF's metadata) gives the sampling defaults of requests
+    # that leave fields out, as vLLM does; none: llmserve's own (its EOS ids end generation either way)
+    generation_config: str = "auto"
 
 
 @dataclass(slots=True)
@@ -145,6 +148,8 @@ class EngineConfig:
              f"must be float32, bfloat16, float16 or auto, got {self.model.dtype!r}")
         need(self.model.device in ("cpu", "cuda", "auto") or self.model.device.startswith("cuda:"),
              "model.device", f"must be cpu, cuda or auto, got {self.model.device!r}")
+        need(self.model.generation_config in ("auto", "none"), "model.generation_config",
+             f"must be auto or none, got {self.model.generation_config!r}")
         need(self.model.max_model_len is None or self.model.max_model_len >= 2, "model.max_model_len",
              f"must be >= 2, got {self.model.max_model_len}")
         need(1 <= self.server.port <= 65535 or self.server.port == 0, "server.port",

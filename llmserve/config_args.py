@@ -21,6 +21,7 @@ CONFIG_FLAGS: dict[str, tuple[str, type, str]] = {
     "--load-format": ("model.load_format", str, "auto | safetensors | pt | dummy"),
     "--seed": ("model.seed", int, "seed for dummy weights"),
     "--threads": ("model.threads", int, "torch intra-op threads"),
+    "--generation-config": ("model.generation_config", str, "auto | none: the model's default sampling parameters"),
     "--backend": ("backend.name", str, "model backend plugin (torch, fake, …)"),
     "--kv-cache-memory": ("backend.kv_cache_memory", str, "KV cache size: bytes ('512MiB') or fraction of free memory"),
     "--scheduler": ("scheduler.name", str, "scheduler plugin"),

@@ -62,6 +62,7 @@ class Constraints:
         self.words = (vocab_size + 31) // 32
         self._matchers: dict[str, GrammarMatcher] = {}
         self._allowed: dict[str, torch.Tensor] = {}  # allowed_token_ids as a bitmask row
+        self._constrained: set[str] = set()  # sequences with any constraint: empty → a step pays nothing
 
     def compile(self, spec: StructuredOutput) -> Any:
         """The compiled grammar of spec (cached); InvalidRequestError naming spec.param when it is bad."""
@@ -88,6 +89,8 @@ class Constraints:
     def add(self, r: Request) -> None:
         """Start the sequence's matcher (its grammar was checked when the request was made)."""
         sp = r.sampling
+        if _is_constrained(sp):
+            self._constrained.add(r.request_id)
         if sp.structured is not None:
             self._matchers[r.request_id] = self._engine.matcher(self.compile(sp.structured))
         if sp.allowed_token_ids is not None:
@@ -100,7 +103,7 @@ class Constraints:
 
         Raises ValueError when the token breaks the grammar (a backend that ignored the mask).
         """
-        m = self._matchers.get(r.request_id)
+        m = self._matchers.get(r.request_id) if self._matchers else None
         if m is None:
             return None
         if not m.accept(token_id):
@@ -109,14 +112,18 @@ class Constraints:
 
     def drop(self, request_id: str) -> None:
         """Forget an ended sequence."""
-        self._matchers.pop(request_id, None)
-        self._allowed.pop(request_id, None)
+        if request_id in self._constrained:
+            self._constrained.discard(request_id)
+            self._matchers.pop(request_id, None)
+            self._allowed.pop(request_id, None)
 
     # --- per step ---------------------------------------------------------------------------------
 
     def fill(self, batch: SchedulerOutput, seqs: dict[str, Request]) -> None:
         """Set batch.token_bitmask / bitmask_rows for the sampling rows that carry a constraint."""
-        rows = [i for i, sr in enumerate(batch.requests) if sr.do_sample and _is_constrained(sr.sampling)]
+        if not self._constrained:
+            return
+        rows = [i for i, sr in enumerate(batch.requests) if sr.do_sample and sr.request_id in self._constrained]
         if not rows:
             return
         mask = torch.full((len(rows), self.words), -1, dtype=torch.int32)

@@ -82,6 +82,10 @@ class Engine:
         self.eos_token_id = self.backend.eos_token_id
         if self.eos_token_id is None and self.tokenizer is not None:
             self.eos_token_id = self.tokenizer.eos_token_id
+        # a model may end turns with several ids (Llama 3's <|eot_id|>, a list in generation_config.json)
+        self.eos_token_ids = frozenset(self.backend.eos_token_ids) | {self.eos_token_id} - {None}
+        auto = config.model.generation_config == "auto"  # the model's sampling defaults, for omitted fields
+        self.generation_defaults = dict(self.backend.generation_defaults) if auto else {}
         self.constraints = Constraints(*self._build_grammar(), self.backend.vocab_size)
         self.collector = MetricsCollector()
         self._seqs: dict[str, Request] = {}
@@ -144,7 +148,7 @@ class Engine:
                     request_id: str | None = None, priority: int = 0, arrival_time: float | None = None,
                     cache_salt: str | None = None) -> str:
         """Queue a request with validated params; return its id. Bad input raises InvalidRequestError (nothing queued)."""
-        sp = sampling_params or SamplingParams()
+        sp = sampling_params or SamplingParams(**self.generation_defaults)
         rid = request_id or uuid.uuid4().hex
         if rid in self._groups:
             raise InvalidRequestError(f"request id {rid!r} is already in use", param="request_id")
@@ -275,7 +279,7 @@ class Engine:
             num_output_tokens=r.num_output_tokens, num_cached_tokens=r.num_cached_tokens,
         )
         if r.prompt_logprobs is not None and len(r.prompt_logprobs) >= r.num_prompt_tokens:
-            o.prompt_logprobs, r.prompt_logprobs = r.prompt_logprobs, []
+            o.prompt_logprobs, r.prompt_logprobs = r.prompt_logprobs, None
         r.pending_token_ids = []
         if r.pending_logprobs:
             r.pending_logprobs = []
@@ -315,17 +319,17 @@ class Engine:
         return StepOutput(outputs, self._report_step(batch, t0, backend_s))
 
     def _postprocess(self, batch, mo, now: float, t0: float, outputs: list[RequestOutput]) -> None:
-        eos = self.eos_token_id
+        eos = self.eos_token_ids
         sampled, lps, plps = mo.sampled_token_ids, mo.logprobs, mo.prompt_logprobs
         for i, sr in enumerate(batch.requests):
             r = self._seqs[sr.request_id]
             if r.first_scheduled_time is None:
                 r.first_scheduled_time = t0
-            if plps is not None and plps[i] is not None:
-                if r.prompt_logprobs is None:
-                    r.prompt_logprobs = [None]  # the first prompt token has no logprob
-                if len(r.prompt_logprobs) < r.num_prompt_tokens:
-                    r.prompt_logprobs.extend(plps[i][: r.num_prompt_tokens - len(r.prompt_logprobs)])
+            if plps is not None and plps[i] is not None and r.num_output_tokens == 0:
+                # entry j is the logprob of prompt token s+j+1 (the first has none); placed by position, so a
+                # prefill recomputed after preemption rewrites them, and decode steps (past the prompt) add none
+                s = sr.num_computed_tokens
+                r.prompt_logprobs = (r.prompt_logprobs or [None])[: s + 1] + plps[i][: r.num_prompt_tokens - s - 1]
             tok = sampled[i]
             if tok is None:
                 continue
@@ -346,9 +350,9 @@ class Engine:
                 self._fail(r, str(e))
                 continue
             n_out = len(r.token_ids) - len(r.prompt_token_ids)
-            if n_out >= sp.min_tokens and ((tok == eos and not sp.ignore_eos) or tok in sp.stop_token_ids):
+            if n_out >= sp.min_tokens and ((tok in eos and not sp.ignore_eos) or tok in sp.stop_token_ids):
                 # the stop token counts as an output token but adds no text
-                self._finish(r, FinishReason.STOP, outputs, stop_reason=None if tok == eos else tok)
+                self._finish(r, FinishReason.STOP, outputs, stop_reason=None if tok in eos else tok)
                 continue
             text = ""
             if sp.detokenize and self.tokenizer is not None:

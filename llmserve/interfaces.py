@@ -106,6 +106,10 @@ class ModelBackend(ABC):
     vocab_size: int
     max_model_len: int
     eos_token_id: int | None = None
+    # every id that ends a sequence, where a model declares several (generation_config.json, a GGUF's eot)
+    eos_token_ids: frozenset[int] = frozenset()
+    # the model's default SamplingParams fields (generation_config.json): requests that leave them out get these
+    generation_defaults: dict[str, Any] = {}  # noqa: RUF012 - read only
     default_tokenizer: str | None = None  # the registered tokenizer that tokenizer "auto" means for this model
     # a local directory of tokenizer files the backend's model source produced (a GGUF's, say); the engine
     # hands it to the tokenizer as model.tokenizer when the config names none

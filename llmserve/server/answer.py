@@ -21,7 +21,7 @@ from llmserve.async_engine import AsyncEngine
 from llmserve.request import RequestOutput, SamplingParams
 from llmserve.server.errors import map_error
 from llmserve.server.generation import ClientGone, Generation, guarded
-from llmserve.server.logprobs import CompletionLogprobs, TokenText, chat_logprobs
+from llmserve.server.logprobs import CompletionLogprobs, TokenText, chat_logprobs, prompt_logprobs
 from llmserve.server.state import ServerState
 from llmserve.server.tools import choice_parsers
 
@@ -63,7 +63,7 @@ class Answer:
         self.st, self.req, self.sp, self.prompts = st, req, sp, prompts
         self.id = f"{self.prefix}-{uuid.uuid4().hex}"
         self.created = int(time.time())
-        self.tt = TokenText(st.engine.tokenizer)
+        self.tt = TokenText(st.engine.tokenizer, as_ids=req.return_tokens_as_token_ids)
         self.choices = [_Choice(self._new_lp()) for _ in range(len(prompts) * sp.n)]
 
     async def respond(self, request: Request, aengine: AsyncEngine) -> Response:
@@ -117,8 +117,8 @@ class Answer:
     def _chunk(self, choices: list[dict], usage: dict | None = None) -> bytes:
         d = {"id": self.id, "object": self.chunk_object_name, "created": self.created, "model": self.st.model_name,
              "choices": choices}
-        if self.req.include_usage:
-            d["usage"] = usage
+        if self.req.include_usage:  # null until the last chunk, or the usage so far on every one (vLLM's option)
+            d["usage"] = self._usage() if usage is None and self.req.stream_options.continuous_usage_stats else usage
         return b"data: " + dumps(d).encode() + b"\n\n"
 
     def _fold(self, batch: tuple[int, list[RequestOutput]]) -> list[tuple[int, str, Any, str | None, Any]]:
@@ -167,6 +167,13 @@ class CompletionAnswer(Answer):
         super().__init__(st, req, sp, prompts)
         self.echo = texts if req.echo else None
         self.scores_only = req.scores_only
+        self.prompt_lps: list[list | None] = [None] * len(self.choices)  # vLLM's prompt_logprobs, when asked for
+
+    def _fold(self, batch):
+        for o in batch[1]:
+            if o.prompt_logprobs is not None and self.req.prompt_logprobs is not None:
+                self.prompt_lps[batch[0] * self.sp.n + o.index] = prompt_logprobs(self.tt, o.prompt_logprobs)
+        return super()._fold(batch)
 
     def _new_lp(self):
         return CompletionLogprobs(self.tt, self.req.logprobs) if self.req.logprobs is not None else None
@@ -181,7 +188,8 @@ class CompletionAnswer(Answer):
         return ch.lp.take() if self.req.stream else None
 
     def _choice(self, index, text, lp):
-        return {"index": index, "text": text, "logprobs": lp.to_dict() if lp is not None else None}
+        return {"index": index, "text": text, "logprobs": lp.to_dict() if lp is not None else None,
+                "prompt_logprobs": self.prompt_lps[index]}
 
     def _delta(self, index, text, lp, fin):
         if not text and fin is None and not (lp and lp["tokens"]) and self.tt.tok is not None:

@@ -16,7 +16,7 @@ from starlette.routing import Route
 from llmserve.async_engine import AsyncEngine
 from llmserve.config import EngineConfig
 from llmserve.engine import Engine
-from llmserve.server import routes, tools
+from llmserve.server import routes, tokenize, tools
 from llmserve.server.errors import EXCEPTION_HANDLERS
 from llmserve.server.middleware import ApiKeyMiddleware, BodyLimitMiddleware
 from llmserve.server.state import ServerState
@@ -40,6 +40,9 @@ def create_app(config: EngineConfig, engine=None) -> Starlette:
         Route("/health", routes.health, methods=["GET"]),
         Route("/stats", routes.stats, methods=["GET"]),
         Route("/openapi.json", routes.openapi_json, methods=["GET"]),
+        Route("/tokenize", tokenize.tokenize, methods=["POST"]),
+        Route("/detokenize", tokenize.detokenize, methods=["POST"]),
+        Route("/version", tokenize.version, methods=["GET"]),
     ]
 
     async def attach_when_built(app: Starlette) -> None:

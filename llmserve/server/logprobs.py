@@ -15,20 +15,20 @@ def _lp(x: float) -> float:
 
 
 class TokenText:
-    """Token id → the text and bytes OpenAI reports for it (cached; ids without a tokenizer read token_id:N)."""
+    """Token id → the text and bytes OpenAI reports for it (cached); as_ids or no tokenizer: "token_id:N"."""
 
-    def __init__(self, tokenizer):
+    def __init__(self, tokenizer, as_ids: bool = False):
         self.tok = tokenizer
+        self.as_ids = as_ids or tokenizer is None
         self._text: dict[int, str] = {}
 
     def text(self, tid: int) -> str:
         if tid not in self._text:
-            tok = self.tok
-            self._text[tid] = f"token_id:{tid}" if tok is None else tok.decode([tid], skip_special_tokens=False)
+            self._text[tid] = f"token_id:{tid}" if self.as_ids else self.tok.decode([tid], skip_special_tokens=False)
         return self._text[tid]
 
     def bytes(self, tid: int) -> list[int]:
-        tb = getattr(self.tok, "token_bytes", None)
+        tb = None if self.as_ids else getattr(self.tok, "token_bytes", None)
         raw = tb(tid) if tb is not None else self.text(tid).encode("utf-8")
         return list(raw)
 
@@ -59,8 +59,7 @@ class CompletionLogprobs:
         top: dict[str, float] = {}
         for tid, v in lp.top[: self.top_n]:
             top.setdefault(self.tt.text(tid), _lp(v))
-        if self.top_n > 0:
-            top.setdefault(s, _lp(lp.logprob))  # the chosen token is always listed, as OpenAI does
+        top.setdefault(s, _lp(lp.logprob))  # the chosen token is always listed (logprobs 0 too), as OpenAI does
         self.top_logprobs.append(top)
 
     def add_many(self, token_ids: Sequence[int], lps: Sequence[Logprob | None] | None) -> None:
@@ -87,4 +86,19 @@ def chat_logprobs(tt: TokenText, token_ids: Sequence[int], lps: Sequence[Logprob
         out.append({"token": tt.text(t), "logprob": _lp(lp.logprob) if lp else _FLOOR, "bytes": tt.bytes(t),
                     "top_logprobs": [{"token": tt.text(tid), "logprob": _lp(v), "bytes": tt.bytes(tid)}
                                      for tid, v in top]})
+    return out
+
+
+def prompt_logprobs(tt: TokenText, lps: Sequence[Logprob | None]) -> list[dict | None]:
+    """vLLM's prompt_logprobs: per prompt token (None for the first), {token id: {logprob, rank, decoded_token}}
+    for the token itself, then the top N."""
+    def entry(v: float, rank: int, tid: int) -> dict:
+        return {"logprob": _lp(v), "rank": rank, "decoded_token": tt.text(tid)}
+
+    out: list[dict | None] = []
+    for lp in lps:
+        d = None if lp is None else {str(lp.token_id): entry(lp.logprob, lp.rank, lp.token_id)}
+        for r, (tid, v) in enumerate(lp.top if lp is not None else ()):
+            d.setdefault(str(tid), entry(v, r + 1, tid))
+        out.append(d)
     return out

@@ -3,8 +3,9 @@
 The models check types, strictly as JSON has them ("1" is not a number, "yes" is not true);
 SamplingParams.validate checks ranges; the rules that tie fields together are in `sampling()`.
 Every failure is a 400 whose `param` is the field's path (`messages[2].content`). OpenAI fields
-that are accepted and change nothing are in IGNORED_FIELDS; any other unknown field is ignored
-with a debug log, as vLLM ignores them. docs/openai-compatibility.md lists every field.
+that are accepted and change nothing are in IGNORED_FIELDS; known fields that would change the output
+and are not implemented are in UNSUPPORTED_FIELDS (a 400 naming them); any other unknown field is
+ignored with a debug log, as vLLM ignores them. docs/openai-compatibility.md lists every field.
 """
 
 from __future__ import annotations
@@ -25,10 +26,22 @@ from llmserve.server.tools import tool_grammar
 
 log = logging.getLogger("llmserve.server.protocol")
 
-# OpenAI fields that are accepted and have no effect here (documented)
-IGNORED_FIELDS = {"user", "store", "metadata", "service_tier", "prediction",
-                  "reasoning_effort", "verbosity", "modalities", "audio", "web_search_options",
-                  "safety_identifier", "prompt_cache_key"}
+# OpenAI and vLLM fields that are accepted and have no effect on the output here (documented)
+IGNORED_FIELDS = {"user", "store", "metadata", "service_tier", "prediction", "reasoning_effort",
+                  "safety_identifier", "prompt_cache_key", "request_id", "guided_decoding_backend",
+                  "kv_transfer_params", "mm_processor_kwargs", "media_io_kwargs"}
+# fields that would change the output and are not implemented → the values accepted (their no-op ones);
+# any other value is a 400 naming the field, so no client is silently given something else (null: absent)
+UNSUPPORTED_FIELDS: dict[str, tuple] = {
+    "use_beam_search": (False,), "length_penalty": (1.0,), "early_stopping": (False,), "prompt_embeds": (),
+    "logits_processors": ([],), "vllm_xargs": ({},), "return_token_ids": (False,), "structural_tag": (),
+    "spaces_between_special_tokens": (True,), "audio": (), "modalities": (["text"],), "web_search_options": (),
+    "verbosity": ("medium",),
+    "echo": (False,), "prompt_logprobs": (),  # chat only: completions implement them
+}
+
+# the sampling fields a model's generation_config.json gives defaults for (max_tokens: the routes')
+_MODEL_DEFAULTS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 
 # JSON has one number type: 16.0 is the integer 16 (strict mode alone would refuse it)
 Int = Annotated[int, BeforeValidator(lambda v: int(v) if isinstance(v, float) and v.is_integer() else v)]
@@ -40,6 +53,7 @@ class _Model(BaseModel):
 
 class StreamOptions(_Model):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: with include_usage, every chunk carries the usage so far
 
 
 class JsonSchemaFormat(_Model):
@@ -106,6 +120,8 @@ class _Request(_Model):
     guided_grammar: str | None = None
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
+    truncate_prompt_tokens: Int | None = None  # keep the prompt's last k tokens (-1: as many as fit)
+    return_tokens_as_token_ids: bool = False  # logprobs name tokens "token_id:N"
 
     @model_validator(mode="before")
     @classmethod
@@ -147,23 +163,39 @@ class _Request(_Model):
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
+    def truncated(self, ids: list[int], max_model_len: int, max_tokens: int | None) -> list[int]:
+        """The prompt after truncate_prompt_tokens: its last k ids (-1: as many as leave room for max_tokens)."""
+        k = self.truncate_prompt_tokens
+        if k is None:
+            return ids
+        if k > max_model_len:
+            raise bad_request(f"truncate_prompt_tokens ({k}) exceeds the context length ({max_model_len})",
+                              "truncate_prompt_tokens")
+        return ids[-(max_model_len - (max_tokens or 1) if k == -1 else k):]
+
     def _sampling(self, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None = None,
-                  renamed: dict[str, str] | None = None) -> SamplingParams:
-        """The SamplingParams, range-checked here once; `renamed` maps their field names to this body's."""
+                  renamed: dict[str, str] | None = None, defaults: dict[str, Any] | None = None) -> SamplingParams:
+        """The SamplingParams, range-checked here once; `renamed` maps their field names to this body's;
+        `defaults` (the model's generation_config) fills the sampling fields the client left out."""
         if self.best_of is not None and self.best_of != self.n:
             raise bad_request(f"best_of other than n is not supported (got best_of={self.best_of}, n={self.n})",
                               "best_of")
         if self.stream_options is not None and not self.stream:
             raise bad_request("stream_options may only be set when stream is true", "stream_options")
+        if self.truncate_prompt_tokens not in (None, -1) and self.truncate_prompt_tokens < 1:
+            raise bad_request("truncate_prompt_tokens must be -1 or a positive integer", "truncate_prompt_tokens")
+        # the model's defaults (its generation_config.json) stand in for the sampling fields the client left out
+        dflt = defaults or {}
+        d = {k: dflt[k] if k in dflt and k not in self.model_fields_set else getattr(self, k) for k in _MODEL_DEFAULTS}
         try:
             bias = {int(k): b for k, b in (self.logit_bias or {}).items()}
         except ValueError:
             raise bad_request("logit_bias keys must be token ids (integers as strings)", "logit_bias") from None
         stop = [self.stop] if isinstance(self.stop, str) else self.stop
         sp = SamplingParams(
-            max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p,
-            top_k=0 if self.top_k == -1 else self.top_k, min_p=self.min_p,
-            repetition_penalty=self.repetition_penalty, presence_penalty=self.presence_penalty,
+            max_tokens=max_tokens, temperature=d["temperature"], top_p=d["top_p"],
+            top_k=0 if d["top_k"] == -1 else d["top_k"], min_p=d["min_p"],
+            repetition_penalty=d["repetition_penalty"], presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty, logit_bias=bias or None, seed=self.seed,
             stop=[s for s in stop if s], stop_token_ids=self.stop_token_ids,
             include_stop_str_in_output=self.include_stop_str_in_output, ignore_eos=self.ignore_eos,
@@ -187,6 +219,7 @@ class CompletionRequest(_Request):
     logprobs: Int | None = None
     suffix: str | None = None
     prompt_logprobs: Int | None = None
+    add_special_tokens: bool = True  # vLLM's: the tokenizer's BOS (and the like) open a text prompt
 
     @property
     def prompts(self) -> list[str | list[int]]:
@@ -199,7 +232,7 @@ class CompletionRequest(_Request):
         """echo with max_tokens 0: score the prompt, generate nothing (the engine still takes one step)."""
         return self.max_tokens == 0
 
-    def sampling(self) -> SamplingParams:
+    def sampling(self, defaults: dict[str, Any] | None = None) -> SamplingParams:
         """The SamplingParams of this body, after the rules that tie its fields together."""
         if not self.prompt:
             raise bad_request("prompt must not be an empty list", "prompt")
@@ -207,9 +240,11 @@ class CompletionRequest(_Request):
             raise bad_request("max_tokens must be at least 1 (0 is allowed only with echo)", "max_tokens")
         if self.suffix:
             raise bad_request("suffix is not supported (no fill-in-the-middle model)", "suffix")
+        if self.prompt_logprobs is not None and self.stream:  # as vLLM: they come with the whole answer only
+            raise bad_request("prompt_logprobs are not available when streaming", "prompt_logprobs")
         echoed = self.logprobs if self.echo else None  # the prompt's logprobs come back with the echoed prompt
         return self._sampling(self.max_tokens or 1, self.logprobs,
-                              self.prompt_logprobs if self.prompt_logprobs is not None else echoed)
+                              self.prompt_logprobs if self.prompt_logprobs is not None else echoed, defaults=defaults)
 
 
 class TextPart(_Model):
@@ -274,6 +309,7 @@ class ChatRequest(_Request):
     continue_final_message: bool = False
     chat_template: str | None = None  # refused: only the server's template renders
     chat_template_kwargs: dict[str, Any] | None = None
+    add_special_tokens: bool = False  # vLLM's: the template already writes the special tokens
 
     def template_tools(self) -> list[dict[str, Any]] | None:
         """The tools as chat templates and tool parsers take them: OpenAI's shape."""
@@ -292,7 +328,7 @@ class ChatRequest(_Request):
             out.append(d)
         return out
 
-    def sampling(self) -> SamplingParams:
+    def sampling(self, defaults: dict[str, Any] | None = None) -> SamplingParams:
         """The SamplingParams of this body, after the rules that tie its fields together."""
         if not self.messages:
             raise bad_request("messages must be a non-empty list of {role, content} objects", "messages")
@@ -315,9 +351,29 @@ class ChatRequest(_Request):
         given = "max_tokens" if self.max_completion_tokens is None else "max_completion_tokens"
         max_tokens = self.max_tokens if self.max_completion_tokens is None else self.max_completion_tokens
         sp = self._sampling(max_tokens, (self.top_logprobs or 0) if self.logprobs else None,
-                            renamed={"max_tokens": given, "logprobs": "top_logprobs"})
+                            renamed={"max_tokens": given, "logprobs": "top_logprobs"}, defaults=defaults)
         sp.structured = tool_grammar(self, sp.structured)
         return sp
+
+
+class TokenizeRequest(_Model):
+    """A /tokenize body with a prompt (vLLM's shape; TokenizeChatRequest is the one with messages)."""
+
+    model: str | None = None
+    prompt: str
+    add_special_tokens: bool = True
+    return_token_strs: bool = False
+
+
+class TokenizeChatRequest(ChatRequest):
+    """A /tokenize body with chat messages: rendered as /v1/chat/completions renders them."""
+
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(_Model):
+    model: str | None = None
+    tokens: list[Int]
 
 
 def _json_object(text: str) -> Any:
@@ -332,22 +388,34 @@ def _json_object(text: str) -> Any:
 # the names a path is made of; pydantic's loc also holds union-member tags ("list[int]") and "[key]"
 _FIELDS = set().union(*(m.model_fields for m in (CompletionRequest, ChatRequest, Message, TextPart, StreamOptions,
                                                   ResponseFormat, JsonSchemaFormat, StructuredOutputs, ToolCall,
-                                                  FunctionCall, Tool, FunctionDef, ToolChoice)),
+                                                  FunctionCall, Tool, FunctionDef, ToolChoice, TokenizeRequest,
+                                                  TokenizeChatRequest, DetokenizeRequest)),
                       {"json", "schema"})
 
 
-def parse(model: type[_Request], raw: bytes, endpoint: str) -> tuple[Any, SamplingParams]:
+def parse(model: type[_Request], raw: bytes, endpoint: str,
+          defaults: dict[str, Any] | None = None) -> tuple[Any, SamplingParams]:
     """Decode and validate a request body into the model and its SamplingParams, or a 400 naming the field."""
+    req = validate(model, raw, endpoint)
+    return req, req.sampling(defaults)
+
+
+def validate(model: type[_Model], raw: bytes, endpoint: str) -> Any:
+    """Decode and type-check a body, or a 400 naming the first bad or unsupported field."""
     if not raw:
         raise bad_request("the request body is empty; send a JSON object")
     try:
         req = model.model_validate_json(raw)
     except ValidationError as e:
         raise _bad_body(e) from None
-    extra = [k for k in req.model_extra if k not in IGNORED_FIELDS]
+    for k, v in req.model_extra.items():
+        if k in UNSUPPORTED_FIELDS and v not in UNSUPPORTED_FIELDS[k]:
+            raise bad_request(f"{k} is not supported by this server (got {json.dumps(v)[:80]}); "
+                              "see docs/openai-compatibility.md", k)
+    extra = [k for k in req.model_extra if k not in IGNORED_FIELDS and k not in UNSUPPORTED_FIELDS]
     if extra:
         log.debug("%s: ignoring unknown field(s) %s", endpoint, ", ".join(sorted(extra)))
-    return req, req.sampling()
+    return req
 
 
 def _bad_body(e: ValidationError):

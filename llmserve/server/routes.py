@@ -26,7 +26,7 @@ async def _admit(request: Request, model) -> tuple[ServerState, AsyncEngine, Any
     st = _state(request)
     aengine = st.admit()
     # the body limit is enforced by BodyLimitMiddleware while this reads
-    req, sp = parse(model, await request.body(), request.url.path)
+    req, sp = parse(model, await request.body(), request.url.path, st.engine.generation_defaults)
     st.check_model(req.model)
     if req.bad_words:
         sp.bad_words_token_ids = _bad_words(st.engine.tokenizer, req.bad_words)
@@ -47,7 +47,7 @@ def _bad_words(tok, words: list[str]) -> list[list[int]]:
 _BIG_TEXT = 16_384  # characters; longer texts are tokenized off the event loop
 
 
-async def _encode(tok, text: str, add_special_tokens: bool = True) -> list[int]:
+async def encode(tok, text: str, add_special_tokens: bool = True) -> list[int]:
     """Token ids of text; a long text is tokenized in a worker thread so streams keep flowing."""
     if len(text) < _BIG_TEXT:
         return tok.encode(text, add_special_tokens)
@@ -68,10 +68,13 @@ async def completions(request: Request) -> Response:
         if isinstance(p, str):
             if tok is None:
                 raise bad_request("this server has no tokenizer: send the prompt as token ids", "prompt")
-            ids, text = await _encode(tok, p), p
+            full, text = await encode(tok, p, req.add_special_tokens), p
         else:  # token ids: echo shows them decoded
-            ids, text = p, tok.decode(p, skip_special_tokens=False) if (tok is not None and req.echo) else ""
+            full, text = p, None
+        ids = req.truncated(full, st.engine.max_model_len, sp.max_tokens)
         check_request(ids, sp, st.engine.backend.vocab_size, st.engine.max_model_len, param)
+        if len(ids) < len(full) or text is None:  # echo shows the ids the model was given
+            text = tok.decode(ids, skip_special_tokens=False) if (tok is not None and req.echo) else ""
         prompt_ids.append(ids)
         prompt_texts.append(text)
     return await CompletionAnswer(st, req, sp, prompt_ids, prompt_texts).respond(request, aengine)
@@ -83,20 +86,33 @@ async def completions(request: Request) -> Response:
 async def chat_completions(request: Request) -> Response:
     """POST /v1/chat/completions."""
     st, aengine, req, sp = await _admit(request, ChatRequest)
+    prompt = chat_prompt(st, req)
+    ids = req.truncated(await encode(st.engine.tokenizer, prompt, req.add_special_tokens), st.engine.max_model_len,
+                        sp.max_tokens)
+    check_request(ids, sp, st.engine.backend.vocab_size, st.engine.max_model_len, "messages")
+    default = st.engine.generation_defaults.get("max_tokens")
+    if sp.max_tokens is None and default is not None:  # the model's default, within the room the prompt leaves
+        sp.max_tokens = min(default, st.engine.max_model_len - len(ids))
+    return await ChatAnswer(st, req, sp, [ids], prompt).respond(request, aengine)
+
+
+async def chat_prompt_ids(st: ServerState, req: ChatRequest) -> list[int]:
+    """The token ids of the chat messages rendered by the tokenizer's chat template."""
+    return await encode(st.engine.tokenizer, chat_prompt(st, req), req.add_special_tokens)
+
+
+def chat_prompt(st: ServerState, req: ChatRequest) -> str:
+    """The chat messages (and tools) rendered by the tokenizer's chat template."""
     tok = st.engine.tokenizer
     if tok is None:
         raise bad_request("this server has no tokenizer, so it cannot render chat messages; "
                           "use /v1/completions with token ids", "messages")
     try:
-        prompt = tok.apply_chat_template(
-            req.template_messages(), add_generation_prompt=req.add_generation_prompt,
-            tools=req.template_tools(),
-            continue_final_message=req.continue_final_message, **(req.chat_template_kwargs or {}))
+        return tok.apply_chat_template(req.template_messages(), add_generation_prompt=req.add_generation_prompt,
+                                       tools=req.template_tools(), continue_final_message=req.continue_final_message,
+                                       **(req.chat_template_kwargs or {}))
     except NotImplementedError as e:
         raise bad_request(str(e), "messages") from None
-    ids = await _encode(tok, prompt, add_special_tokens=False)
-    check_request(ids, sp, st.engine.backend.vocab_size, st.engine.max_model_len, "messages")
-    return await ChatAnswer(st, req, sp, [ids], prompt).respond(request, aengine)
 
 
 # --- models, health, stats --------------------------------------------------------------------

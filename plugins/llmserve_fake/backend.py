@@ -37,14 +37,18 @@ class FakeBackend(ModelBackend):
         self,
         vocab_size: int = 257,
         max_model_len: int = 4096,
-        eos_token_id: int | None = 256,
+        eos_token_id: int | list[int] | None = 256,
         num_blocks: int = 2048,
         step_cost_s: float = 0.0,
         token_cost_s: float = 0.0,
+        generation_defaults: dict[str, Any] | None = None,
     ):
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
-        self.eos_token_id = eos_token_id
+        ids = eos_token_id if isinstance(eos_token_id, list) else [eos_token_id]
+        self.eos_token_id = ids[0] if ids else None
+        self.eos_token_ids = frozenset(ids) - {None}
+        self.generation_defaults = generation_defaults or {}
         self._num_blocks = num_blocks
         self.step_cost_s = step_cost_s
         self.token_cost_s = token_cost_s
@@ -78,7 +82,7 @@ class FakeBackend(ModelBackend):
                 continue
             sp = r.sampling
             tok = next_token(r.token_ids, len(r.token_ids), V, eos)
-            if tok == eos and (sp.ignore_eos or r.num_output_tokens < sp.min_tokens):
+            while tok in self.eos_token_ids and (sp.ignore_eos or r.num_output_tokens < sp.min_tokens):
                 tok = (tok + 1) % V
             ok = allowed.get(i)
             if ok and tok not in ok:  # constrained: the allowed token the hash picks, still deterministic

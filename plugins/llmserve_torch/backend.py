@@ -69,11 +69,13 @@ class TorchBackend(ModelBackend):
             limit = mc.max_model_len
         self.max_model_len = limit
         self.eos_token_id = self.arch.eos_token_id
+        self.eos_token_ids = loaded.generation.eos_token_ids | {self.eos_token_id} - {None}
+        self.generation_defaults = loaded.generation.sampling
         # the embedded model's vocabulary is the byte-level tokenizer's; a checkpoint ships its own
         self.default_tokenizer = "byte" if mc.model == "embedded" else "hf"
         # a GGUF carries its tokenizer in metadata: its source saved it as files next to the converted weights
         self.tokenizer_path = loaded.tokenizer_dir
-        self.sampler = Sampler(self.device, seed=mc.seed, eos_token_id=self.eos_token_id)
+        self.sampler = Sampler(self.device, seed=mc.seed, eos_token_ids=self.eos_token_ids)
         self.kv: KVCache | None = None
         self.attention = None
         self._kv_peak = {"reserved_slots": 0, "used_slots": 0}

@@ -98,6 +98,7 @@ def cached_checkpoint(path: Path) -> tuple[Path, bool]:
     from safetensors.torch import save_file
 
     from llmserve_torch.gguf_file import GGUFCheckpoint
+    from llmserve_torch.generation_config import FILE, from_gguf
 
     root = cache_root() / "gguf"
     try:
@@ -110,6 +111,8 @@ def cached_checkpoint(path: Path) -> tuple[Path, bool]:
     info = _marker(final)
     if info is not None:
         log.info("GGUF %s: reading the converted checkpoint cached in %s", path.name, final)
+        if not (final / FILE).is_file():  # converted before the file was written: add it, once
+            _write_atomic(final / FILE, json.dumps(from_gguf(GGUFCheckpoint(path))))
         return final, info["tokenizer"]
     t0 = time.perf_counter()
     log.info("GGUF %s: first load: converting it once into %s (later starts read that); reading the file",
@@ -124,6 +127,7 @@ def cached_checkpoint(path: Path) -> tuple[Path, bool]:
     tmp.mkdir()
     try:
         ckpt.hf_config().save_pretrained(str(tmp))
+        (tmp / FILE).write_text(json.dumps(from_gguf(ckpt)))  # the EOS ids and sampling defaults
         t1 = time.perf_counter()
         sd = ckpt.state_dict()
         t2 = time.perf_counter()

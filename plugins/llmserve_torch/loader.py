@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +14,7 @@ import torch
 from llmserve.config import ModelConfig
 from llmserve.errors import ConfigError
 from llmserve_torch.arch import ArchConfig, arch_from_hf
+from llmserve_torch.generation_config import GenerationDefaults
 from llmserve_torch.models import gpt2, qwen2
 from llmserve_torch.fused import decoder_ops
 from llmserve_torch.kernel_plan import KernelPlan, plan_kernels
@@ -39,6 +40,7 @@ class LoadedModel:
     linear: str = "torch"  # how the matmuls run: onednn (pre-packed) or torch (F.linear)
     tokenizer_dir: str | None = None  # tokenizer files the model source produced (a GGUF's cache directory)
     kernels: KernelPlan | None = None  # the quantized linears' kernel choices (empty: no quantized linears)
+    generation: GenerationDefaults = field(default_factory=GenerationDefaults)  # EOS ids, sampling defaults
 
 
 def resolve_device(name: str) -> torch.device:
@@ -286,4 +288,4 @@ def load_model(mc: ModelConfig, linear: str = "auto", batch_hint: int = 64, max_
              dtype_reason, device, src.weights)
     return LoadedModel(model=model, arch=arch, dtype=dtype, dtype_reason=dtype_reason, device=device,
                        source=src.source, weights=src.weights, linear="onednn" if pack else "torch",
-                       tokenizer_dir=src.tokenizer_dir, kernels=make.plan)
+                       tokenizer_dir=src.tokenizer_dir, kernels=make.plan, generation=src.generation)

@@ -9,7 +9,7 @@ sampling from probs), so sorting for top-k/top-p never changes which random numb
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 import torch
 
@@ -34,7 +34,8 @@ def _needs_processing(sp: SamplingParams, num_output_tokens: int) -> bool:
                 or (sp.min_tokens and num_output_tokens < sp.min_tokens))
 
 
-def apply_logit_processors(logits: torch.Tensor, reqs: Sequence[ScheduledRequest], eos_token_id: int | None) -> None:
+def apply_logit_processors(logits: torch.Tensor, reqs: Sequence[ScheduledRequest],
+                           eos_token_ids: Collection[int]) -> None:
     """In place: repetition (prompt+output), presence/frequency (output), logit bias, min_tokens stop masking."""
     V = logits.shape[1]
     dev = logits.device
@@ -62,8 +63,8 @@ def apply_logit_processors(logits: torch.Tensor, reqs: Sequence[ScheduledRequest
                                                      if 0 <= int(t) < V], dtype=row.dtype, device=dev))
         if sp.min_tokens and n_out < sp.min_tokens:
             stops = [t for t in sp.stop_token_ids if 0 <= t < V]
-            if eos_token_id is not None and not sp.ignore_eos and eos_token_id < V:
-                stops.append(eos_token_id)
+            if not sp.ignore_eos:
+                stops += [t for t in eos_token_ids if t < V]
             if stops:
                 row[torch.tensor(stops, dtype=torch.long, device=dev)] = _MASK
 
@@ -113,9 +114,9 @@ def _logprob_entries(lp: torch.Tensor, chosen: torch.Tensor, ns: list[int]) -> l
 class Sampler:
     """Turns the last-position logits of the sampling requests into tokens (and logprobs)."""
 
-    def __init__(self, device: torch.device, seed: int = 0, eos_token_id: int | None = None):
+    def __init__(self, device: torch.device, seed: int = 0, eos_token_ids: Collection[int] = ()):
         self.device = device
-        self.eos_token_id = eos_token_id
+        self.eos_token_ids = sorted(eos_token_ids)  # every one is masked until min_tokens
         self.generator = torch.Generator(device=device).manual_seed(seed)
         self._seeded = torch.Generator(device=device)
         # a faster row argmax for raw float32 CPU logits (set by the backend when its kernel library builds)
@@ -136,7 +137,7 @@ class Sampler:
         if processed or bitmask is not None:
             logits = logits.clone()
         if processed:
-            apply_logit_processors(logits, reqs, self.eos_token_id)
+            apply_logit_processors(logits, reqs, self.eos_token_ids)
         if bitmask is not None:  # one masked_fill for every constrained row
             processed = True
             idx = torch.tensor(list(bitmask_rows), dtype=torch.long, device=logits.device)

@@ -8,7 +8,7 @@ model code only ever sees an ArchConfig and a state dict in Hugging Face tensor 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -17,6 +17,7 @@ from llmserve.config import ModelConfig
 from llmserve.errors import ConfigError
 from llmserve_torch import embedded
 from llmserve_torch.arch import ArchConfig
+from llmserve_torch.generation_config import GenerationDefaults, read
 from llmserve_torch.loader import (
     dummy_state_dict,
     family,
@@ -36,6 +37,7 @@ class SourceResult:
     source: str  # for logs and describe(): the directory, file or "embedded"
     weights: str  # the files read, or "dummy (...)"
     tokenizer_dir: str | None = None  # tokenizer files the source produced (None: the model path has them)
+    generation: GenerationDefaults = field(default_factory=GenerationDefaults)  # EOS ids, sampling defaults
 
 
 class ModelSource(ABC):
@@ -91,7 +93,7 @@ class CheckpointSource(ModelSource):
             files = weight_files(model_dir, mc.load_format)
             sd = read_state_dict(files, family(arch).normalize_name)
             weights = ", ".join(f.name for f in files)
-        return SourceResult(arch, sd, str(model_dir), weights)
+        return SourceResult(arch, sd, str(model_dir), weights, generation=read(model_dir))
 
 
 class GGUFSource(ModelSource):
@@ -127,7 +129,8 @@ class GGUFSource(ModelSource):
             normalize = family(arch).normalize_name
             sd = {normalize(k): v for k, v in gguf_file.GGUFCheckpoint(path).state_dict(quantized=True).items()}
             res = SourceResult(arch, {k: v for k, v in sd.items() if k is not None}, str(path),
-                               f"{path.name} (quantized tensors repacked for the CPU kernels)")
+                               f"{path.name} (quantized tensors repacked for the CPU kernels)",
+                               generation=read(cache_dir))
         res.source = str(path)
         res.tokenizer_dir = str(cache_dir) if has_tokenizer else None
         return res

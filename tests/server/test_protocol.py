@@ -136,3 +136,51 @@ def test_a_body_that_is_not_a_json_object_is_a_400(raw, code):
     with pytest.raises(ApiError) as e:
         parse(CompletionRequest, raw, "/v1/completions")
     assert e.value.status == 400 and e.value.code == code and e.value.param is None
+
+
+GEN = {"temperature": 0.3, "top_p": 0.8, "top_k": 20, "min_p": 0.05, "repetition_penalty": 1.1, "max_tokens": 9}
+
+
+def test_the_models_defaults_fill_only_the_fields_the_client_left_out():
+    msgs = [{"role": "user", "content": "x"}]
+    _, sp = parse(ChatRequest, json.dumps({"messages": msgs}).encode(), "/v1/chat/completions", GEN)
+    assert (sp.temperature, sp.top_p, sp.top_k, sp.min_p, sp.repetition_penalty) == (0.3, 0.8, 20, 0.05, 1.1)
+    assert sp.max_tokens is None  # chat's max_tokens default depends on the prompt: the route applies it
+    body = {"messages": msgs, "temperature": 1.0, "top_k": -1, "top_p": None, "repetition_penalty": 1.0}
+    _, sp = parse(ChatRequest, json.dumps(body).encode(), "/v1/chat/completions", GEN)
+    # given (even at OpenAI's default) wins; null means "not given", so the model's default applies
+    assert (sp.temperature, sp.top_k, sp.top_p, sp.min_p, sp.repetition_penalty) == (1.0, 0, 0.8, 0.05, 1.0)
+    _, sp = parse(CompletionRequest, b'{"prompt": "x"}', "/v1/completions", GEN)
+    assert sp.temperature == 0.3 and sp.max_tokens == 16  # completions keep OpenAI's max_tokens default
+
+
+@pytest.mark.parametrize("field,value", [
+    ("use_beam_search", True), ("length_penalty", 0.5), ("early_stopping", True), ("prompt_embeds", "AAAA"),
+    ("logits_processors", ["pkg.fn"]), ("return_token_ids", True), ("spaces_between_special_tokens", False),
+    ("vllm_xargs", {"k": 1}), ("modalities", ["text", "audio"]), ("audio", {"voice": "alloy", "format": "wav"}),
+    ("web_search_options", {}), ("verbosity", "low"), ("echo", True), ("prompt_logprobs", 1),
+])
+def test_a_field_that_would_change_the_output_and_is_not_implemented_is_a_400(field, value):
+    with pytest.raises(ApiError) as e:
+        parse_chat({"messages": [{"role": "user", "content": "x"}], field: value})
+    assert e.value.status == 400 and e.value.param == field and "not supported" in e.value.message
+
+
+def test_unsupported_fields_at_their_no_op_value_or_null_are_accepted(caplog):
+    body = {"use_beam_search": False, "length_penalty": 1, "logits_processors": [], "modalities": ["text"],
+            "spaces_between_special_tokens": True, "echo": False, "prompt_logprobs": None, "audio": None}
+    with caplog.at_level(logging.DEBUG, logger="llmserve.server.protocol"):
+        parse_chat({"messages": [{"role": "user", "content": "x"}], **body, "request_id": "r1"})
+        parse_completion({"prompt": "x", "use_beam_search": False, "echo": True, "prompt_logprobs": 1})
+    assert not caplog.records  # known fields, none of them "unknown"
+
+
+@pytest.mark.parametrize("value,ok", [(None, True), (-1, True), (1, True), (0, False), (-2, False), ("3", False)])
+def test_truncate_prompt_tokens_is_minus_one_or_positive(value, ok):
+    body = {"prompt": "x", "truncate_prompt_tokens": value}
+    if ok:
+        parse_completion(body)
+    else:
+        with pytest.raises(ApiError) as e:
+            parse_completion(body)
+        assert e.value.param == "truncate_prompt_tokens"

@@ -90,10 +90,11 @@ def dequantize(data: np.ndarray, qtype: str) -> np.ndarray:
 
 
 def write_gguf(path: Path, hf_model, qtype: str = "F32", tensors: dict[str, np.ndarray] | None = None,
-               arch: str | None = None) -> Path:
+               arch: str | None = None, extra_kv: dict[str, int | float] | None = None) -> Path:
     """Write hf_model (or the given GGUF-named tensors) as a GGUF with metadata and a tiny BPE tokenizer.
 
-    A tensor given as (uint8 blocks, type name) is written as it is, in that type.
+    A tensor given as (uint8 blocks, type name) is written as it is, in that type; extra_kv adds metadata
+    (ints as uint32, floats as float32).
     """
     cfg = hf_model.config
     arch = arch or cfg.model_type
@@ -127,6 +128,8 @@ def write_gguf(path: Path, hf_model, qtype: str = "F32", tensors: dict[str, np.n
     w.add_eos_token_id(cfg.eos_token_id)
     w.add_add_bos_token(False)
     w.add_chat_template(CHAT_TEMPLATE)
+    for key, v in (extra_kv or {}).items():
+        (w.add_float32 if isinstance(v, float) else w.add_uint32)(key, v)
     for name, t in (tensors if tensors is not None else gguf_tensors(hf_model)).items():
         if isinstance(t, tuple):
             w.add_tensor(name, t[0], raw_dtype=gguf.GGMLQuantizationType[t[1]])

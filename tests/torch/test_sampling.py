@@ -23,7 +23,7 @@ def req(sp: SamplingParams, prompt=(0,), output=(), rid="r") -> ScheduledRequest
 
 def draw(sp: SamplingParams, n: int = 3000, logits=BASE, **kw) -> Counter:
     """n draws of the same request (unseeded: the sampler's generator advances)."""
-    s = Sampler(torch.device("cpu"), seed=0, eos_token_id=kw.pop("eos", None))
+    s = Sampler(torch.device("cpu"), seed=0, eos_token_ids=kw.pop("eos", ()))
     rows = logits.unsqueeze(0).repeat(n, 1)
     toks, _ = s.sample(rows, [req(sp, **kw)] * n)
     return Counter(toks)
@@ -92,8 +92,8 @@ def test_logit_bias_and_min_tokens():
     assert draw(SamplingParams(temperature=0.0, logit_bias={5: 10.0}), n=1) == Counter({5: 1})
     assert draw(SamplingParams(temperature=0.0, logit_bias={0: -100.0}), n=1) == Counter({1: 1})
     sp = SamplingParams(temperature=0.0, min_tokens=2, stop_token_ids=[1])
-    assert draw(sp, n=1, eos=0) == Counter({2: 1})  # EOS (0) and the stop id (1) are masked
-    assert draw(sp, n=1, eos=0, output=(3, 4)) == Counter({0: 1})  # min_tokens reached
+    assert draw(sp, n=1, eos={0, 2}) == Counter({3: 1})  # every EOS id (0, 2) and the stop id (1) are masked
+    assert draw(sp, n=1, eos={0, 2}, output=(3, 4)) == Counter({0: 1})  # min_tokens reached
 
 
 def test_seed_is_a_function_of_seed_and_output_index_only():

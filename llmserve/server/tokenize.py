@@ -1,0 +1,56 @@
+"""vLLM's /tokenize and /detokenize, and /version."""
+
+from __future__ import annotations
+
+import json
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+import llmserve
+from llmserve.server.errors import bad_request
+from llmserve.server.protocol import DetokenizeRequest, TokenizeChatRequest, TokenizeRequest, validate
+from llmserve.server.routes import chat_prompt_ids, encode
+from llmserve.server.state import ServerState
+
+
+def _tokenizer(st: ServerState, param: str):
+    if st.engine.tokenizer is None:
+        raise bad_request("this server has no tokenizer (tokenizer.name: none)", param)
+    return st.engine.tokenizer
+
+
+async def tokenize(request: Request) -> Response:
+    """POST /tokenize: {"prompt"} or chat {"messages", …} → {"count", "max_model_len", "tokens", "token_strs"}."""
+    st: ServerState = request.app.state.llm
+    st.admit()
+    raw = await request.body()
+    try:
+        chat = "messages" in json.loads(raw)
+    except (ValueError, TypeError):
+        chat = False  # not a JSON object: validate says so
+    req = validate(TokenizeChatRequest if chat else TokenizeRequest, raw, request.url.path)
+    st.check_model(req.model)
+    tok = _tokenizer(st, "messages" if chat else "prompt")
+    ids = await chat_prompt_ids(st, req) if chat else await encode(tok, req.prompt, req.add_special_tokens)
+    strs = [tok.decode([t], skip_special_tokens=False) for t in ids] if req.return_token_strs else None
+    return JSONResponse({"count": len(ids), "max_model_len": st.engine.max_model_len, "tokens": ids,
+                         "token_strs": strs})
+
+
+async def detokenize(request: Request) -> Response:
+    """POST /detokenize: {"tokens": [ids]} → {"prompt": text} (special tokens kept)."""
+    st: ServerState = request.app.state.llm
+    st.admit()
+    req = validate(DetokenizeRequest, await request.body(), request.url.path)
+    st.check_model(req.model)
+    tok = _tokenizer(st, "tokens")
+    bad = next((t for t in req.tokens if not 0 <= t < tok.vocab_size), None)
+    if bad is not None:
+        raise bad_request(f"token id {bad} in tokens is outside the vocabulary [0, {tok.vocab_size})", "tokens")
+    return JSONResponse({"prompt": tok.decode(req.tokens, skip_special_tokens=False)})
+
+
+async def version(request: Request) -> Response:
+    """GET /version."""
+    return JSONResponse({"version": llmserve.__version__})
