@@ -204,7 +204,7 @@ class ChatAnswer(Answer):
 
     def __init__(self, st: ServerState, req, sp: SamplingParams, prompts: list[list[int]], prompt: str = ""):
         super().__init__(st, req, sp, prompts)
-        make = choice_parsers(st, req, prompt)  # reasoning and tool-call parsing, when asked for
+        make = choice_parsers(st, req, sp, prompt)  # reasoning and tool-call parsing, when asked for
         self.parsers = [make() for _ in self.choices] if make else None
 
     def _new_lp(self):

@@ -17,6 +17,7 @@ from llmserve.interfaces import ReasoningParser, ToolCallDelta, ToolParser
 from llmserve.request import StructuredOutput
 from llmserve.server.errors import bad_request
 
+
 class _Named(ToolParser):
     """tool_choice names a function: the grammar made the whole output its arguments."""
 
@@ -39,10 +40,10 @@ class _Required(ToolParser):
     def feed(self, text: str, final: bool = False) -> tuple[str, list[ToolCallDelta]]:
         self.text += text
         try:
-            calls = json.loads(self.text) if final else []
-        except ValueError:  # cut by max_tokens (finish_reason length)
-            calls = []
-        return "", [ToolCallDelta(i, c["name"], json.dumps(c["parameters"])) for i, c in enumerate(calls)]
+            return "", [ToolCallDelta(i, c["name"], json.dumps(c["parameters"], ensure_ascii=False))
+                        for i, c in enumerate(json.loads(self.text) if final else [])]
+        except (ValueError, TypeError, KeyError):  # cut by max_tokens (finish_reason length)
+            return "", []
 
 
 class ChoiceParser:
@@ -104,7 +105,7 @@ def tool_grammar(req: Any, current: StructuredOutput | None) -> StructuredOutput
     return StructuredOutput("json", json.dumps(tools[i].function.parameters or empty), f"tools[{i}].function.parameters")
 
 
-def choice_parsers(st: Any, req: Any, prompt: str) -> Callable[[], ChoiceParser] | None:
+def choice_parsers(st: Any, req: Any, sp: Any, prompt: str) -> Callable[[], ChoiceParser] | None:
     """What builds each choice's ChoiceParser for this request; None when the text is all content."""
     server, plugins, tok = st.config.server, st.engine.plugins, st.engine.tokenizer
     tools = req.template_tools()
@@ -116,6 +117,7 @@ def choice_parsers(st: Any, req: Any, prompt: str) -> Callable[[], ChoiceParser]
             raise bad_request("tool_choice auto (the default with tools) needs a tool parser: start the server "
                               "with server.tool_parser set (e.g. hermes, llama3_json)", "tool_choice")
         calls = functools.partial(plugins.get("tool_parser", server.tool_parser).factory, tok, tools)
+        sp.skip_special_tokens = False  # a call's tags may be special tokens (<|python_tag|>); vLLM does the same
     elif tools and choice != "none":  # enforced by the grammar: there is no text to reason in
         calls, reason = _Required if choice == "required" else functools.partial(_Named, choice.function.name), None
     if reason is None and calls is None:

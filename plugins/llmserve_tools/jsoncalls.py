@@ -43,7 +43,7 @@ class JsonScanner:
             elif c == '"':
                 self._str = False
                 if self._key_at is not None:
-                    self._key, self._key_at = json.loads(self.text[self._key_at:i + 1]), None
+                    self._key, self._key_at = _loads(self.text[self._key_at:i + 1]), None
             return
         at = len(self._stack) == self.depth and self._stack[-1] == "{"  # directly inside an object we track
         if at and self._key is not None and c not in _WS and c not in ":,}" and self._key not in self.objects[-1]:
@@ -95,7 +95,7 @@ class JsonCalls:
             closed, name = k < self.scan.closed, None
             if self.sent[k] is None:
                 got = self.scan.value(objects[k], "name")
-                name = json.loads(got[0]) if got and got[1] else None
+                name = _loads(got[0]) if got and got[1] else None
                 if not isinstance(name, str):
                     self._first += closed and k == self._first
                     continue
@@ -113,5 +113,14 @@ class JsonCalls:
             return "{}" if closed else ""
         raw, done = got
         if raw.startswith('"'):  # arguments written as a JSON string: its text, once whole
-            return json.loads(raw) if done else ""
+            text = _loads(raw) if done else ""
+            return text if isinstance(text, str) else raw
         return raw
+
+
+def _loads(text: str):
+    """The JSON value of text; None when it is not JSON (a model may write anything)."""
+    try:
+        return json.loads(text)
+    except ValueError:
+        return None

@@ -123,6 +123,7 @@ def test_required_and_named_read_the_grammar_output():
     text = '[{"name": "a", "parameters": {"x": [1]}}, {"parameters": {}, "name": "b"}]'
     assert run(lambda: ChoiceParser(None, _Required()), text, [5, 9, 30])["tool_calls"] == \
         [{"name": "a", "arguments": '{"x": [1]}'}, {"name": "b", "arguments": "{}"}]
+    assert run(lambda: ChoiceParser(None, _Required()), '[{"name": "a", "param', [3])["tool_calls"] == []  # cut
     m = run(lambda: ChoiceParser(None, _Named("f")), '{"q": "w"}', [1, 4])
     assert m == {"content": "", "reasoning_content": "", "tool_calls": [{"name": "f", "arguments": '{"q": "w"}'}]}
 
@@ -165,3 +166,20 @@ def test_auto_picks_the_parser_by_the_chat_template():
     with pytest.raises(InvalidRequestError) as e:
         auto(_Tok(None), [])
     assert e.value.param == "tool_choice"
+
+
+PIECES = ["<tool_call>", "</tool_call>", "<think>", "</think>", "<|python_tag|>", '{"name": "f"', '"arguments": ',
+          "{", "}", "[", "]", '"', "\\", ":", ",", ";", " ", "\n", "x", "<", "name", "1"]
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.sampled_from(PIECES), max_size=30), st.lists(st.integers(0, 200), max_size=8),
+       st.sampled_from(["hermes", "llama3_json"]))
+def test_any_text_parses_without_error_and_the_same_in_any_pieces(parts, cuts, kind):
+    # a model may write anything: never an exception, and streaming never changes the answer
+    text = "".join(parts)
+
+    def make():
+        return ChoiceParser(ThinkParser(), HermesParser() if kind == "hermes" else Llama3JsonParser())
+
+    assert run(make, text, cuts) == run(make, text)

@@ -260,6 +260,15 @@ def test_tools_and_the_tool_history_reach_the_template(templated):
     assert text.endswith("<|im_start|>assistant\n")
 
 
+def test_auto_keeps_special_tokens_for_the_parser(templated):
+    # tool_parser auto picked hermes from the template; special tokens stay in the text it reads
+    r = templated.client().chat.completions.create(model="echo", messages=[{"role": "user", "content": "hi"}],
+                                                   tools=[WEATHER], max_tokens=1500)
+    m = r.choices[0].message
+    # the template's own example tag holds no JSON call: it comes back as content
+    assert m.content.startswith("<|im_start|>system") and "<tool_call>" in m.content and not m.tool_calls
+
+
 def test_chat_template_kwargs_reach_the_template(templated):
     msgs = [{"role": "user", "content": "hi"}]
     assert rendered(templated, msgs).endswith("assistant\n")
