@@ -63,6 +63,7 @@ class Constraints:
         self._matchers: dict[str, GrammarMatcher] = {}
         self._allowed: dict[str, torch.Tensor] = {}  # allowed_token_ids as a bitmask row
         self._constrained: set[str] = set()  # sequences with any constraint: empty → a step pays nothing
+        self._broken: dict[str, str] = {}  # sequences whose grammar failed to give a mask → why
 
     def compile(self, spec: StructuredOutput) -> Any:
         """The compiled grammar of spec (cached); InvalidRequestError naming spec.param when it is bad."""
@@ -106,6 +107,8 @@ class Constraints:
         m = self._matchers.get(r.request_id) if self._matchers else None
         if m is None:
             return None
+        if r.request_id in self._broken:
+            raise ValueError(f"the grammar engine failed on this request's grammar: {self._broken[r.request_id]}")
         if not m.accept(token_id):
             raise ValueError(f"token {token_id} is not allowed by the request's grammar")
         return m.is_terminated()
@@ -116,6 +119,7 @@ class Constraints:
             self._constrained.discard(request_id)
             self._matchers.pop(request_id, None)
             self._allowed.pop(request_id, None)
+            self._broken.pop(request_id, None)
 
     # --- per step ---------------------------------------------------------------------------------
 
@@ -127,12 +131,14 @@ class Constraints:
         if not rows:
             return
         mask = torch.full((len(rows), self.words), -1, dtype=torch.int32)
-        grammars = [(self._matchers[batch.requests[i].request_id], k) for k, i in enumerate(rows)
-                    if batch.requests[i].request_id in self._matchers]
-        if grammars:
-            self._engine.fill_bitmasks(grammars, mask)
         for k, i in enumerate(rows):
             sr = batch.requests[i]
+            m = self._matchers.get(sr.request_id)
+            if m is not None:
+                try:
+                    m.fill_bitmask(mask, k)
+                except ValueError as e:  # this grammar cannot go on: its sequence fails at accept()
+                    self._broken[sr.request_id] = str(e)
             allowed = self._allowed.get(sr.request_id)
             if allowed is not None:
                 mask[k] &= allowed

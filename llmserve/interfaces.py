@@ -169,7 +169,10 @@ class GrammarMatcher(ABC):
 
     @abstractmethod
     def fill_bitmask(self, bitmask: Any, row: int) -> None:
-        """Write the allowed next tokens into int32 bitmask[row] (bit t % 32 of word t // 32 set = allowed)."""
+        """Write the allowed next tokens into int32 bitmask[row] (bit t % 32 of word t // 32 set = allowed).
+
+        Raise ValueError when the grammar cannot go on (an engine limit): that sequence alone fails.
+        """
 
     @abstractmethod
     def accept(self, token_id: int) -> bool:
@@ -190,11 +193,6 @@ class GrammarEngine(ABC):
     @abstractmethod
     def matcher(self, compiled: Any) -> GrammarMatcher:
         """A fresh matcher at the start of a compiled grammar."""
-
-    def fill_bitmasks(self, rows: list[tuple[GrammarMatcher, int]], bitmask: Any) -> None:
-        """Fill each (matcher, row) of a step at once (an engine may use threads); by default one by one."""
-        for m, row in rows:
-            m.fill_bitmask(bitmask, row)
 
 
 @dataclass(slots=True)

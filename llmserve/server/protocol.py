@@ -148,7 +148,7 @@ class _Request(_Model):
                 ("structured_outputs.json_object", "json_object", so and so.json_object),
                 ("guided_json", "json", self.guided_json), ("guided_regex", "regex", self.guided_regex),
                 ("guided_choice", "choice", self.guided_choice), ("guided_grammar", "grammar", self.guided_grammar)):
-            if value is None or value is False:
+            if value is None or (kind == "json_object" and value is False):
                 continue
             if kind == "choice" and not value:
                 raise bad_request(f"{field_} must list at least one string", field_)

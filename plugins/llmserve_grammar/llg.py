@@ -39,15 +39,16 @@ def to_grammar(spec: StructuredOutput, whitespace_flexible: bool) -> str:
             schema = json.loads(spec.value if spec.kind == "json" else OBJECT_SCHEMA)
         except json.JSONDecodeError as e:
             raise InvalidRequestError(f"the JSON schema is not valid JSON: {e}", param=spec.param) from None
-        if not isinstance(schema, (dict, bool)):
-            raise InvalidRequestError("a JSON schema is an object or a boolean", param=spec.param)
+        if schema is False or not isinstance(schema, (dict, bool)):
+            raise InvalidRequestError("a JSON schema is an object (or true); false allows no value", param=spec.param)
+        schema = {} if schema is True else schema
         # compact JSON by default: a small model given free whitespace may emit it forever
         return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults={"whitespace_flexible": whitespace_flexible})
     if spec.kind == "regex":
         return llguidance.LLMatcher.grammar_from_regex(spec.value)
     if spec.kind == "choice":
-        choices = json.loads(spec.value)
-        return "start: " + " | ".join(json.dumps(c) for c in choices)
+        # one lexer terminal, not parser alternatives: 50,000 choices would pass the parser's row limit
+        return "start: CHOICE\nCHOICE: " + " | ".join(json.dumps(c) for c in json.loads(spec.value))
     if spec.kind == "grammar":
         return llguidance.LLMatcher.grammar_from_lark(spec.value)
     raise InvalidRequestError(f"unknown constraint kind {spec.kind!r}", param=spec.param)
@@ -62,8 +63,10 @@ class LLGuidanceMatcher(GrammarMatcher):
         self._m = m
 
     def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
-        """Write the allowed next tokens into bitmask[row] (llguidance writes the words in place)."""
+        """Write the allowed next tokens into bitmask[row]; ValueError when the grammar hits llguidance's limits."""
         self._m.unsafe_compute_mask_ptr(bitmask[row].data_ptr(), bitmask.shape[1] * 4)
+        if self._m.is_error():
+            raise ValueError(_short(self._m.get_error()))
 
     def accept(self, token_id: int) -> bool:
         """Consume a sampled token."""
@@ -81,8 +84,6 @@ class LLGuidanceEngine(GrammarEngine):
         vocab = _Vocab(tokenizer, vocab_size)
         self.tokenizer = llguidance.LLTokenizer(llguidance.TokenizerWrapper(vocab), n_vocab=vocab_size)
         self.whitespace_flexible = whitespace_flexible
-        # the step's masks are filled before the forward, while torch's threads wait: use as many
-        self._executor = llguidance.LLExecutor(num_threads=max(1, torch.get_num_threads()))
 
     def compile(self, spec: StructuredOutput) -> llguidance.LLMatcher:
         """A validated matcher at the grammar's start, kept as the prototype that matcher() copies."""
@@ -95,16 +96,21 @@ class LLGuidanceEngine(GrammarEngine):
         m = llguidance.LLMatcher(self.tokenizer, grammar, log_level=0)
         if m.is_error():
             raise InvalidRequestError(f"{spec.param}: {_short(m.get_error())}", param=spec.param)
+        # the first mask on a copy: a grammar past llguidance's limits (a{1000000}) fails only here, and
+        # one that matches nothing allows no token; either is the client's to fix, not a failure mid-stream
+        first = torch.zeros((1, (self.tokenizer.vocab_size + 31) // 32), dtype=torch.int32)
+        try:  # twice: copies share the lexer, and one past its limits may fail only on the second mask
+            for _ in range(2):
+                LLGuidanceMatcher(m.deep_copy()).fill_bitmask(first, 0)
+        except ValueError as e:
+            raise InvalidRequestError(f"{spec.param}: {e}", param=spec.param) from None
+        if not first.any():
+            raise InvalidRequestError(f"{spec.param}: the grammar matches no text", param=spec.param)
         return m
 
     def matcher(self, compiled: llguidance.LLMatcher) -> GrammarMatcher:
         """A fresh copy of the prototype (no recompilation)."""
         return LLGuidanceMatcher(compiled.deep_copy())
-
-    def fill_bitmasks(self, rows: list[tuple[LLGuidanceMatcher, int]], bitmask: torch.Tensor) -> None:
-        """All rows of the step in parallel on llguidance's threads (it releases the GIL)."""
-        self._executor.unsafe_compute_mask_ptr([(m._m, row) for m, row in rows], bitmask.data_ptr(),
-                                               bitmask.shape[1] * 4, bitmask.shape[0])
 
 
 def _short(error: str) -> str:

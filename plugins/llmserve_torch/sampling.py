@@ -92,7 +92,9 @@ def filter_logits(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min
 
 def _exp_noise(shape: tuple[int, ...], gen: torch.Generator, device: torch.device) -> torch.Tensor:
     u = torch.rand(shape, generator=gen, device=device, dtype=torch.float32)
-    return -torch.log1p(-u)  # Exp(1); log1p(-u) is finite since u < 1
+    # Exp(1); log1p(-u) is finite since u < 1. u == 0 (one draw in 2^24) would give 0 noise, and a masked
+    # token's 0 / 0 = NaN, which argmax picks: the floor keeps a masked token at 0
+    return (-torch.log1p(-u)).clamp_min_(torch.finfo(torch.float32).tiny)
 
 
 def _logprob_entries(lp: torch.Tensor, chosen: torch.Tensor, ns: list[int]) -> list[Logprob]:
@@ -134,15 +136,18 @@ class Sampler:
         if any(n is not None for n in want_lp):
             raw_lp = torch.log_softmax(logits, dim=-1)  # the model's own distribution, before any processing
         processed = any(_needs_processing(r.sampling, r.num_output_tokens) for r in reqs)
-        if processed or bitmask is not None:
-            logits = logits.clone()
         if processed:
+            logits = logits.clone()
             apply_logit_processors(logits, reqs, self.eos_token_ids)
-        if bitmask is not None:  # one masked_fill for every constrained row
-            processed = True
-            idx = torch.tensor(list(bitmask_rows), dtype=torch.long, device=logits.device)
+        if bitmask is not None:  # one tensor operation for every constrained row
             allowed = unpack_bitmask(bitmask.to(logits.device), logits.shape[1])
-            logits.index_copy_(0, idx, logits.index_select(0, idx).masked_fill_(~allowed, _MASK))
+            if len(bitmask_rows) == R:  # where() writes a new tensor: cheaper than clone + masked_fill
+                logits = torch.where(allowed, logits, _MASK)
+            else:
+                logits = logits if processed else logits.clone()
+                idx = torch.tensor(list(bitmask_rows), dtype=torch.long, device=logits.device)
+                logits[idx] = torch.where(allowed, logits[idx], _MASK)
+            processed = True
         greedy = [r.sampling.temperature == 0.0 for r in reqs]
         tokens = torch.empty(R, dtype=torch.long, device=logits.device)
         g_rows = [i for i in range(R) if greedy[i]]

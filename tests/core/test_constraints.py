@@ -235,3 +235,37 @@ def test_hook_register_structured_output():
     assert len(out) == 20 and all(48 <= t < 58 for t in out)
     with pytest.raises(InvalidRequestError, match="only"):
         e.add_request([1], SamplingParams(structured=StructuredOutput("regex", "x")))
+
+
+def test_a_grammar_that_breaks_mid_stream_fails_its_sequence_alone(eng):
+    """A matcher that cannot give a mask (an engine limit) fails its request; the others in the batch go on."""
+    class Breaks:
+        calls = 0
+
+        def fill_bitmask(self, bitmask, row):
+            Breaks.calls += 1
+            if Breaks.calls > 2:
+                raise ValueError("row limit reached")
+            bitmask[row] = -1
+
+        def accept(self, token_id):
+            return True
+
+        def is_terminated(self):
+            return False
+
+    spec = StructuredOutput("regex", "x*")
+    engine_matcher = eng.constraints._engine.matcher  # noqa: SLF001
+    eng.constraints._engine.matcher = lambda compiled: Breaks()  # noqa: SLF001
+    try:
+        bad = eng.add_request([1, 2], SamplingParams(max_tokens=10, structured=spec))
+    finally:
+        eng.constraints._engine.matcher = engine_matcher  # noqa: SLF001
+    good = eng.add_request([1, 2], SamplingParams(max_tokens=10))
+    ends = {}
+    while eng.has_unfinished:
+        for o in eng.step().outputs:
+            if o.finished:
+                ends[o.request_id] = o
+    assert ends[bad].finish_reason is FinishReason.ERROR and "row limit reached" in ends[bad].error
+    assert ends[good].finish_reason is FinishReason.LENGTH and ends[good].num_output_tokens == 10

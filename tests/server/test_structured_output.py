@@ -84,6 +84,15 @@ def test_vllm_constraint_fields(server, body, check):
     assert choice["finish_reason"] == "stop" and check(choice["text"]), choice
 
 
+def test_large_choice_lists_and_the_true_schema(server):
+    choices = [f"option-{i}" for i in range(20_000)]
+    r = post(server, "/v1/completions", {"prompt": "q", "max_tokens": 20, "guided_choice": choices})
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] in choices
+    r = post(server, "/v1/completions", {"prompt": "q", "max_tokens": 3000, "guided_json": True})
+    assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] == "stop"
+    json.loads(r.json()["choices"][0]["text"])
+
+
 def test_max_tokens_cuts_a_grammar_with_length(server):
     r = post(server, "/v1/completions", {"prompt": "q", "max_tokens": 4, "guided_regex": "[a-z]{40}"})
     c = r.json()["choices"][0]
@@ -111,6 +120,10 @@ def test_allowed_token_ids_and_bad_words(server):
     ({"allowed_token_ids": [1, 99999]}, "allowed_token_ids"),
     ({"allowed_token_ids": ["1"]}, "allowed_token_ids[0]"),
     ({"bad_words": "xx"}, "bad_words"),
+    ({"guided_regex": "a{1000000}"}, "guided_regex"),  # past llguidance's lexer limits
+    ({"guided_grammar": "start: a\na: a"}, "guided_grammar"),  # matches no text
+    ({"guided_json": False}, "guided_json"),
+    ({"structured_outputs": {"json": {"$ref": "#/nowhere"}}}, "structured_outputs.json"),
 ])
 def test_a_bad_constraint_is_a_400_naming_the_field(server, body, param):
     r = post(server, "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], **body})

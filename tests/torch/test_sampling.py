@@ -160,3 +160,16 @@ def test_kernel_argmax_matches_torch_including_ties():
     assert argmax(x)[3] == 10
     # a strided view of rows (every other row) works too
     assert torch.equal(argmax(x[::2]), x[::2].argmax(dim=-1))
+
+
+@pytest.mark.parametrize("sp", [SamplingParams(temperature=1.0, top_k=2), SamplingParams(temperature=0.8, seed=3)])
+def test_a_zero_uniform_draw_never_picks_a_masked_token(monkeypatch, sp):
+    """u == 0 gave a masked token 0 / 0 = NaN noise-scaled probability, which argmax picked (rare, but real)."""
+    real_rand = torch.rand
+    monkeypatch.setattr(torch, "rand", lambda *a, **k: torch.zeros_like(real_rand(*a, **k)))
+    s = Sampler(torch.device("cpu"), seed=0)
+    mask = torch.tensor([[0b0100]], dtype=torch.int32)  # only token 2 (top-k alone would keep 0 and 1)
+    toks, _ = s.sample(BASE.unsqueeze(0).clone(), [req(sp)], bitmask=mask, bitmask_rows=[0])
+    assert toks == [2]
+    toks, _ = s.sample(BASE.unsqueeze(0).clone(), [req(sp)])
+    assert toks[0] in (0, 1) if sp.top_k == 2 else True
