@@ -27,6 +27,7 @@ class ModelConfig:
     model: str = "SmolLM2-135M-Instruct"
     tokenizer: str | None = None  # defaults to the model's
     served_model_name: str | None = None  # the name clients send; defaults to `model`
+    chat_template: str | None = None  # a Jinja file (or the template's text) that replaces the tokenizer's
     dtype: str = "float32"  # float32 | bfloat16 | float16 | auto
     # weight-only quantized linears: auto (a GGUF's quantized tensors stay quantized, float weights
     # stay float) | none (everything dequantized to dtype) | int8 | int4 (round-to-nearest at load)
@@ -104,6 +105,8 @@ class ServerConfig:
     max_body_bytes: int = 4 * 1024 * 1024  # larger bodies get 413
     drain_timeout: float = 30.0  # seconds to finish in-flight requests on SIGTERM
     log_level: str = "info"
+    tool_parser: str = "auto"  # reads tool_choice auto's calls: auto (from the chat template) | none | hermes | …
+    reasoning_parser: str = "none"  # none | think (<think>…</think> → reasoning_content)
 
 
 @dataclass(slots=True)

@@ -13,6 +13,7 @@ CONFIG_FLAGS: dict[str, tuple[str, type, str]] = {
     "--model": ("model.model", str, "local checkpoint directory, GGUF file, hub id, or 'embedded'"),
     "--tokenizer": ("model.tokenizer", str, "tokenizer directory or hub id (defaults to the model's)"),
     "--served-model-name": ("model.served_model_name", str, "the model name clients send"),
+    "--chat-template": ("model.chat_template", str, "a Jinja chat template file that replaces the tokenizer's"),
     "--dtype": ("model.dtype", str, "float32 | bfloat16 | float16 | auto"),
     "--quantization": ("model.quantization", str, "auto | none | int8 | int4 (weight-only, at load)"),
     "--device": ("model.device", str, "cpu | cuda | auto"),
@@ -33,6 +34,8 @@ CONFIG_FLAGS: dict[str, tuple[str, type, str]] = {
     "--host": ("server.host", str, "address to bind"),
     "--port": ("server.port", int, "port to bind"),
     "--api-key": ("server.api_key", str, "require this Bearer token on /v1/*"),
+    "--tool-parser": ("server.tool_parser", str, "how tool calls are read from the output: auto | none | hermes | …"),
+    "--reasoning-parser": ("server.reasoning_parser", str, "none | think (<think>…</think> → reasoning_content)"),
 }
 
 _PREFIX = "cfg_"  # a flag's dest: the prefix, then its key with "__" for "."

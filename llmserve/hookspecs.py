@@ -57,5 +57,15 @@ def register_routes(register, engine):
 
 
 @hookspec
+def register_tool_parsers(register):
+    """Register tool-call parsers: ``register(name, factory)``, ``factory(tokenizer, tools) -> ToolParser``."""
+
+
+@hookspec
+def register_reasoning_parsers(register):
+    """Register reasoning parsers: ``register(name, factory)``, ``factory(tokenizer, prompt) -> ReasoningParser``."""
+
+
+@hookspec
 def register_commands(subparsers):
     """Add ``llmserve`` subcommands to the argparse ``subparsers``; set ``func=callable(args)`` as default."""

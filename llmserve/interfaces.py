@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -139,6 +140,7 @@ class Tokenizer(ABC):
 
     eos_token_id: int | None = None
     vocab_size: int
+    chat_template: str | None = None  # the chat template's Jinja text, if it has one (tool parser auto reads it)
 
     @abstractmethod
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
@@ -152,8 +154,9 @@ class Tokenizer(ABC):
         """Every token id's exact bytes, in id order (grammar engines build their token trie from it)."""
         raise NotImplementedError(f"{type(self).__name__} cannot list its vocabulary")
 
-    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
-        """Render chat messages into one prompt string."""
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                            tools: list[dict] | None = None, continue_final_message: bool = False, **kwargs) -> str:
+        """Render chat messages into one prompt string; tools (OpenAI's shape) and kwargs are the template's."""
         raise NotImplementedError(f"{type(self).__name__} has no chat template")
 
     @property
@@ -190,6 +193,31 @@ class GrammarEngine(ABC):
     @abstractmethod
     def matcher(self, compiled: Any) -> GrammarMatcher:
         """A fresh matcher at the start of a compiled grammar."""
+
+
+@dataclass(slots=True)
+class ToolCallDelta:
+    """A piece of one tool call: its name in the first piece of the call, then pieces of its JSON arguments."""
+
+    index: int  # which call of the choice, from 0
+    name: str | None = None
+    arguments: str = ""
+
+
+class ToolParser(ABC):
+    """Splits one choice's generated text into content and tool calls as it streams; one instance per choice."""
+
+    @abstractmethod
+    def feed(self, text: str, final: bool = False) -> tuple[str, list[ToolCallDelta]]:
+        """Take the next piece of text (final: the last); return the content to send now and the call pieces."""
+
+
+class ReasoningParser(ABC):
+    """Splits one choice's generated text into reasoning and content as it streams; one instance per choice."""
+
+    @abstractmethod
+    def feed(self, text: str, final: bool = False) -> tuple[str, str]:
+        """Take the next piece of text (final: the last); return the (reasoning, content) to send now."""
 
 
 class MetricSink(ABC):

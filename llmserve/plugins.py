@@ -38,6 +38,7 @@ DEFAULT_PLUGINS: tuple[str, ...] = (
     "llmserve_prometheus",
     "llmserve_grammar",
     "llmserve_bench",
+    "llmserve_tools",
 )
 
 # registry kind → the hook that fills it
@@ -48,6 +49,8 @@ COMPONENT_HOOKS: dict[str, str] = {
     "tokenizer": "register_tokenizers",
     "metric_sink": "register_metric_sinks",
     "grammar": "register_structured_output",
+    "tool_parser": "register_tool_parsers",
+    "reasoning_parser": "register_reasoning_parsers",
 }
 
 

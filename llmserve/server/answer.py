@@ -23,6 +23,7 @@ from llmserve.server.errors import map_error
 from llmserve.server.generation import ClientGone, Generation, guarded
 from llmserve.server.logprobs import CompletionLogprobs, TokenText, chat_logprobs, prompt_logprobs
 from llmserve.server.state import ServerState
+from llmserve.server.tools import choice_parsers
 
 # ASCII-only JSON: raw U+0085 / U+2028 / U+2029 in a chunk would split it for clients that break lines
 # the way str.splitlines() does
@@ -82,7 +83,8 @@ class Answer:
             raise map_error(e) from None
         gen.abort()
         choices = [self._choice(i, "".join(ch.text), ch.lp)
-                   | {"finish_reason": ch.finish, "stop_reason": ch.stop_reason} for i, ch in enumerate(self.choices)]
+                   | {"finish_reason": self._finish(i, ch.finish), "stop_reason": ch.stop_reason}
+                   for i, ch in enumerate(self.choices)]
         return Response(dumps({"id": self.id, "object": self.object_name, "created": self.created,
                                "model": self.st.model_name, "choices": choices, "usage": self._usage(),
                                "system_fingerprint": None}), media_type="application/json")
@@ -101,7 +103,8 @@ class Answer:
                 for idx, text, lp, fin, sr in self._fold(batch):
                     choice = self._delta(idx, text, lp, fin)
                     if choice is not None:
-                        yield self._chunk([choice | {"finish_reason": fin, "stop_reason": sr if fin else None}])
+                        yield self._chunk([choice | {"finish_reason": self._finish(idx, fin),
+                                                     "stop_reason": sr if fin else None}])
                 batch = await gen.next()
             if self.req.include_usage:
                 yield self._chunk([], self._usage())
@@ -151,6 +154,9 @@ class Answer:
     def _opening(self) -> list[dict]:
         return []
 
+    def _finish(self, index: int, reason: str | None) -> str | None:
+        return reason
+
 
 class CompletionAnswer(Answer):
     """/v1/completions: choices carry `text` and the legacy logprobs object; echo and scoring the prompt."""
@@ -196,6 +202,11 @@ class ChatAnswer(Answer):
 
     prefix, object_name, chunk_object_name = "chatcmpl", "chat.completion", "chat.completion.chunk"
 
+    def __init__(self, st: ServerState, req, sp: SamplingParams, prompts: list[list[int]], prompt: str = ""):
+        super().__init__(st, req, sp, prompts)
+        make = choice_parsers(st, req, sp, prompt)  # reasoning and tool-call parsing, when asked for
+        self.parsers = [make() for _ in self.choices] if make else None
+
     def _new_lp(self):
         return [] if self.req.logprobs else None
 
@@ -210,12 +221,28 @@ class ChatAnswer(Answer):
         return new
 
     def _choice(self, index, text, lp):
-        return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": _content(lp)}
+        message = {"role": "assistant", "content": text}
+        if self.parsers is not None:
+            p = self.parsers[index]
+            d = p.feed(text, final=True)
+            message["content"] = d.get("content") or (None if p.calls else "")
+            if p.reasoning is not None:
+                message["reasoning_content"] = d.get("reasoning_content")
+            if p.calls:
+                message["tool_calls"] = p.calls
+        return {"index": index, "message": message, "logprobs": _content(lp)}
 
     def _delta(self, index, text, lp, fin):
+        if self.parsers is not None:
+            delta = self.parsers[index].feed(text, final=fin is not None)
+            return {"index": index, "delta": delta, "logprobs": _content(lp)} if delta or lp or fin else None
         if text or lp:
             return {"index": index, "delta": {"content": text}, "logprobs": _content(lp)}
         return None if fin is None else {"index": index, "delta": {}, "logprobs": None}
+
+    def _finish(self, index, reason):
+        # OpenAI's reason when the model ended by calling tools
+        return "tool_calls" if reason == "stop" and self.parsers and self.parsers[index].calls else reason
 
 
 def _content(lp: list[dict] | None) -> dict | None:

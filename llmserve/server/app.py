@@ -16,7 +16,7 @@ from starlette.routing import Route
 from llmserve.async_engine import AsyncEngine
 from llmserve.config import EngineConfig
 from llmserve.engine import Engine
-from llmserve.server import routes, tokenize
+from llmserve.server import routes, tokenize, tools
 from llmserve.server.errors import EXCEPTION_HANDLERS
 from llmserve.server.middleware import ApiKeyMiddleware, BodyLimitMiddleware
 from llmserve.server.state import ServerState
@@ -48,6 +48,7 @@ def create_app(config: EngineConfig, engine=None) -> Starlette:
     async def attach_when_built(app: Starlette) -> None:
         try:
             eng = await asyncio.wrap_future(aengine.built)
+            tools.check(eng, config.server)
         except Exception as e:  # reported by /health and the log; the server stays up to say so
             log.error("the engine failed to start: %s: %s", type(e).__name__, e)
             st.load_error = f"{type(e).__name__}: {e}"

@@ -22,14 +22,14 @@ from pydantic.json_schema import models_json_schema
 from llmserve.errors import InvalidRequestError
 from llmserve.request import SamplingParams, StructuredOutput
 from llmserve.server.errors import bad_request
+from llmserve.server.tools import tool_grammar
 
 log = logging.getLogger("llmserve.server.protocol")
 
 # OpenAI and vLLM fields that are accepted and have no effect on the output here (documented)
-IGNORED_FIELDS = {"user", "store", "metadata", "service_tier", "parallel_tool_calls", "prediction",
-                  "reasoning_effort", "safety_identifier", "prompt_cache_key", "tool_choice", "function_call",
-                  "request_id", "guided_decoding_backend", "kv_transfer_params", "mm_processor_kwargs",
-                  "media_io_kwargs"}
+IGNORED_FIELDS = {"user", "store", "metadata", "service_tier", "prediction", "reasoning_effort",
+                  "safety_identifier", "prompt_cache_key", "request_id", "guided_decoding_backend",
+                  "kv_transfer_params", "mm_processor_kwargs", "media_io_kwargs"}
 # fields that would change the output and are not implemented → the values accepted (their no-op ones);
 # any other value is a 400 naming the field, so no client is silently given something else (null: absent)
 UNSUPPORTED_FIELDS: dict[str, tuple] = {
@@ -252,10 +252,45 @@ class TextPart(_Model):
     text: str
 
 
+class FunctionCall(_Model):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCall(_Model):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class Message(_Model):
     role: Literal["system", "developer", "user", "assistant", "tool", "function"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # the call a tool message answers
+    reasoning_content: str | None = None  # an assistant's earlier reasoning (vLLM's field)
+
+
+class FunctionDef(_Model):
+    name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")  # OpenAI's rule
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema of the arguments object
+    strict: bool | None = None
+
+
+class Tool(_Model):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class FunctionName(_Model):
+    name: str
+
+
+class ToolChoice(_Model):
+    type: Literal["function"]
+    function: FunctionName
 
 
 class ChatRequest(_Request):
@@ -265,17 +300,32 @@ class ChatRequest(_Request):
     max_completion_tokens: Int | None = None
     logprobs: bool = False
     top_logprobs: Int | None = None
-    tools: list | None = None
-    functions: list | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | ToolChoice | None = None  # None: auto with tools, else none
+    parallel_tool_calls: bool = True
+    functions: Any = None  # the legacy function-calling fields are refused
+    function_call: Any = None
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template: str | None = None  # refused: only the server's template renders
+    chat_template_kwargs: dict[str, Any] | None = None
     add_special_tokens: bool = False  # vLLM's: the template already writes the special tokens
 
-    def template_messages(self) -> list[dict[str, str]]:
-        """The messages as chat templates take them: text parts joined, a null assistant content empty."""
+    def template_tools(self) -> list[dict[str, Any]] | None:
+        """The tools as chat templates and tool parsers take them: OpenAI's shape."""
+        return [t.model_dump(exclude_none=True) for t in self.tools] if self.tools else None
+
+    def template_messages(self) -> list[dict[str, Any]]:
+        """The messages as chat templates take them: text parts joined, a null content empty, tool fields
+        kept, and call arguments as objects (as vLLM hands them: Qwen2.5's and Llama 3's templates want that)."""
         out = []
         for m in self.messages:
             content = m.content if isinstance(m.content, str) else "".join(p.text for p in m.content or ())
-            out.append({"role": m.role, "content": content} | ({"name": m.name} if m.name is not None else {}))
+            d = {"role": m.role, "content": content} | m.model_dump(
+                include={"name", "tool_call_id", "tool_calls", "reasoning_content"}, exclude_none=True)
+            for c in d.get("tool_calls", ()):
+                c["function"]["arguments"] = _json_object(c["function"]["arguments"])
+            out.append(d)
         return out
 
     def sampling(self, defaults: dict[str, Any] | None = None) -> SamplingParams:
@@ -285,15 +335,25 @@ class ChatRequest(_Request):
         for i, m in enumerate(self.messages):
             if m.content is None and m.role != "assistant":
                 raise bad_request(f"messages[{i}].content is required for role {m.role!r}", f"messages[{i}].content")
-        for name in ("tools", "functions"):
-            if getattr(self, name):
-                raise bad_request(f"{name} (function calling) is not supported by this server", name)
+            if m.role == "tool" and m.tool_call_id is None:
+                raise bad_request(f"messages[{i}].tool_call_id is required for role 'tool'", f"messages[{i}].tool_call_id")
+        for name in ("functions", "function_call"):
+            if getattr(self, name) is not None:
+                raise bad_request(f"{name} (legacy function calling) is not supported: send tools and tool_choice",
+                                  name)
+        if self.chat_template is not None:
+            raise bad_request("chat_template in a request is not accepted (vLLM's default too): start the server "
+                              "with --chat-template FILE", "chat_template")
+        if self.continue_final_message and self.add_generation_prompt:
+            raise bad_request("continue_final_message needs add_generation_prompt false", "continue_final_message")
         if self.top_logprobs and not self.logprobs:
             raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
         given = "max_tokens" if self.max_completion_tokens is None else "max_completion_tokens"
         max_tokens = self.max_tokens if self.max_completion_tokens is None else self.max_completion_tokens
-        return self._sampling(max_tokens, (self.top_logprobs or 0) if self.logprobs else None,
-                              renamed={"max_tokens": given, "logprobs": "top_logprobs"}, defaults=defaults)
+        sp = self._sampling(max_tokens, (self.top_logprobs or 0) if self.logprobs else None,
+                            renamed={"max_tokens": given, "logprobs": "top_logprobs"}, defaults=defaults)
+        sp.structured = tool_grammar(self, sp.structured)
+        return sp
 
 
 class TokenizeRequest(_Model):
@@ -316,10 +376,20 @@ class DetokenizeRequest(_Model):
     tokens: list[Int]
 
 
+def _json_object(text: str) -> Any:
+    """text parsed, when it is a JSON object; else text as it is."""
+    try:
+        v = json.loads(text)
+    except ValueError:
+        return text
+    return v if isinstance(v, dict) else text
+
+
 # the names a path is made of; pydantic's loc also holds union-member tags ("list[int]") and "[key]"
 _FIELDS = set().union(*(m.model_fields for m in (CompletionRequest, ChatRequest, Message, TextPart, StreamOptions,
-                                                   ResponseFormat, JsonSchemaFormat, StructuredOutputs,
-                                                   TokenizeRequest, TokenizeChatRequest, DetokenizeRequest)),
+                                                  ResponseFormat, JsonSchemaFormat, StructuredOutputs, ToolCall,
+                                                  FunctionCall, Tool, FunctionDef, ToolChoice, TokenizeRequest,
+                                                  TokenizeChatRequest, DetokenizeRequest)),
                       {"json", "schema"})
 
 

@@ -86,25 +86,33 @@ async def completions(request: Request) -> Response:
 async def chat_completions(request: Request) -> Response:
     """POST /v1/chat/completions."""
     st, aengine, req, sp = await _admit(request, ChatRequest)
-    ids = req.truncated(await chat_prompt_ids(st, req), st.engine.max_model_len, sp.max_tokens)
+    prompt = chat_prompt(st, req)
+    ids = req.truncated(await encode(st.engine.tokenizer, prompt, req.add_special_tokens), st.engine.max_model_len,
+                        sp.max_tokens)
     check_request(ids, sp, st.engine.backend.vocab_size, st.engine.max_model_len, "messages")
     default = st.engine.generation_defaults.get("max_tokens")
     if sp.max_tokens is None and default is not None:  # the model's default, within the room the prompt leaves
         sp.max_tokens = min(default, st.engine.max_model_len - len(ids))
-    return await ChatAnswer(st, req, sp, [ids]).respond(request, aengine)
+    return await ChatAnswer(st, req, sp, [ids], prompt).respond(request, aengine)
 
 
 async def chat_prompt_ids(st: ServerState, req: ChatRequest) -> list[int]:
     """The token ids of the chat messages rendered by the tokenizer's chat template."""
+    return await encode(st.engine.tokenizer, chat_prompt(st, req), req.add_special_tokens)
+
+
+def chat_prompt(st: ServerState, req: ChatRequest) -> str:
+    """The chat messages (and tools) rendered by the tokenizer's chat template."""
     tok = st.engine.tokenizer
     if tok is None:
         raise bad_request("this server has no tokenizer, so it cannot render chat messages; "
                           "use /v1/completions with token ids", "messages")
     try:
-        prompt = tok.apply_chat_template(req.template_messages(), add_generation_prompt=req.add_generation_prompt)
+        return tok.apply_chat_template(req.template_messages(), add_generation_prompt=req.add_generation_prompt,
+                                       tools=req.template_tools(), continue_final_message=req.continue_final_message,
+                                       **(req.chat_template_kwargs or {}))
     except NotImplementedError as e:
         raise bad_request(str(e), "messages") from None
-    return await encode(tok, prompt, req.add_special_tokens)
 
 
 # --- models, health, stats --------------------------------------------------------------------

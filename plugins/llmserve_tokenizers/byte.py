@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from llmserve.config import check_options
+from llmserve.errors import ConfigError
 from llmserve.interfaces import Tokenizer
 
 EOS_TEXT = "<|endoftext|>"
@@ -31,12 +32,15 @@ def _message_text(content: Any) -> str:
     return "".join(part.get("text", "") for part in content if isinstance(part, dict))
 
 
-def render_simple_chat(messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
-    """Render messages as ``role: content`` lines, ending in ``assistant:`` when asked to."""
+def render_simple_chat(messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                       continue_final_message: bool = False) -> str:
+    """Render messages as ``role: content`` lines, ending in ``assistant:`` when asked to, or in the last
+    message's text (no newline) to continue it."""
     lines = [f"{m.get('role', 'user')}: {_message_text(m.get('content'))}\n" for m in messages]
     if add_generation_prompt:
         lines.append("assistant:")
-    return "".join(lines)
+    text = "".join(lines)
+    return text[:-1] if continue_final_message and lines else text
 
 
 class ByteTokenizer(Tokenizer):
@@ -61,6 +65,8 @@ class ByteTokenizer(Tokenizer):
     def from_config(cls, config) -> ByteTokenizer:
         """Build from an EngineConfig (tokenizer.options must be empty)."""
         check_options(config.tokenizer.options, {}, f"{config.source}: tokenizer.options (byte)")
+        if config.model.chat_template is not None:
+            raise ConfigError(f"{config.source}: model.chat_template: the byte tokenizer has its own fixed template")
         return cls()
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
@@ -80,6 +86,7 @@ class ByteTokenizer(Tokenizer):
         """The 256 bytes, then the EOS text."""
         return [bytes([i]) for i in range(256)] + [EOS_TEXT.encode()]
 
-    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
-        """Render with the simple ``role: content`` template described in the module docstring."""
-        return render_simple_chat(messages, add_generation_prompt)
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                            tools: list[dict] | None = None, continue_final_message: bool = False, **kwargs) -> str:
+        """Render with the simple ``role: content`` template of the module docstring (it shows no tools)."""
+        return render_simple_chat(messages, add_generation_prompt, continue_final_message)

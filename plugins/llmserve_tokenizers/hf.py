@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import functools
+import inspect
 import json
 import os
 import re
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from llmserve.config import check_options
@@ -17,12 +19,18 @@ from llmserve.interfaces import Tokenizer
 class HFTokenizer(Tokenizer):
     """Wraps a transformers tokenizer; the chat template is the checkpoint's own."""
 
-    def __init__(self, tok: Any, name: str) -> None:
+    def __init__(self, tok: Any, name: str, chat_template: str | None = None) -> None:
         self._tok = tok
         self.name = name
         self.eos_token_id = tok.eos_token_id
         self.vocab_size = len(tok)
         self._special = set(tok.all_special_ids)
+        if chat_template is not None:
+            tok.chat_template = chat_template
+        t = getattr(tok, "chat_template", None)  # a checkpoint may name several templates (a dict)
+        self.chat_template = "\n".join(t.values()) if isinstance(t, dict) else t
+        # apply_chat_template's own arguments, which chat_template_kwargs may not set
+        self._own_args = set(inspect.signature(tok.apply_chat_template).parameters)
 
     @classmethod
     def from_config(cls, config) -> HFTokenizer:
@@ -32,11 +40,13 @@ class HFTokenizer(Tokenizer):
         if name == "embedded":
             raise ConfigError(f"{config.source}: tokenizer: the embedded model has no HF tokenizer; "
                               "use tokenizer.name 'byte' or 'auto'")
-        return cls.load(name, revision=config.model.revision, trust_remote_code=config.model.trust_remote_code)
+        return cls.load(name, revision=config.model.revision, trust_remote_code=config.model.trust_remote_code,
+                        chat_template=None if config.model.chat_template is None else _template(config))
 
     @classmethod
-    def load(cls, name: str, revision: str | None = None, trust_remote_code: bool = False) -> HFTokenizer:
-        """Load from a local directory, or from the hub cache / the hub for an id."""
+    def load(cls, name: str, revision: str | None = None, trust_remote_code: bool = False,
+             chat_template: str | None = None) -> HFTokenizer:
+        """Load from a local directory, or from the hub cache / the hub for an id; chat_template replaces its own."""
         from transformers import AutoTokenizer
 
         local = os.path.isdir(name)
@@ -57,7 +67,7 @@ class HFTokenizer(Tokenizer):
                     f"provide it ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}). Without "
                     "internet access, pass a local directory holding tokenizer files (model.tokenizer or model.model)"
                 ) from None
-        return cls(tok, name)
+        return cls(tok, name, chat_template)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of text."""
@@ -82,13 +92,26 @@ class HFTokenizer(Tokenizer):
                     for i, p in enumerate(pieces)]
         return [added[i].encode() if i in added else _sentencepiece_bytes(p or "") for i, p in enumerate(pieces)]
 
-    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
-        """Render with the checkpoint's chat template; a 400 when the checkpoint has none."""
-        if not getattr(self._tok, "chat_template", None):
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                            tools: list[dict] | None = None, continue_final_message: bool = False, **kwargs) -> str:
+        """Render with the checkpoint's chat template (or model.chat_template); a 400 when there is none or it fails."""
+        if not self.chat_template:
             raise InvalidRequestError(
-                f"the tokenizer {self.name!r} has no chat template; use /v1/completions or a checkpoint "
-                "whose tokenizer_config.json defines chat_template", param="messages")
-        return self._tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+                f"the tokenizer {self.name!r} has no chat template; use /v1/completions, a checkpoint whose "
+                "tokenizer_config.json defines chat_template, or start the server with --chat-template FILE",
+                param="messages")
+        for k in kwargs.keys() & self._own_args:
+            raise InvalidRequestError(f"chat_template_kwargs may not set {k!r} (an argument of the renderer; "
+                                      "use the request field, if there is one)", param=f"chat_template_kwargs.{k}")
+        from jinja2 import TemplateError
+
+        try:
+            return self._tok.apply_chat_template(messages, tools=tools, tokenize=False,
+                                                 add_generation_prompt=add_generation_prompt,
+                                                 continue_final_message=continue_final_message, **kwargs)
+        except (TemplateError, ValueError) as e:  # the template's raise_exception, or no final message to continue
+            raise InvalidRequestError(f"the chat template could not render these messages: {e}",
+                                      param="messages") from None
 
     @property
     def all_special_ids(self) -> set[int]:
@@ -112,3 +135,13 @@ def _byte_level_table() -> dict[str, int]:
 def _sentencepiece_bytes(piece: str) -> bytes:
     m = re.fullmatch(r"<0x([0-9A-Fa-f]{2})>", piece)
     return bytes([int(m.group(1), 16)]) if m else piece.replace("\u2581", " ").encode()
+
+
+def _template(config) -> str:
+    """model.chat_template: a file's text, or the template itself when it is Jinja (as vLLM takes --chat-template)."""
+    t = config.model.chat_template
+    if os.path.isfile(t):
+        return Path(t).read_text()
+    if "{{" in t or "{%" in t:
+        return t
+    raise ConfigError(f"{config.source}: model.chat_template: {t!r} is neither a file nor a Jinja template")

@@ -234,7 +234,7 @@ def test_bad_completion_fields_are_400_naming_the_field(client, kwargs, param):
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
      "messages[0].content"),
     ({"top_logprobs": 2}, "top_logprobs"),
-    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tools"),
+    ({"tools": [{"type": "function", "function": {"name": "no spaces", "parameters": {}}}]}, "tools[0].function.name"),
     ({"response_format": {"type": "xml"}}, "response_format.type"),
     ({"stream_options": {"include_usage": True}}, "stream_options"),
 ])
