@@ -61,3 +61,18 @@ def test_the_extraction_example_parses_a_person_from_free_text(default_server):
     person = json.loads(proc.stdout)
     assert "Curie" in person["name"] and person["birth_city"] == "Warsaw", person
     assert 1000 <= person["birth_year"] <= 2100
+
+
+def test_the_tool_call_example_runs_two_turns(default_server):
+    """examples/clients/tool_call.py: a grammar-enforced call to get_weather, its result, then an answer in words."""
+    import json
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, str(ROOT / "examples" / "clients" / "tool_call.py"),
+                           "--base-url", default_server.url + "/v1", "--json"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    assert out["call"] == {"name": "get_weather", "arguments": {"city": "Paris"}}, out
+    assert "21" in out["answer"] or "sunny" in out["answer"].lower(), out
