@@ -149,3 +149,26 @@ def test_the_torch_sampler_applies_the_mask_greedy_sampled_and_seeded():
                 jsonschema.validate(json.loads(c["text"]), schema)
     finally:
         s.stop()
+
+
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+
+from tests.core.test_constraints import regexes, schemas  # noqa: E402
+
+
+@settings(max_examples=30, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
+@given(schema=schemas, regex=regexes)
+def test_streamed_n_choices_follow_random_schemas_and_regexes(server, schema, regex):
+    """The property test of tests/core/test_constraints.py through SSE with n = 2, as clients assemble it."""
+    client = server.client()
+    for body, check in (({"guided_json": schema}, lambda t: jsonschema.validate(json.loads(t), schema)),
+                        ({"guided_regex": regex}, lambda t: re.fullmatch(regex, t) or pytest.fail((regex, t)))):
+        texts, finish = ["", ""], [None, None]
+        for chunk in client.completions.create(model="embedded", prompt="x", n=2, stream=True, max_tokens=1500,
+                                               extra_body=body):
+            for c in chunk.choices:
+                texts[c.index] += c.text
+                finish[c.index] = c.finish_reason or finish[c.index]
+        assert finish == ["stop", "stop"], (body, texts)
+        for t in texts:
+            check(t)
