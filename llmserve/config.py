@@ -100,7 +100,9 @@ class ServerConfig:
     port: int = 8000
     api_key: str | None = None  # or env LLMSERVE_API_KEY
     cors_origins: list[str] = field(default_factory=list)
-    max_waiting_requests: int = 1024  # above this, 429 with Retry-After
+    max_waiting_requests: int = 1024  # sequences; a request that would queue past this gets 429 with Retry-After
+    max_prompts_per_request: int = 256  # prompts in one /v1/completions body; more is a 400 naming prompt
+    max_sequences_per_request: int = 512  # prompts × n; more is a 400 naming n
     request_timeout: float | None = 600.0  # seconds; 504 past it
     max_body_bytes: int = 4 * 1024 * 1024  # larger bodies get 413
     drain_timeout: float = 30.0  # seconds to finish in-flight requests on SIGTERM
@@ -155,6 +157,8 @@ class EngineConfig:
         need(1 <= self.server.port <= 65535 or self.server.port == 0, "server.port",
              f"must be a TCP port, got {self.server.port}")
         need(self.server.max_waiting_requests >= 1, "server.max_waiting_requests", "must be >= 1")
+        need(1 <= self.server.max_prompts_per_request, "server.max_prompts_per_request", "must be >= 1")
+        need(1 <= self.server.max_sequences_per_request, "server.max_sequences_per_request", "must be >= 1")
 
 
 def _type_check(value: Any, tp: Any, key: str, source: str) -> Any:

@@ -9,6 +9,9 @@ from dataclasses import dataclass, field
 
 from llmserve.errors import InvalidRequestError
 
+# integer fields above this are refused (the sampler's tensors hold int64; nothing needs more than int32)
+INT_MAX = 2**31 - 1
+
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"  # queued, or preempted and waiting to be recomputed
@@ -79,6 +82,12 @@ class SamplingParams:
             bad("temperature", f"temperature must be in [0, 2], got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
             bad("top_p", f"top_p must be in (0, 1], got {self.top_p}")
+        for name in ("max_tokens", "top_k", "min_tokens"):
+            v = getattr(self, name)
+            if isinstance(v, int) and v > INT_MAX:
+                bad(name, f"{name} must be at most {INT_MAX}, got {v}")
+        if self.seed is not None and not -(2**63) <= self.seed < 2**63:
+            bad("seed", f"seed must be a 64-bit integer, got {self.seed}")
         if not isinstance(self.top_k, int) or self.top_k < -1:
             bad("top_k", f"top_k must be -1, 0 (disabled) or a positive integer, got {self.top_k}")
         if not 0.0 <= self.min_p <= 1.0:
@@ -97,7 +106,7 @@ class SamplingParams:
             v = getattr(self, name)
             if v is not None and (not isinstance(v, int) or not 0 <= v <= 20):
                 bad(name, f"{name} must be between 0 and 20, got {v}")
-        if any(t < 0 for t in self.stop_token_ids):
+        if any(t < 0 or t > INT_MAX for t in self.stop_token_ids):
             bad("stop_token_ids", f"stop_token_ids must be non-negative token ids, got {self.stop_token_ids}")
         if self.logit_bias:
             for tok, b in self.logit_bias.items():

@@ -28,12 +28,26 @@ async def _admit(request: Request, model) -> tuple[ServerState, AsyncEngine, Any
     # the body limit is enforced by BodyLimitMiddleware while this reads
     req, sp = parse(model, await request.body(), request.url.path, st.engine.generation_defaults)
     st.check_model(req.model)
+    _check_fan_out(st, len(req.prompts) if isinstance(req, CompletionRequest) else 1, sp.n)
     if req.bad_words:
         sp.bad_words_token_ids = _bad_words(st.engine.tokenizer, req.bad_words)
     if sp.structured is not None or sp.allowed_token_ids is not None:
         # compiled off the event loop (a large schema takes a while), cached for the engine's own check
         await asyncio.to_thread(st.engine.constraints.check, sp)
     return st, aengine, req, sp
+
+
+def _check_fan_out(st: ServerState, prompts: int, n: int) -> None:
+    """Bounded work per request: prompts and prompts × n within the server's caps, and room in the queue for them."""
+    cfg = st.config.server
+    if prompts > cfg.max_prompts_per_request:
+        raise bad_request(f"{prompts} prompts in one request; the limit is max_prompts_per_request="
+                          f"{cfg.max_prompts_per_request}", "prompt")
+    limit = min(cfg.max_sequences_per_request, cfg.max_waiting_requests)  # more could never be admitted
+    if prompts * n > limit:
+        raise bad_request(f"{prompts} prompts × n={n} is {prompts * n} sequences; the limit is {limit} "
+                          "(server.max_sequences_per_request, server.max_waiting_requests)", "n")
+    st.check_room(prompts * n)
 
 
 def _bad_words(tok, words: list[str]) -> list[list[int]]:

@@ -45,12 +45,16 @@ class ServerState:
             raise ApiError(503, f"the engine is not ready{why}", code="not_ready", headers={"Retry-After": "5"})
         if not self.aengine.running:
             raise ApiError(503, "the engine has stopped", code="engine_unavailable")
+        self.check_room(1)
+        return self.aengine
+
+    def check_room(self, sequences: int) -> None:
+        """429 with Retry-After when this many more sequences would queue past max_waiting_requests."""
         limit = self.config.server.max_waiting_requests
         waiting = self.aengine.num_waiting
-        if waiting >= limit:
+        if waiting + sequences > limit:
             raise ApiError(429, f"too many requests are waiting ({waiting}, limit max_waiting_requests={limit}); "
                                 "retry later", code="queue_full", headers={"Retry-After": "1"})
-        return self.aengine
 
     def check_model(self, model: str | None) -> None:
         """404 for a model this server does not serve (a missing model means the served one)."""

@@ -1,0 +1,69 @@
+"""Bounded work per request: integer fields have upper bounds, fan-out is capped, admission counts a request's sequences."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import time
+
+import httpx
+import pytest
+
+from tests.server.conftest import FAKE, start_server
+
+
+@pytest.fixture(scope="module")
+def srv():
+    s = start_server(FAKE | {"server": {"max_prompts_per_request": 16, "max_sequences_per_request": 32}})
+    yield s
+    s.stop()
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"prompt": "hi", "top_k": 9223372036854775808, "temperature": 1}, "top_k"),
+    ({"prompt": "hi", "top_k": 2**31}, "top_k"),
+    ({"prompt": "hi", "max_tokens": 2**40}, "max_tokens"),
+    ({"prompt": "hi", "seed": 2**64}, "seed"),
+    ({"prompt": "hi", "stop_token_ids": [2**33]}, "stop_token_ids"),
+    ({"prompt": ["ab"] * 5000, "n": 128, "max_tokens": 1}, "prompt"),
+    ({"prompt": ["ab"] * 17, "max_tokens": 1}, "prompt"),
+    ({"prompt": ["ab"] * 8, "n": 5, "max_tokens": 1}, "n"),
+])
+def test_unbounded_work_is_a_400_naming_the_field(srv, body, param):
+    r = httpx.post(srv.url + "/v1/completions", json=body, timeout=30)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param
+    assert srv.wait_idle()["cache"]["used_blocks"] == 0
+
+
+def test_a_huge_top_k_on_the_torch_sampler_fails_no_other_request():
+    s = start_server({"backend": {"kv_cache_memory": "16MiB"}, "model": {"model": "embedded", "max_model_len": 256}})
+    try:
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            other = pool.submit(httpx.post, s.url + "/v1/completions",
+                                json={"prompt": "Once", "max_tokens": 30, "temperature": 1}, timeout=60)
+            bad = httpx.post(s.url + "/v1/completions", json={"prompt": "hi", "top_k": 2**63, "temperature": 1})
+            assert bad.status_code == 400 and bad.json()["error"]["param"] == "top_k"
+            assert other.result().status_code == 200 and other.result().json()["choices"][0]["finish_reason"]
+    finally:
+        s.stop()
+
+
+def test_admission_counts_the_request_own_sequences():
+    cfg = FAKE | {"backend": {"name": "fake", "options": {"step_cost_s": 0.05}},
+                  "scheduler": {"max_num_seqs": 1, "max_num_batched_tokens": 64},
+                  "server": {"max_waiting_requests": 4}}
+    s = start_server(cfg)
+    try:
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            running = pool.submit(httpx.post, s.url + "/v1/completions",
+                                  json={"prompt": "x", "max_tokens": 40, "n": 3, "ignore_eos": True}, timeout=60)
+            deadline = time.monotonic() + 5
+            while s.stats()["waiting"] < 2 and time.monotonic() < deadline:  # one runs, two wait
+                time.sleep(0.02)
+            r = httpx.post(s.url + "/v1/completions", json={"prompt": "x", "max_tokens": 1, "n": 3}, timeout=30)
+            assert r.status_code == 429 and r.json()["error"]["code"] == "queue_full", r.text
+            r = httpx.post(s.url + "/v1/completions", json={"prompt": ["x"] * 5, "max_tokens": 1}, timeout=30)
+            assert r.status_code == 400 and r.json()["error"]["param"] == "n"  # 5 sequences can never be admitted
+            assert running.result().status_code == 200
+    finally:
+        s.stop()
