@@ -6,6 +6,9 @@ as it is, so it checks what a new user gets.
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -48,31 +51,23 @@ def test_the_default_model_knows_the_capital_of_france(default_server):
     assert backend["model_type"] == "llama" and backend["dtype_reason"].startswith("auto: ")
 
 
+def run_example(server, name: str) -> dict:
+    """Run examples/clients/<name> against the server with --json; its printed object."""
+    proc = subprocess.run([sys.executable, str(ROOT / "examples" / "clients" / name),
+                           "--base-url", server.url + "/v1", "--json"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout)
+
+
 def test_the_extraction_example_parses_a_person_from_free_text(default_server):
     """examples/clients/extract_pydantic.py: chat.completions.parse with a pydantic model, enforced by the grammar."""
-    import json
-    import subprocess
-    import sys
-
-    proc = subprocess.run([sys.executable, str(ROOT / "examples" / "clients" / "extract_pydantic.py"),
-                           "--base-url", default_server.url + "/v1", "--json"],
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr
-    person = json.loads(proc.stdout)
+    person = run_example(default_server, "extract_pydantic.py")
     assert "Curie" in person["name"] and person["birth_city"] == "Warsaw", person
     assert 1000 <= person["birth_year"] <= 2100
 
 
 def test_the_tool_call_example_runs_two_turns(default_server):
     """examples/clients/tool_call.py: a grammar-enforced call to get_weather, its result, then an answer in words."""
-    import json
-    import subprocess
-    import sys
-
-    proc = subprocess.run([sys.executable, str(ROOT / "examples" / "clients" / "tool_call.py"),
-                           "--base-url", default_server.url + "/v1", "--json"],
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr
-    out = json.loads(proc.stdout)
+    out = run_example(default_server, "tool_call.py")
     assert out["call"] == {"name": "get_weather", "arguments": {"city": "Paris"}}, out
     assert "21" in out["answer"] or "sunny" in out["answer"].lower(), out
