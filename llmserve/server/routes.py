@@ -173,7 +173,4 @@ async def stats(request: Request) -> Response:
     st = _state(request)
     if st.engine is None:
         raise ApiError(503, "the engine is not ready", code="not_ready")
-    snap = await st.aengine.call(lambda e: e.stats())
-    snap["server"] = {"ready": st.ready, "draining": st.draining, "active_requests": st.aengine.num_active,
-                      "steps": st.aengine.num_steps}
-    return Response(dumps(snap), media_type="application/json")
+    return Response(dumps(await st.stats_snapshot()), media_type="application/json")

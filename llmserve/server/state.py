@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from dataclasses import dataclass, field
@@ -25,6 +26,18 @@ class ServerState:
     draining: bool = False
     load_error: str | None = None
     created: int = field(default_factory=lambda: int(time.time()))
+    _snapshot: tuple[float, dict] | None = None  # (monotonic time, /stats body): polling never costs a step
+    _snapshot_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+    async def stats_snapshot(self, max_age: float = 0.1) -> dict:
+        """The engine's /stats body, recomputed on the engine thread at most every max_age seconds."""
+        async with self._snapshot_lock:  # many pollers at once still cost one engine call
+            if self._snapshot is None or time.monotonic() - self._snapshot[0] >= max_age:
+                snap = await self.aengine.call(lambda e: e.stats())
+                snap["server"] = {"ready": self.ready, "draining": self.draining,
+                                  "active_requests": self.aengine.num_active, "steps": self.aengine.num_steps}
+                self._snapshot = (time.monotonic(), snap)
+            return self._snapshot[1]
 
     @property
     def model_name(self) -> str:
