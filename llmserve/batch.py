@@ -49,6 +49,22 @@ class SchedulerOutput:
     def num_tokens(self) -> int:
         return self.num_prefill_tokens + self.num_decode_tokens
 
+    def split(self) -> tuple[SchedulerOutput, SchedulerOutput]:
+        """The two halves of this batch (mask rows follow their requests), to find a sequence that fails it."""
+        half = len(self.requests) // 2
+        return self._part(range(half)), self._part(range(half, len(self.requests)))
+
+    def _part(self, idx: range) -> SchedulerOutput:
+        reqs = [self.requests[i] for i in idx]
+        keep = [k for k, i in enumerate(self.bitmask_rows) if i in idx]
+        prefill = sum(r.num_new_tokens for r in reqs if r.num_computed_tokens < r.num_prompt_tokens)
+        return SchedulerOutput(
+            requests=reqs, num_prefill_tokens=prefill, num_decode_tokens=sum(r.num_new_tokens for r in reqs) - prefill,
+            block_size=self.block_size, finished_request_ids=self.finished_request_ids,
+            preempted_request_ids=self.preempted_request_ids,
+            token_bitmask=self.token_bitmask[keep] if keep else None,
+            bitmask_rows=[self.bitmask_rows[k] - idx.start for k in keep])
+
 
 @dataclass(slots=True)
 class ModelOutput:

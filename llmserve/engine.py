@@ -21,6 +21,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from llmserve.batch import ModelOutput, SchedulerOutput
 from llmserve.config import EngineConfig, config_from_dict
 from llmserve.constraints import Constraints
 from llmserve.detokenize import IncrementalDetokenizer
@@ -297,26 +298,32 @@ class Engine:
         if batch.requests:
             self.constraints.fill(batch, self._seqs)
             tb = time.perf_counter()
-            try:
-                mo = self.backend.execute(batch)
-            except Exception as e:  # the backend failed: fail this batch's requests, keep serving
-                mo = e
+            done = self._execute(batch)
             now = time.perf_counter()
             backend_s = now - tb
-            if isinstance(mo, Exception):
-                log.error("backend failed on a batch of %d sequences", len(batch.requests), exc_info=mo)
-                for sr in batch.requests:
-                    r = self._seqs.get(sr.request_id)
-                    if r is not None and not r.status.is_done:
-                        self._fail(r, f"backend error: {type(mo).__name__}: {mo}")
-            else:
-                self.scheduler.update_from_output(batch, mo)
-                self._postprocess(batch, mo, now, t0, outputs)
-                if self._holding:
-                    self._release_held()
+            for part, mo in done:
+                self.scheduler.update_from_output(part, mo)
+                self._postprocess(part, mo, now, t0, outputs)
+            if self._holding:
+                self._release_held()
         outputs.extend(self._pending)
         self._pending = []
         return StepOutput(outputs, self._report_step(batch, t0, backend_s))
+
+    def _execute(self, batch: SchedulerOutput) -> list[tuple[SchedulerOutput, ModelOutput]]:
+        """Run the batch; when the backend fails it, halve it until the failing sequences are alone, fail
+        only those and return the parts that ran (one request's bad parameters never fail another's)."""
+        try:
+            return [(batch, self.backend.execute(batch))]
+        except Exception as e:  # rerunning a part is safe: nothing advances until update_from_output
+            error = e
+        if len(batch.requests) == 1:
+            r = self._seqs.get(batch.requests[0].request_id)
+            log.error("backend failed on sequence %s", batch.requests[0].request_id, exc_info=error)
+            if r is not None and not r.status.is_done:
+                self._fail(r, f"backend error: {type(error).__name__}: {error}")
+            return []
+        return [d for part in batch.split() for d in self._execute(part)]
 
     def _postprocess(self, batch, mo, now: float, t0: float, outputs: list[RequestOutput]) -> None:
         eos = self.eos_token_ids

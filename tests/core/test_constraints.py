@@ -188,6 +188,25 @@ def test_only_constrained_rows_carry_a_mask(eng):
         eng.backend.execute = execute
 
 
+def test_a_faulty_neighbour_leaves_constrained_sequences_their_masks(eng):
+    from tests.core.test_engine import fail_on_seed
+
+    fail_on_seed(eng, 666)
+    bad = eng.add_request([7, 8, 9], SamplingParams(max_tokens=5, seed=666))
+    ok = [eng.add_request([4, 5, i], SamplingParams(max_tokens=50, structured=StructuredOutput("regex", "[a-z]{3}x")))
+          for i in range(3)]
+    text: dict[str, list[int]] = {}
+    ends = {}
+    while eng.has_unfinished:
+        for o in eng.step().outputs:
+            text.setdefault(o.request_id, []).extend(o.new_token_ids)
+            if o.finished:
+                ends[o.request_id] = o.finish_reason
+    assert ends[bad] is FinishReason.ERROR
+    for rid in ok:  # split off from the faulty row, each kept its own mask row
+        assert ends[rid] is FinishReason.STOP and re.fullmatch("[a-z]{3}x", eng.tokenizer.decode(text[rid]))
+
+
 def test_bitmask_packing_round_trips():
     row = torch.zeros(9, dtype=torch.int32)
     ids = [0, 31, 32, 63, 255, 256]

@@ -208,6 +208,33 @@ def test_backend_failure_fails_that_batch_only_and_engine_continues():
     assert a != b
 
 
+def fail_on_seed(eng, seed):
+    """Make the backend fail every batch holding a sequence with this seed (a fault only its parameters trigger)."""
+    execute = eng.backend.execute
+
+    def faulty(batch):
+        if any(sr.sampling.seed == seed for sr in batch.requests):
+            raise ValueError("Overflow when unpacking long long")
+        return execute(batch)
+
+    eng.backend.execute = faulty
+
+
+def test_a_backend_fault_one_request_triggers_fails_that_request_alone():
+    eng = engine()
+    fail_on_seed(eng, 666)
+    sp = dict(max_tokens=6, ignore_eos=True)
+    good = [eng.add_request([i, i + 1, i + 2], SamplingParams(**sp)) for i in range(1, 6)]
+    bad = eng.add_request([9, 9, 9], SamplingParams(seed=666, **sp))
+    got, final = drain(eng)
+    assert final[(bad, 0)].finish_reason is FinishReason.ERROR
+    assert "Overflow" in final[(bad, 0)].error
+    for i, rid in enumerate(good, start=1):  # the others ran to the end, with the tokens they get alone
+        assert final[(rid, 0)].finish_reason is FinishReason.LENGTH and final[(rid, 0)].error is None
+        assert [t for o in got[(rid, 0)] for t in o.new_token_ids] == expected_tokens([i, i + 1, i + 2], 6)
+    assert eng.scheduler_stats().cache.used_blocks == 0
+
+
 def test_priority_policy_runs_urgent_requests_first():
     cfg = {"backend": {"name": "fake"}, "tokenizer": {"name": "none"}, "cache": {"num_blocks": 64},
            "scheduler": {"max_num_seqs": 1, "max_num_batched_tokens": 64, "policy": "priority"}}
