@@ -167,18 +167,21 @@ class AsyncEngine:
             await asyncio.sleep(0.05)
         return True
 
+    async def drain(self, timeout: float) -> None:
+        """Let in-flight requests finish for up to timeout seconds, then fail the rest (their callers answer 503)."""
+        if not await self.wait_idle(timeout):
+            self.fail_all(EngineDeadError(f"the server is shutting down; the request did not finish within "
+                                          f"the drain timeout ({timeout:g} s)"))
+
     async def shutdown(self, drain_timeout: float = 0.0) -> None:
-        """Let in-flight requests finish for up to drain_timeout, abort the rest, stop the thread."""
-        if drain_timeout > 0:
-            await self.wait_idle(drain_timeout)
-        for rid in list(self._streams):
-            self.abort(rid)
+        """Drain for up to drain_timeout, stop the thread."""
+        await self.drain(drain_timeout)
         with self._cv:
             self._stop = True
             self._cv.notify()
         if self._thread is not None:
             await asyncio.get_running_loop().run_in_executor(None, self._thread.join, 10.0)
-        self._fail_all(EngineDeadError("the server is shutting down"))  # requests that arrived meanwhile
+        self.fail_all(EngineDeadError("the server is shutting down"))  # requests that arrived meanwhile
 
     # --- requests (call these on the event loop) ----------------------------------------------
 
@@ -234,9 +237,11 @@ class AsyncEngine:
         if s is not None:
             s._fail(exc)
 
-    def _fail_all(self, exc: BaseException) -> None:
+    def fail_all(self, exc: BaseException) -> None:
+        """End every request in flight with exc (its caller answers it); the engine frees their blocks."""
         for rid in list(self._streams):
             self._deliver_error(rid, exc)
+            self._submit(("abort", rid))
 
     # --- the engine thread --------------------------------------------------------------------
 
@@ -284,7 +289,7 @@ class AsyncEngine:
         except BaseException as e:  # pragma: no cover - a bug in this loop
             log.exception("the engine thread crashed")
             self.dead = e
-            self._loop.call_soon_threadsafe(self._fail_all, EngineDeadError(f"the engine thread crashed: {e}"))
+            self._loop.call_soon_threadsafe(self.fail_all, EngineDeadError(f"the engine thread crashed: {e}"))
         finally:
             self._stop = True
             try:

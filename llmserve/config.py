@@ -105,6 +105,10 @@ class ServerConfig:
     max_sequences_per_request: int = 512  # prompts × n; more is a 400 naming n
     request_timeout: float | None = 600.0  # seconds; 504 past it
     max_body_bytes: int = 4 * 1024 * 1024  # larger bodies get 413
+    max_header_bytes: int = 32 * 1024  # a larger request line + headers gets 431 (h11 buffers no more)
+    request_read_timeout: float = 30.0  # seconds from a request's first byte until it is all received; 408
+    keep_alive_timeout: float = 5.0  # seconds an idle keep-alive connection stays open
+    max_connections: int = 1024  # open connections; one more gets 503 and is closed
     drain_timeout: float = 30.0  # seconds to finish in-flight requests on SIGTERM
     log_level: str = "info"
     tool_parser: str = "auto"  # reads tool_choice auto's calls: auto (from the chat template) | none | hermes | …
@@ -159,6 +163,10 @@ class EngineConfig:
         need(self.server.max_waiting_requests >= 1, "server.max_waiting_requests", "must be >= 1")
         need(1 <= self.server.max_prompts_per_request, "server.max_prompts_per_request", "must be >= 1")
         need(1 <= self.server.max_sequences_per_request, "server.max_sequences_per_request", "must be >= 1")
+        need(self.server.max_header_bytes >= 1024, "server.max_header_bytes", "must be >= 1024")
+        need(self.server.max_connections >= 1, "server.max_connections", "must be >= 1")
+        for key in ("request_read_timeout", "keep_alive_timeout", "drain_timeout"):
+            need(0 < getattr(self.server, key) < float("inf"), f"server.{key}", "must be a positive number of seconds")
 
 
 def _type_check(value: Any, tp: Any, key: str, source: str) -> Any:

@@ -20,7 +20,13 @@ def check_prompt(prompt_token_ids: Sequence[int], params: SamplingParams, vocab_
     n = len(prompt_token_ids)
     if not n:
         raise InvalidRequestError(f"{param} is empty: it has no tokens", param=param)
-    # set(map(type)) and min/max run in C: a long prompt costs microseconds, not a Python loop
+    if n >= max_model_len:
+        raise InvalidRequestError(
+            f"This model's maximum context length is {max_model_len} tokens. However, your prompt has {n} tokens, "
+            "which leaves no room for the completion. Please reduce the length of the prompt.",
+            param=param, code="context_length_exceeded")
+    # after the length check, so an over-long prompt costs nothing here; set(map(type)) and min/max
+    # run in C: a prompt that fits costs microseconds, not a Python loop
     if set(map(type, prompt_token_ids)) != {int} or min(prompt_token_ids) < 0 or max(prompt_token_ids) >= vocab_size:
         bad = next(t for t in prompt_token_ids if type(t) is not int or not 0 <= t < vocab_size)
         raise InvalidRequestError(f"token id {bad!r} in {param} is outside the vocabulary [0, {vocab_size})",
@@ -29,11 +35,6 @@ def check_prompt(prompt_token_ids: Sequence[int], params: SamplingParams, vocab_
         if not 0 <= t < vocab_size:
             raise InvalidRequestError(f"logit_bias token {t} is outside the vocabulary [0, {vocab_size})",
                                       param="logit_bias")
-    if n >= max_model_len:
-        raise InvalidRequestError(
-            f"This model's maximum context length is {max_model_len} tokens. However, your prompt has {n} tokens, "
-            "which leaves no room for the completion. Please reduce the length of the prompt.",
-            param=param, code="context_length_exceeded")
 
 
 def check_request(prompt_token_ids: Sequence[int], params: SamplingParams, vocab_size: int, max_model_len: int,

@@ -18,7 +18,7 @@ from llmserve.config import EngineConfig
 from llmserve.engine import Engine
 from llmserve.server import routes, tokenize, tools
 from llmserve.server.errors import EXCEPTION_HANDLERS
-from llmserve.server.middleware import ApiKeyMiddleware, BodyLimitMiddleware
+from llmserve.server.middleware import ApiKeyMiddleware, SizeLimitMiddleware
 from llmserve.server.state import ServerState
 
 log = logging.getLogger("llmserve.server")
@@ -82,7 +82,8 @@ def create_app(config: EngineConfig, engine=None) -> Starlette:
     if config.server.cors_origins:
         middleware.append(Middleware(CORSMiddleware, allow_origins=list(config.server.cors_origins),
                                      allow_methods=["*"], allow_headers=["*"], allow_credentials=False))
-    middleware.append(Middleware(BodyLimitMiddleware, max_bytes=config.server.max_body_bytes))
+    middleware.append(Middleware(SizeLimitMiddleware, max_bytes=config.server.max_body_bytes,
+                                 max_header_bytes=config.server.max_header_bytes))
     key = config.server.api_key or os.environ.get("LLMSERVE_API_KEY")  # what /v1/* requires, if any
     if key:
         middleware.append(Middleware(ApiKeyMiddleware, api_key=key))

@@ -1,4 +1,4 @@
-"""Pure ASGI middleware: API-key auth on /v1/* and the request-body size limit.
+"""Pure ASGI middleware: API-key auth on /v1/* and the request's size limits (head and body).
 
 Pure ASGI (not BaseHTTPMiddleware) so streaming responses and disconnect detection pass
 through untouched.
@@ -33,12 +33,23 @@ class ApiKeyMiddleware:
         await self.app(scope, receive, send)
 
 
-class BodyLimitMiddleware:
-    """Refuse request bodies over max_bytes with 413, by Content-Length or while streaming in."""
+def head_too_large(limit: int) -> ApiError:
+    """The 431 for a request line + headers over server.max_header_bytes."""
+    return ApiError(431, f"the request head is larger than the server's limit of {limit} bytes",
+                    code="headers_too_large")
 
-    def __init__(self, app, max_bytes: int):
+
+class SizeLimitMiddleware:
+    """Refuse a head over max_header_bytes with 431, a body over max_bytes with 413 (by Content-Length or as it arrives).
+
+    The transport (llmserve/server/transport.py) stops buffering a head past the limit; a complete
+    head that arrived in one read is measured here.
+    """
+
+    def __init__(self, app, max_bytes: int, max_header_bytes: int):
         self.app = app
         self.max_bytes = max_bytes
+        self.max_header_bytes = max_header_bytes
 
     def _error(self) -> ApiError:
         return ApiError(413, f"the request body is larger than the server's limit of {self.max_bytes} bytes",
@@ -47,6 +58,10 @@ class BodyLimitMiddleware:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
+        head = len(scope.get("raw_path", b"")) + len(scope.get("query_string", b"")) + sum(
+            len(k) + len(v) + 4 for k, v in scope["headers"])
+        if head > self.max_header_bytes:
+            return await error_response(head_too_large(self.max_header_bytes))(scope, receive, send)
         length = Headers(scope=scope).get("content-length", "")
         if length.isdigit() and int(length) > self.max_bytes:
             return await error_response(self._error())(scope, receive, send)

@@ -25,8 +25,10 @@ async def _admit(request: Request, model) -> tuple[ServerState, AsyncEngine, Any
     """The shared start of a generation endpoint, each step once: admission, body, validation, model name."""
     st = _state(request)
     aengine = st.admit()
-    # the body limit is enforced by BodyLimitMiddleware while this reads
-    req, sp = parse(model, await request.body(), request.url.path, st.engine.generation_defaults)
+    body = await request.body()  # within the limits SizeLimitMiddleware enforces while this reads
+    # validating long token-id lists costs ~20 ms per MB: a big body is parsed off the event loop
+    req, sp = await _off_loop_if(len(body) > _BIG_BODY, parse, model, body, request.url.path,
+                                 st.engine.generation_defaults)
     st.check_model(req.model)
     _check_fan_out(st, len(req.prompts) if isinstance(req, CompletionRequest) else 1, sp.n)
     if req.bad_words:
@@ -59,13 +61,17 @@ def _bad_words(tok, words: list[str]) -> list[list[int]]:
 
 
 _BIG_TEXT = 16_384  # characters; longer texts are tokenized off the event loop
+_BIG_BODY = 64 * 1024  # bytes; larger bodies are parsed off the event loop
+
+
+async def _off_loop_if(big: bool, fn, *args):
+    """fn(*args), in a worker thread when the input is big, so streams keep flowing meanwhile."""
+    return await asyncio.to_thread(fn, *args) if big else fn(*args)
 
 
 async def encode(tok, text: str, add_special_tokens: bool = True) -> list[int]:
-    """Token ids of text; a long text is tokenized in a worker thread so streams keep flowing."""
-    if len(text) < _BIG_TEXT:
-        return tok.encode(text, add_special_tokens)
-    return await asyncio.to_thread(tok.encode, text, add_special_tokens)
+    """Token ids of text; a long text is tokenized in a worker thread."""
+    return await _off_loop_if(len(text) >= _BIG_TEXT, tok.encode, text, add_special_tokens)
 
 
 # --- /v1/completions --------------------------------------------------------------------------

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import gc
 import logging
 import signal
 
@@ -16,6 +18,7 @@ def serve(config) -> int:
     from llmserve.async_engine import AsyncEngine
     from llmserve.engine import Engine
     from llmserve.server.app import create_app
+    from llmserve.server.transport import uvicorn_config
 
     # built on the engine thread, which then steps it (one thread owns torch: llmserve/threads.py),
     # and before listening, so a bad config or model fails the command with its message
@@ -29,10 +32,13 @@ def serve(config) -> int:
     sc = config.server
 
     class DrainingServer(uvicorn.Server):
-        """On SIGTERM: stop admitting (503), let uvicorn drain connections, exit 0 rather than re-raise."""
+        """On SIGTERM: stop admitting (503), give requests drain_timeout to finish, answer the rest 503, exit 0."""
 
         def handle_exit(self, sig, frame):
-            state.begin_drain()
+            if not state.draining:
+                state.begin_drain()
+                loop = asyncio.get_running_loop()  # signal handlers run on the main thread, inside uvicorn's loop
+                self.drain = loop.create_task(aengine.drain(sc.drain_timeout))
             super().handle_exit(sig, frame)
             if sig == signal.SIGTERM and getattr(self, "_captured_signals", None):
                 # uvicorn re-raises captured signals after shutdown, which would end the process
@@ -42,9 +48,10 @@ def serve(config) -> int:
     # sse-starlette would end open streams at once on shutdown; we drain them instead
     AppStatus.disable_automatic_graceful_drain()
 
-    uv = uvicorn.Config(app, host=sc.host, port=sc.port, log_level=sc.log_level, lifespan="on",
-                        timeout_graceful_shutdown=max(int(sc.drain_timeout), 1), access_log=False)
-    server = DrainingServer(uv)
+    server = DrainingServer(uvicorn_config(app, sc))
+    # what start-up made (torch, the model, the plugins) lives until exit: keep it out of every
+    # collection, which shortens GC pauses while serving and the interpreter's teardown after the drain
+    gc.freeze()
     log.info("serving %s on http://%s:%d", config.served_model_name, sc.host, sc.port)
     server.run()
     return 0

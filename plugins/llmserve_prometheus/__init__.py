@@ -43,6 +43,6 @@ def register_routes(register, engine):
         engine.add_metric_sink(sink)
 
     async def metrics(request):
-        return Response(sink.render(), media_type=CONTENT_TYPE)
+        return Response(sink.render(max_age=0.1), media_type=CONTENT_TYPE)  # a snapshot: scrapers cost little
 
     register("/metrics", metrics, methods=("GET",))

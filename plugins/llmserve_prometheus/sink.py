@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
@@ -23,6 +25,7 @@ class PrometheusSink(MetricSink):
     """A metric sink with its own CollectorRegistry; every series carries a model_name label."""
 
     def __init__(self, model_name: str):
+        self._rendered: tuple[float, bytes] | None = None  # (monotonic time, exposition)
         self.model_name = model_name
         self.registry = CollectorRegistry(auto_describe=True)
         r, L = self.registry, ["model_name"]
@@ -92,6 +95,10 @@ class PrometheusSink(MetricSink):
             child = self._success_by_reason[reason] = self._success.labels(self.model_name, reason)
         child.inc()
 
-    def render(self) -> bytes:
-        """The registry in Prometheus' text exposition format."""
-        return generate_latest(self.registry)
+    def render(self, max_age: float = 0.0) -> bytes:
+        """The registry in Prometheus' text exposition format, re-rendered at most every max_age seconds."""
+        # scrapers polling in a tight loop would otherwise take the event loop from the streams
+        now = time.monotonic()
+        if self._rendered is None or now - self._rendered[0] >= max_age:
+            self._rendered = (now, generate_latest(self.registry))
+        return self._rendered[1]

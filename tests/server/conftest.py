@@ -15,6 +15,7 @@ import uvicorn
 from llmserve.config import config_from_dict
 from llmserve.engine import Engine
 from llmserve.server import create_app
+from llmserve.server.transport import uvicorn_config
 
 # the fake backend with the byte tokenizer: deterministic and instant
 FAKE = {"backend": {"name": "fake"}, "model": {"model": "embedded", "max_model_len": 512},
@@ -77,8 +78,8 @@ def start_server(config: dict, extra_plugins: list | None = None, build_engine: 
     engine = Engine.from_config(cfg, extra_plugins=extra_plugins) if build_engine else None
     app = create_app(cfg, engine)
     port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
-                                           lifespan="on", timeout_graceful_shutdown=5))
+    server = uvicorn.Server(uvicorn_config(app, cfg.server, host="127.0.0.1", port=port, log_level="warning",
+                                           timeout_graceful_shutdown=5))
     t = threading.Thread(target=server.run, name="uvicorn-test", daemon=True)
     t.start()
     deadline = time.monotonic() + 30

@@ -107,3 +107,28 @@ def test_disconnect_while_waiting_in_the_queue_aborts(srv):
     s = srv.wait_idle(5.0)
     assert s["waiting"] == 0 and s["running"] == 0 and s["cache"]["used_blocks"] == 0
     assert _aborted(s) == before + 40
+
+
+def test_the_drain_answers_what_is_left_in_our_shape_and_frees_every_block(srv):
+    """What SIGTERM runs (AsyncEngine.drain): past the timeout, running and queued work ends with a 503."""
+    async def load(client: httpx.AsyncClient):
+        body = {"prompt": "drain", "max_tokens": 900, "ignore_eos": True}
+        streamed = client.post(srv.url + "/v1/completions", json=body | {"stream": True})
+        return await asyncio.gather(*[client.post(srv.url + "/v1/completions", json=body) for _ in range(4)],
+                                    streamed)
+
+    async def main():
+        async with httpx.AsyncClient(timeout=30) as client:
+            work = asyncio.ensure_future(load(client))
+            await asyncio.sleep(0.5)
+            assert srv.stats()["cache"]["used_blocks"] > 0
+            drained = asyncio.run_coroutine_threadsafe(srv.state.aengine.drain(0.2), srv.state.aengine._loop)
+            await asyncio.wrap_future(drained)
+            return await work
+
+    *whole, streamed = asyncio.run(main())
+    for r in whole:
+        assert r.status_code == 503 and r.json()["error"]["code"] == "engine_unavailable"
+    assert streamed.status_code == 200 and streamed.text.rstrip().endswith("data: [DONE]")
+    assert '"code":"engine_unavailable"' in streamed.text
+    assert srv.wait_idle()["cache"]["used_blocks"] == 0

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import concurrent.futures
+import threading
 import time
 
 import httpx
@@ -67,3 +68,34 @@ def test_admission_counts_the_request_own_sequences():
             assert running.result().status_code == 200
     finally:
         s.stop()
+
+
+def test_a_big_body_is_parsed_off_the_event_loop_and_rejected_by_length_first(srv, monkeypatch):
+    from llmserve.server import routes
+
+    threads, checked = [], []
+    parse = routes.parse
+    monkeypatch.setattr(routes, "parse", lambda *a: threads.append(threading.current_thread().name) or parse(*a))
+    monkeypatch.setattr("llmserve.limits.min", lambda ids: checked.append(len(ids)) or min(ids), raising=False)
+    huge = {"prompt": list(range(1, 400_001)), "max_tokens": 1}  # ~3 MB of ids, far past the context
+    r = httpx.post(srv.url + "/v1/completions", json=huge, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+    small = httpx.post(srv.url + "/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 1}, timeout=30)
+    assert small.status_code == 200
+    loop_thread = threads[1]  # the small body is parsed on the event loop's thread
+    assert threads[0] != loop_thread
+    assert checked and set(checked) == {3}  # the huge prompt's ids were never scanned: its length rejected it
+
+
+def test_stats_and_metrics_pollers_share_a_snapshot(srv, monkeypatch):
+    calls = []
+    stats = srv.engine.stats
+    monkeypatch.setattr(srv.engine, "stats", lambda: calls.append(1) or stats())
+    t0 = time.monotonic()
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        codes = list(pool.map(lambda _: httpx.get(srv.url + "/stats", timeout=10).status_code, range(80)))
+    elapsed = time.monotonic() - t0
+    assert codes == [200] * 80
+    assert len(calls) <= elapsed / 0.1 + 2  # at most one engine call per 100 ms, however many poll
+    body = httpx.get(srv.url + "/metrics", timeout=10).text
+    assert body == httpx.get(srv.url + "/metrics", timeout=10).text  # within 100 ms: the same rendering

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -17,27 +18,31 @@ from tests.server.conftest import free_port
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_sigterm_drains_in_flight_streams_and_exits_zero():
+def start_serve(*settings: str) -> tuple[subprocess.Popen, str]:
+    """`llmserve serve` on the fake backend (10 ms a step) as a process; wait until /health says ok."""
     port = free_port()
     env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'plugins'}"}
     env.pop("LLMSERVE_API_KEY", None)
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "llmserve", "--log-level", "warning", "serve", "--backend", "fake",
-         "--port", str(port), "--set", "backend.options.step_cost_s=0.01", "--set", "server.drain_timeout=20"],
-        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    args = [a for kv in ("backend.options.step_cost_s=0.01",) + settings for a in ("--set", kv)]
+    proc = subprocess.Popen([sys.executable, "-m", "llmserve", "--log-level", "warning", "serve", "--backend", "fake",
+                             "--port", str(port), *args],
+                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert proc.poll() is None, proc.stdout.read()
-            assert time.monotonic() < deadline, "the server did not come up"
-            time.sleep(0.1)
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                return proc, url
+        except httpx.TransportError:
+            pass
+        assert proc.poll() is None, proc.stdout.read()
+        assert time.monotonic() < deadline, "the server did not come up"
+        time.sleep(0.1)
 
+
+def test_sigterm_drains_in_flight_streams_and_exits_zero():
+    proc, url = start_serve("server.drain_timeout=20")
+    try:
         lines: list[str] = []
         first = threading.Event()
 
@@ -76,3 +81,57 @@ def test_sigterm_drains_in_flight_streams_and_exits_zero():
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_sigterm_under_load_answers_everyone_in_our_shape_and_exits_within_drain_timeout():
+    drain = 1.5  # a float: it is not truncated to 1
+    proc, url = start_serve(f"server.drain_timeout={drain}", "scheduler.max_num_seqs=2")
+    answers: dict[str, object] = {}
+    started = threading.Barrier(3)
+
+    def stream(name: str, max_tokens: int):
+        body = {"prompt": name, "max_tokens": max_tokens, "stream": True, "ignore_eos": True}
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=30) as r:
+            if r.status_code != 200:
+                answers[name] = (r.status_code, json.loads(r.read()))
+                return
+            lines = [ln for ln in r.iter_lines() if ln]
+            answers[name] = lines
+
+    def whole(name: str):
+        r = httpx.post(url + "/v1/completions", json={"prompt": name, "max_tokens": 3000, "ignore_eos": True},
+                       timeout=30)
+        answers[name] = (r.status_code, r.json())
+
+    with httpx.Client(timeout=30) as kept:  # a kept-alive connection: its next request is refused in our shape
+        assert kept.get(url + "/health").status_code == 200
+        work = [threading.Thread(target=stream, args=("short", 40)), threading.Thread(target=stream, args=("long", 3000))]
+        work += [threading.Thread(target=whole, args=(f"whole{i}",)) for i in range(2)]
+        work += [threading.Thread(target=stream, args=(f"queued{i}", 3000)) for i in range(2)]
+        for t in work:
+            t.start()
+            time.sleep(0.05)
+        time.sleep(0.3)
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        time.sleep(0.05)
+        try:
+            late = kept.post(url + "/v1/completions", json={"prompt": "late", "max_tokens": 2})
+            assert late.status_code == 503 and late.json()["error"]["code"] == "draining"
+        except httpx.TransportError:
+            pass  # the connection was closed first: refused all the same
+        assert proc.wait(drain + 5) == 0, proc.stdout.read()
+        took = time.monotonic() - t0
+        for t in work:
+            t.join(10)
+    assert took < drain + 1, f"exit {took:.2f} s after SIGTERM"
+    assert answers["short"][-1] == "data: [DONE]" and '"finish_reason":"length"' in answers["short"][-2]
+    for name in ("long", "queued0", "queued1", "whole0", "whole1"):
+        got = answers[name]
+        if isinstance(got, tuple):  # not started: a 503 in our shape
+            status, body = got
+            assert status == 503 and set(body["error"]) == {"message", "type", "param", "code"}, (name, got)
+        else:  # started: an error event, then [DONE]
+            assert got[-1] == "data: [DONE]", (name, got[-3:])
+            err = json.loads(got[-2].removeprefix("data: "))["error"]
+            assert err["code"] == "engine_unavailable" and "shutting down" in err["message"], (name, err)
