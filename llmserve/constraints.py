@@ -63,7 +63,7 @@ class Constraints:
         self._matchers: dict[str, GrammarMatcher] = {}
         self._allowed: dict[str, torch.Tensor] = {}  # allowed_token_ids as a bitmask row
         self._constrained: set[str] = set()  # sequences with any constraint: empty → a step pays nothing
-        self._broken: dict[str, str] = {}  # sequences whose grammar failed to give a mask → why
+        self._broken: dict[str, tuple[str, str]] = {}  # sequences whose constraints cannot go on → (why, param)
 
     def compile(self, spec: StructuredOutput) -> Any:
         """The compiled grammar of spec (cached); InvalidRequestError naming spec.param when it is bad."""
@@ -102,13 +102,15 @@ class Constraints:
     def accept(self, r: Request, token_id: int) -> bool | None:
         """Advance the sequence's matcher: None when it has none, else whether the grammar is complete.
 
-        Raises ValueError when the token breaks the grammar (a backend that ignored the mask).
+        Raises InvalidRequestError when the request's constraints could not go on (its grammar failed,
+        or they exclude every token), ValueError when the token breaks the grammar (a backend that
+        ignored the mask).
         """
+        if self._broken and r.request_id in self._broken:
+            raise InvalidRequestError(*self._broken[r.request_id])
         m = self._matchers.get(r.request_id) if self._matchers else None
         if m is None:
             return None
-        if r.request_id in self._broken:
-            raise ValueError(f"the grammar engine failed on this request's grammar: {self._broken[r.request_id]}")
         if not m.accept(token_id):
             raise ValueError(f"token {token_id} is not allowed by the request's grammar")
         return m.is_terminated()
@@ -133,17 +135,26 @@ class Constraints:
         mask = torch.full((len(rows), self.words), -1, dtype=torch.int32)
         for k, i in enumerate(rows):
             sr = batch.requests[i]
+            sp = sr.sampling
             m = self._matchers.get(sr.request_id)
             if m is not None:
                 try:
                     m.fill_bitmask(mask, k)
                 except ValueError as e:  # this grammar cannot go on: its sequence fails at accept()
-                    self._broken[sr.request_id] = str(e)
+                    self._broken[sr.request_id] = (f"the grammar engine failed on this request's grammar: {e}",
+                                                   sp.structured.param)
             allowed = self._allowed.get(sr.request_id)
             if allowed is not None:
                 mask[k] &= allowed
-            if sr.sampling.bad_words_token_ids:
-                _set_bits(mask[k], self._banned(sr.sampling.bad_words_token_ids, seqs[sr.request_id]), False)
+            if sp.bad_words_token_ids:
+                _set_bits(mask[k], self._banned(sp.bad_words_token_ids, seqs[sr.request_id]), False)
+            if sr.request_id not in self._broken and not bool(mask[k].any()):
+                # the grammar, allowed_token_ids and bad_words leave nothing to sample
+                # named: the narrowing applied last (a grammar alone always allows a token)
+                param = ("bad_words" if sp.bad_words_token_ids else
+                         "allowed_token_ids" if allowed is not None else sp.structured.param)
+                self._broken[sr.request_id] = ("no token is allowed here: the request's grammar, allowed_token_ids "
+                                               "and bad_words exclude every token", param)
         batch.token_bitmask, batch.bitmask_rows = mask, rows
 
     @staticmethod

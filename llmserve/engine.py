@@ -263,12 +263,13 @@ class Engine:
         out.append(self._delta(r, text, finished=True))
         self._end(r, time.perf_counter())
 
-    def _fail(self, r: Request, message: str) -> None:
-        """Fail the sequence, and the sequences of its request still held back (a failed request ends whole)."""
+    def _fail(self, r: Request, message: str, param: str | None = None) -> None:
+        """Fail the sequence, and the sequences of its request still held back (a failed request ends whole);
+        param names the request's field when its own values are why."""
         g = self._holding.get(r.group_id)
         for seq in [r] + (g.held if g is not None else []):
             if not seq.status.is_done:
-                seq.error = message
+                seq.error, seq.error_param = message, param
                 self._finish(seq, FinishReason.ERROR, self._pending)
 
     def _delta(self, r: Request, text: str, finished: bool = False) -> RequestOutput:
@@ -276,6 +277,7 @@ class Engine:
         o = RequestOutput(
             request_id=r.group_id, index=r.index, new_token_ids=r.pending_token_ids, new_text=text,
             finished=finished, finish_reason=r.finish_reason, stop_reason=r.stop_reason, error=r.error,
+            error_param=r.error_param,
             logprobs=r.pending_logprobs or None, num_prompt_tokens=r.num_prompt_tokens,
             num_output_tokens=r.num_output_tokens, num_cached_tokens=r.num_cached_tokens,
         )
@@ -353,6 +355,9 @@ class Engine:
             sp = r.sampling
             try:
                 complete = self.constraints.accept(r, tok)
+            except InvalidRequestError as e:  # its constraints cannot go on: the request's own error
+                self._fail(r, str(e), e.param)
+                continue
             except ValueError as e:
                 self._fail(r, str(e))
                 continue

@@ -135,6 +135,7 @@ class Request:
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
     error: str | None = None
+    error_param: str | None = None  # the field whose value made it fail (a client error: the server answers 400)
     max_total_tokens: int = 0  # prompt + output may not exceed this (max_tokens and context length)
     # prefix-cache blocks are shared only between requests of the same salt (vLLM's cache_salt)
     cache_salt: str | None = None
@@ -189,6 +190,7 @@ class RequestOutput:
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None
     error: str | None = None
+    error_param: str | None = None  # set when the request's own values made it fail: a client error naming them
     logprobs: list[Logprob] | None = None  # one per new token when asked for
     prompt_logprobs: list[Logprob | None] | None = None
     num_prompt_tokens: int = 0

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 
 from llmserve.async_engine import AsyncEngine
 from llmserve.request import FinishReason, RequestOutput, SamplingParams
-from llmserve.server.errors import ApiError, map_error
+from llmserve.server.errors import ApiError, bad_request, map_error
 
 
 class ClientGone(Exception):
@@ -74,6 +74,8 @@ class Generation:
 def _checked(batch: list[RequestOutput]) -> list[RequestOutput]:
     for o in batch:
         if o.finish_reason is FinishReason.ERROR:
+            if o.error_param is not None:  # the request's own values were why: the client's error
+                raise bad_request(o.error, o.error_param)
             raise ApiError(500, o.error or "the request failed in the engine", code="engine_error")
     return batch
 

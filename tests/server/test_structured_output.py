@@ -106,6 +106,20 @@ def test_allowed_token_ids_and_bad_words(server):
     assert set(text) <= {"x", "y", " "} and "xx" not in text and "yy" not in text, text
 
 
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("body, param", [
+    ({"guided_choice": [""], "allowed_token_ids": [ord("0")]}, "allowed_token_ids"),  # only EOS, not allowed
+    ({"allowed_token_ids": [ord("x")], "bad_words": ["x"]}, "bad_words"),
+    ({"guided_regex": "a+", "bad_words": ["a"]}, "bad_words"),
+])
+def test_constraints_that_exclude_every_token_are_the_clients_error(server, body, param, stream):
+    r = post(server, "/v1/completions", {"prompt": "0", "max_tokens": 5, "stream": stream, **body})
+    assert r.status_code == 400, r.text  # found at the first token, before a stream opens: a 400 either way
+    err = r.json()["error"]
+    assert err["param"] == param and err["type"] == "invalid_request_error" and "exclude every token" in err["message"]
+    assert server.wait_idle()["cache"]["used_blocks"] == 0
+
+
 @pytest.mark.parametrize("body, param", [
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": 7}}}},
      "response_format.json_schema.schema"),
