@@ -43,7 +43,7 @@ def serve(config) -> int:
     AppStatus.disable_automatic_graceful_drain()
 
     uv = uvicorn.Config(app, host=sc.host, port=sc.port, log_level=sc.log_level, lifespan="on",
-                        timeout_graceful_shutdown=max(int(sc.drain_timeout), 1), access_log=False)
+                        timeout_graceful_shutdown=max(int(sc.drain_timeout), 1), access_log=sc.access_log)
     server = DrainingServer(uv)
     log.info("serving %s on http://%s:%d", config.served_model_name, sc.host, sc.port)
     server.run()

@@ -71,8 +71,9 @@ class TorchBackend(ModelBackend):
         self.eos_token_id = self.arch.eos_token_id
         self.eos_token_ids = loaded.generation.eos_token_ids | {self.eos_token_id} - {None}
         self.generation_defaults = loaded.generation.sampling
-        # the embedded model's vocabulary is the byte-level tokenizer's; a checkpoint ships its own
-        self.default_tokenizer = "byte" if mc.model == "embedded" else "hf"
+        # the embedded model's vocabulary is the byte-level tokenizer's, each byte shown as a printable character
+        # (its random output would otherwise send control bytes to a terminal); a checkpoint ships its own
+        self.default_tokenizer = "printable" if mc.model == "embedded" else "hf"
         # a GGUF carries its tokenizer in metadata: its source saved it as files next to the converted weights
         self.tokenizer_path = loaded.tokenizer_dir
         self.sampler = Sampler(self.device, seed=mc.seed, eos_token_ids=self.eos_token_ids)
