@@ -19,6 +19,8 @@ from llmserve_torch.loader import load_model
 from llmserve_torch.sampling import Sampler, prompt_logprobs
 
 log = logging.getLogger("llmserve.torch")
+# torch logs its FakeTensor cache counters at INFO when the process exits (e.g. on Ctrl-C): noise to a user
+logging.getLogger("torch._subclasses.fake_tensor").setLevel(logging.WARNING)
 
 OPTIONS = {
     "attention": "auto",  # auto | reference | cpu
