@@ -126,4 +126,6 @@ def test_ctrl_c_while_starting_exits_130_without_a_traceback():
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-    assert proc.returncode == 130 and "Traceback" not in out, out
+    # 130, or killed by SIGINT when it came before Python's handler was up (a loaded machine starts slowly):
+    # a shell reports both as 130
+    assert proc.returncode in (130, -signal.SIGINT) and "Traceback" not in out, out
