@@ -22,7 +22,7 @@ def require_matplotlib() -> None:
     try:
         import matplotlib
     except ImportError:
-        raise LLMServeError("--plot needs matplotlib, the plot extra: .venv/bin/pip install -e '.[plot]' "
+        raise LLMServeError("--plot needs matplotlib, the plot extra: pip install -e '.[plot]' in the virtualenv "
                             "(or pip install matplotlib)") from None
     matplotlib.use("Agg")  # files only: no display, no GUI toolkit
 

@@ -124,7 +124,7 @@ def _check_reachable(base_url: str, api_key: str | None) -> None:
                   headers={"Authorization": f"Bearer {api_key}"} if api_key else {})
     except httpx.TransportError as e:
         raise LLMServeError(f"no server answers at {base_url} ({type(e).__name__}: {e or 'no answer'}); start one "
-                            "(.venv/bin/llmserve serve), pass its --base-url, or let --launch start one") from None
+                            "(llmserve serve), pass its --base-url, or let --launch start one") from None
 
 
 def _server_facts(base_url: str, api_key: str | None) -> dict[str, Any]:
