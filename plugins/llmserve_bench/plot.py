@@ -96,7 +96,8 @@ def stats_reader(base_url: str, api_key: str | None):
 
     def read() -> tuple[int, int, float, int]:
         s = client.get("/stats").json()
-        return s["running"], s["waiting"], s["cache"]["usage"], s["metrics"]["generation_tokens"]
+        # decode_tokens grows every step (generation_tokens only as requests end): its rate is the live tok/s
+        return s["running"], s["waiting"], s["cache"]["usage"], s["metrics"]["decode_tokens"]
 
     return read
 
