@@ -112,7 +112,7 @@ def run(args: argparse.Namespace, config) -> dict[str, Any]:
     if args.plot:
         from llmserve_bench.plot import Timeline
 
-        timeline = Timeline(None, interval=0.01)  # sampled between steps below, not by its thread
+        timeline = Timeline(None, interval=0.01, window=0.1)  # sampled between steps below, not by its thread
     generated = 0
     before = probe_before(engine.backend.describe(), full, args.no_bound)  # the machine drifts: probe it twice
 

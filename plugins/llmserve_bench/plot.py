@@ -45,8 +45,8 @@ def latency_data(results: list[Result], points: int = 1000) -> dict[str, list[fl
 class Timeline:
     """Samples (t, running, waiting, kv_usage, generated tokens) from `read` every `interval` s in a thread."""
 
-    def __init__(self, read, interval: float = 0.1):
-        self.read, self.interval = read, interval
+    def __init__(self, read, interval: float = 0.1, window: float = 1.0):
+        self.read, self.interval, self.window = read, interval, window
         self.samples: list[dict[str, float]] = []
         self.marks: list[tuple[float, str]] = []  # (t, label): where each point of a sweep starts
         self._stop = threading.Event()
@@ -78,10 +78,14 @@ class Timeline:
             self._thread.join(5)
 
     def data(self) -> dict[str, Any]:
-        """The samples as columns, tok/s from the generated-token counter between samples."""
-        s = self.samples
-        tok_s = [0.0] + [(b["generated_tokens"] - a["generated_tokens"]) / (b["t"] - a["t"]) if b["t"] > a["t"] else 0.0
-                         for a, b in zip(s, s[1:])]
+        """The samples as columns; tok/s from the generated-token counter over the trailing `window` seconds
+        (between two samples alone it jumps: a sample can repeat a snapshot, or come late from a busy server)."""
+        s, tok_s, j = self.samples, [], 0
+        for b in s:
+            while j + 1 < len(s) and s[j + 1]["t"] <= b["t"] - self.window:
+                j += 1
+            a = s[j]
+            tok_s.append((b["generated_tokens"] - a["generated_tokens"]) / (b["t"] - a["t"]) if b["t"] > a["t"] else 0.0)
         return {"t_s": [x["t"] for x in s], "running": [x["running"] for x in s],
                 "waiting": [x["waiting"] for x in s], "kv_usage": [x["kv_usage"] for x in s],
                 "output_tok_s": tok_s, "marks": [{"t_s": t, "label": lb} for t, lb in self.marks]}
@@ -102,10 +106,21 @@ def stats_reader(base_url: str, api_key: str | None):
     return read
 
 
+def _rounded(x: Any) -> Any:
+    """Floats to 4 decimals (a tenth of a microsecond in ms): the JSON stays small enough to commit beside a figure."""
+    if isinstance(x, float):
+        return round(x, 4)
+    if isinstance(x, dict):
+        return {k: _rounded(v) for k, v in x.items()}
+    if isinstance(x, list):
+        return [_rounded(v) for v in x]
+    return x
+
+
 def _save(fig, out: Path, name: str, data: dict[str, Any]) -> list[str]:
     fig.tight_layout()
     fig.savefig(out / f"{name}.png", dpi=110)
-    (out / f"{name}.json").write_text(json.dumps(data, indent=1))
+    (out / f"{name}.json").write_text(json.dumps(_rounded(data), separators=(",", ":")))
     import matplotlib.pyplot as plt
 
     plt.close(fig)
