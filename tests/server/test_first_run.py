@@ -99,17 +99,26 @@ def _wait_healthy(proc: subprocess.Popen, url: str) -> None:
         time.sleep(0.1)
 
 
-def test_ctrl_c_stops_the_server_with_130_and_no_traceback_and_the_access_log_is_on_when_asked():
-    proc, url = _serve("--access-log", "--log-requests")
+def _ctrl_c(proc: subprocess.Popen, before) -> str:
+    """Run `before()`, send SIGINT (a terminal's Ctrl-C), return the output; never leave the process behind."""
     try:
-        _wait_healthy(proc, url)
-        assert httpx.post(url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 3}).status_code == 200
+        before()
         proc.send_signal(signal.SIGINT)
-        out = proc.communicate(timeout=30)[0]
+        return proc.communicate(timeout=30)[0]
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_ctrl_c_stops_the_server_with_130_and_no_traceback_and_the_access_log_is_on_when_asked():
+    proc, url = _serve("--access-log", "--log-requests")
+
+    def one_request():
+        _wait_healthy(proc, url)
+        assert httpx.post(url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 3}).status_code == 200
+
+    out = _ctrl_c(proc, one_request)
     assert proc.returncode == 130, out  # the shell's convention for Ctrl-C, as `llmserve` returns it everywhere
     assert "Traceback" not in out and "KeyboardInterrupt" not in out, out
     assert '"POST /v1/completions HTTP/1.1" 200' in out  # uvicorn's access log
@@ -118,14 +127,7 @@ def test_ctrl_c_stops_the_server_with_130_and_no_traceback_and_the_access_log_is
 
 def test_ctrl_c_while_starting_exits_130_without_a_traceback():
     proc, _ = _serve(backend=("--model", "embedded"))
-    try:
-        time.sleep(1.0)  # still importing torch and building the engine
-        proc.send_signal(signal.SIGINT)
-        out = proc.communicate(timeout=30)[0]
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+    out = _ctrl_c(proc, lambda: time.sleep(1.0))  # still importing torch and building the engine
     # 130, or killed by SIGINT when it came before Python's handler was up (a loaded machine starts slowly):
     # a shell reports both as 130
     assert proc.returncode in (130, -signal.SIGINT) and "Traceback" not in out, out
