@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml constraints.txt
 	@echo "installing llmserve and its pinned dependencies into $(VENV) (the first time takes a few minutes)"
 	$(PY) -m pip install --disable-pip-version-check --progress-bar on -c constraints.txt -e ".[dev]"
 	touch $(STAMP)
-	@echo "installed: the commands are $(VENV)/bin/llmserve and $(VENV)/bin/python"
+	@echo "installed into $(VENV); for the commands in the README and docs, activate it: source $(VENV)/bin/activate"
 
 install: $(STAMP)
 
