@@ -76,6 +76,7 @@ class Timeline:
         self._stop.set()
         if self._thread.is_alive():
             self._thread.join(5)
+        getattr(self.read, "close", lambda: None)()
 
     def data(self) -> dict[str, Any]:
         """The samples as columns; tok/s from the generated-token counter over the trailing `window` seconds
@@ -103,6 +104,7 @@ def stats_reader(base_url: str, api_key: str | None):
         # decode_tokens grows every step (generation_tokens only as requests end): its rate is the live tok/s
         return s["running"], s["waiting"], s["cache"]["usage"], s["metrics"]["decode_tokens"]
 
+    read.close = client.close  # Timeline.stop closes the connection
     return read
 
 

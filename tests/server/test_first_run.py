@@ -36,7 +36,9 @@ SECRET_KEY, SECRET_PROMPT = "sk-do-not-log-me", "my private prompt text"
 
 @pytest.fixture(scope="module")
 def logged_server():
-    s = start_server({**FAKE, "server": {"log_requests": True, "api_key": SECRET_KEY}})
+    # a step cost, so a long stream is still running when its client hangs up
+    s = start_server({**FAKE, "backend": {"name": "fake", "options": {"step_cost_s": 0.01}},
+                      "server": {"log_requests": True, "api_key": SECRET_KEY}})
     yield s
     s.stop()
 
@@ -69,6 +71,21 @@ def test_log_requests_writes_one_line_per_request_without_the_prompt_or_key(logg
     for line in lines:
         assert float(line.rsplit("latency_ms=", 1)[1]) > 0
         assert SECRET_KEY not in line and SECRET_PROMPT not in line and "private" not in line
+
+
+def test_a_stream_the_client_leaves_is_logged_too(logged_server, caplog):
+    with caplog.at_level(logging.INFO, logger="llmserve.requests"):
+        with httpx.stream("POST", logged_server.url + "/v1/completions",
+                          headers={"Authorization": f"Bearer {SECRET_KEY}"},
+                          json={"prompt": "x", "max_tokens": 400, "ignore_eos": True, "stream": True}) as r:
+            next(r.iter_lines())  # the first event, then hang up
+        deadline = time.monotonic() + 5
+        while not [r for r in caplog.records if r.name == "llmserve.requests"] and time.monotonic() < deadline:
+            time.sleep(0.02)
+    (line,) = [r.getMessage() for r in caplog.records if r.name == "llmserve.requests"]
+    assert line.startswith("cmpl-") and " POST /v1/completions 200 prompt_tokens=1 " in line
+    assert int(line.split("completion_tokens=")[1].split()[0]) < 400  # logged when the client left, not at the end
+    assert logged_server.wait_idle()["running"] == 0  # and it was aborted, as any stream the client leaves
 
 
 def test_no_request_lines_by_default(fake_server, caplog):
