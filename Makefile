@@ -10,10 +10,13 @@ PYTEST_ARGS ?=
 
 .PHONY: install model test serve bench bench-torch plugins clean
 
+# pip's own progress (no -q): the first install downloads torch and the rest for a few minutes
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --disable-pip-version-check -q -c constraints.txt -e ".[dev]"
+	@echo "installing llmserve and its pinned dependencies into $(VENV) (the first time takes a few minutes)"
+	$(PY) -m pip install --disable-pip-version-check --progress-bar on -c constraints.txt -e ".[dev]"
 	touch $(STAMP)
+	@echo "installed into $(VENV); for the commands in the README and docs, activate it: source $(VENV)/bin/activate"
 
 install: $(STAMP)
 

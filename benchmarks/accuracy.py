@@ -36,10 +36,10 @@ The text, tests/data/perplexity.txt: Jane Austen, "Pride and Prejudice" (1813, p
 chapters 1 and 2 and the first part of chapter 3, written out from memory; it may differ from the
 Project Gutenberg edition in small details. About 2,800 tokens with the default model's tokenizer.
 
-    .venv/bin/python benchmarks/accuracy.py                        # float32; none, auto, int8, int4
-    .venv/bin/python benchmarks/accuracy.py --dtype float32 bfloat16 --json
-    .venv/bin/python benchmarks/accuracy.py --quantization none int8 --ctx 1024 --stride 512
-    .venv/bin/python benchmarks/accuracy.py --llama-perplexity ~/llama.cpp/build/bin/llama-perplexity
+    python benchmarks/accuracy.py                        # float32; none, auto, int8, int4
+    python benchmarks/accuracy.py --dtype float32 bfloat16 --json
+    python benchmarks/accuracy.py --quantization none int8 --ctx 1024 --stride 512
+    python benchmarks/accuracy.py --llama-perplexity ~/llama.cpp/build/bin/llama-perplexity
 """
 
 from __future__ import annotations

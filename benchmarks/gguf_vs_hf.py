@@ -6,7 +6,7 @@ transformers dequantizes the same file (`from_pretrained(dir, gguf_file=...)`, w
 run greedy on a chat prompt (rendered by each side's chat template, which must agree), a
 completion, and a longer story with EOS ignored. Default file: the default model's GGUF.
 
-    .venv/bin/python benchmarks/gguf_vs_hf.py [--gguf FILE] [--json]
+    python benchmarks/gguf_vs_hf.py [--gguf FILE] [--json]
 """
 
 from __future__ import annotations

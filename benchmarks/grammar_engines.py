@@ -9,7 +9,7 @@ forcing); every step times fill_bitmask over the 64 rows (what Constraints.fill 
 forward) and accept. Coverage: a list of JSON-schema features, each compiled and walked with a
 valid instance.
 
-    .venv/bin/python benchmarks/grammar_engines.py [--batch 64] [--steps 200] [--json]
+    python benchmarks/grammar_engines.py [--batch 64] [--steps 200] [--json]
 """
 
 from __future__ import annotations

@@ -11,8 +11,8 @@ ctypes, invisible to the profiler: their ranges count whole. "python / other" is
 time minus everything the families account for (the engine, the scheduler, the layer loop, the
 profiler's own cost). The bound (plugins/llmserve_bench/bound.py) is printed beside the step.
 
-    .venv/bin/python benchmarks/profile_step.py                       # c = 1, the model's auto dtype
-    .venv/bin/python benchmarks/profile_step.py --dtype float32 --concurrency 64 --json
+    python benchmarks/profile_step.py                       # c = 1, the model's auto dtype
+    python benchmarks/profile_step.py --dtype float32 --concurrency 64 --json
 """
 
 from __future__ import annotations

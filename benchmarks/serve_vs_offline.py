@@ -8,8 +8,8 @@ httpx client, then with the official openai SDK client. The server is started on
 and thread count and stays idle while the offline bench runs. Concurrency 1 runs the offline
 bench with max_num_seqs 1 (one sequence a step, as one client produces).
 
-    .venv/bin/python benchmarks/serve_vs_offline.py                         # both shapes, c = 64 and 1
-    .venv/bin/python benchmarks/serve_vs_offline.py --shapes gpt2 --threads 2 1 --rounds 2 --json
+    python benchmarks/serve_vs_offline.py                         # both shapes, c = 64 and 1
+    python benchmarks/serve_vs_offline.py --shapes gpt2 --threads 2 1 --rounds 2 --json
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ real 49,152-token tokenizer, llguidance), rounds alternated in one run: every se
 so both runs produce the same number of tokens and the difference is the constraint's cost.
 Mask cost per step (Constraints.fill on the engine thread) is timed separately.
 
-    .venv/bin/python benchmarks/structured_throughput.py [--requests 64] [--max-tokens 128] [--json]
+    python benchmarks/structured_throughput.py [--requests 64] [--max-tokens 128] [--json]
 """
 
 from __future__ import annotations

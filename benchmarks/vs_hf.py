@@ -10,8 +10,8 @@ random ("dummy") weights; dtypes float32 and bfloat16. Peers, in the same proces
 The machine's limit for the workload is computed from GEMM times measured now at the workload's
 shapes and the measured memory bandwidth: each step costs max(compute, weights + KV traffic).
 
-    .venv/bin/python benchmarks/vs_hf.py                      # the full workload (minutes)
-    .venv/bin/python benchmarks/vs_hf.py --requests 16 --max-new-tokens 32 --models gpt2 --dtypes float32
+    python benchmarks/vs_hf.py                      # the full workload (minutes)
+    python benchmarks/vs_hf.py --requests 16 --max-new-tokens 32 --models gpt2 --dtypes float32
 """
 
 from __future__ import annotations

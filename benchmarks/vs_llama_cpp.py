@@ -11,10 +11,10 @@ noise from a shared machine hits both alike). Both get the same seeded token-id 
 seed per round), greedy, EOS ignored, and each run checks that every request produced its
 max_tokens. The figures are client-side (TTFT, ITL between SSE events, TPOT, output tok/s).
 
-    .venv/bin/python benchmarks/vs_llama_cpp.py --build-only     # build llama.cpp into the cache (minutes)
-    .venv/bin/python benchmarks/vs_llama_cpp.py                  # every file and case, 2 rounds
-    .venv/bin/python benchmarks/vs_llama_cpp.py --files q4_1 --cases c1 --requests 4 --output-len 32 --rounds 1
-    .venv/bin/python benchmarks/vs_llama_cpp.py --llama-server ~/llama.cpp/build/bin/llama-server --json
+    python benchmarks/vs_llama_cpp.py --build-only     # build llama.cpp into the cache (minutes)
+    python benchmarks/vs_llama_cpp.py                  # every file and case, 2 rounds
+    python benchmarks/vs_llama_cpp.py --files q4_1 --cases c1 --requests 4 --output-len 32 --rounds 1
+    python benchmarks/vs_llama_cpp.py --llama-server ~/llama.cpp/build/bin/llama-server --json
 """
 
 from __future__ import annotations

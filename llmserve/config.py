@@ -111,6 +111,8 @@ class ServerConfig:
     max_connections: int = 1024  # open connections; one more gets 503 and is closed
     drain_timeout: float = 30.0  # seconds to finish in-flight requests on SIGTERM
     log_level: str = "info"
+    access_log: bool = False  # uvicorn's line per HTTP request (client, method, path, status)
+    log_requests: bool = False  # llmserve's line per request: id, route, status, tokens, latency (never the prompt or key)
     tool_parser: str = "auto"  # reads tool_choice auto's calls: auto (from the chat template) | none | hermes | …
     reasoning_parser: str = "none"  # none | think (<think>…</think> → reasoning_content)
 

@@ -54,6 +54,11 @@ def add_config_arguments(p: argparse.ArgumentParser) -> None:
                    const=False, default=None, help="disable automatic prefix caching")
     g.add_argument("--no-chunked-prefill", dest=_PREFIX + "scheduler__enable_chunked_prefill",
                    action="store_const", const=False, default=None, help="compute each prompt in one step")
+    for flag, key, help_ in (("--access-log", "server.access_log", "uvicorn's access log, a line per HTTP request"),
+                             ("--log-requests", "server.log_requests",
+                              "a line per request: id, route, status, tokens, latency")):
+        g.add_argument(flag, dest=_PREFIX + key.replace(".", "__"), action="store_const", const=True, default=None,
+                       help=f"{help_} [{key}]")
 
 
 def flag_overrides(args: argparse.Namespace) -> dict[str, Any]:

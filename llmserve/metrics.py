@@ -91,6 +91,7 @@ class MetricsCollector:
         self.requests_finished: Counter[str] = Counter()
         self.prompt_tokens = 0
         self.generation_tokens = 0
+        self.decode_tokens = 0  # counted per step, so a rate read from it moves while requests run
         self.preemptions = 0
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
@@ -100,6 +101,7 @@ class MetricsCollector:
         self.step_overhead.append(m.overhead_seconds)
         self.step_backend.append(m.backend_seconds)
         self.batch_sizes.append(m.batch_size)
+        self.decode_tokens += m.num_decode_tokens
         self.preemptions += m.num_preempted
         self.prefix_cache_queries += m.prefix_cache_queries
         self.prefix_cache_hits += m.prefix_cache_hits
@@ -121,6 +123,7 @@ class MetricsCollector:
             "requests_finished": dict(self.requests_finished),
             "prompt_tokens": self.prompt_tokens,
             "generation_tokens": self.generation_tokens,
+            "decode_tokens": self.decode_tokens,
             "preemptions": self.preemptions,
             "prefix_cache_queries": self.prefix_cache_queries,
             "prefix_cache_hits": self.prefix_cache_hits,

@@ -68,6 +68,7 @@ class Answer:
 
     async def respond(self, request: Request, aengine: AsyncEngine) -> Response:
         """Submit the prompts; answer the whole body, or stream it (499 if the client leaves before either)."""
+        request.state.answer = self  # its id and usage for the request log (RequestLogMiddleware)
         gen = Generation(aengine, self.prompts, self.sp, self.req.priority, self.st.config.server.request_timeout,
                          self.id, self.req.cache_salt)
         try:
@@ -86,7 +87,7 @@ class Answer:
                    | {"finish_reason": self._finish(i, ch.finish), "stop_reason": ch.stop_reason}
                    for i, ch in enumerate(self.choices)]
         return Response(dumps({"id": self.id, "object": self.object_name, "created": self.created,
-                               "model": self.st.model_name, "choices": choices, "usage": self._usage(),
+                               "model": self.st.model_name, "choices": choices, "usage": self.usage(),
                                "system_fingerprint": None}), media_type="application/json")
 
     async def _fold_all(self, gen: Generation, batch) -> None:
@@ -107,7 +108,7 @@ class Answer:
                                                      "stop_reason": sr if fin else None}])
                 batch = await gen.next()
             if self.req.include_usage:
-                yield self._chunk([], self._usage())
+                yield self._chunk([], self.usage())
             yield b"data: [DONE]\n\n"
         except Exception as e:  # a failure after the first chunk: an error event, then [DONE]
             yield b"data: " + dumps(map_error(e).body()).encode() + b"\n\ndata: [DONE]\n\n"
@@ -118,7 +119,7 @@ class Answer:
         d = {"id": self.id, "object": self.chunk_object_name, "created": self.created, "model": self.st.model_name,
              "choices": choices}
         if self.req.include_usage:  # null until the last chunk, or the usage so far on every one (vLLM's option)
-            d["usage"] = self._usage() if usage is None and self.req.stream_options.continuous_usage_stats else usage
+            d["usage"] = self.usage() if usage is None and self.req.stream_options.continuous_usage_stats else usage
         return b"data: " + dumps(d).encode() + b"\n\n"
 
     def _fold(self, batch: tuple[int, list[RequestOutput]]) -> list[tuple[int, str, Any, str | None, Any]]:
@@ -144,7 +145,7 @@ class Answer:
             folded.append((idx, text, lp, ch.finish if last.finished else None, ch.stop_reason))
         return folded
 
-    def _usage(self) -> dict[str, Any]:
+    def usage(self) -> dict[str, Any]:
         """OpenAI's usage; cached_tokens counts each prompt once (its first choice), as prompt_tokens does."""
         prompt = sum(map(len, self.prompts))
         completion = sum(ch.num_output for ch in self.choices)

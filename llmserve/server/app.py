@@ -18,7 +18,11 @@ from llmserve.config import EngineConfig
 from llmserve.engine import Engine
 from llmserve.server import routes, tokenize, tools
 from llmserve.server.errors import EXCEPTION_HANDLERS
+<<<<<<< HEAD
 from llmserve.server.middleware import ApiKeyMiddleware, SizeLimitMiddleware
+=======
+from llmserve.server.middleware import ApiKeyMiddleware, BodyLimitMiddleware, RequestLogMiddleware
+>>>>>>> helper-first
 from llmserve.server.state import ServerState
 
 log = logging.getLogger("llmserve.server")
@@ -78,7 +82,8 @@ def create_app(config: EngineConfig, engine=None) -> Starlette:
             attaching.cancel()
             await aengine.shutdown(config.server.drain_timeout)
 
-    middleware = []
+    # outermost, so the line has the status and latency of a 401 or 413 too
+    middleware = [Middleware(RequestLogMiddleware)] if config.server.log_requests else []
     if config.server.cors_origins:
         middleware.append(Middleware(CORSMiddleware, allow_origins=list(config.server.cors_origins),
                                      allow_methods=["*"], allow_headers=["*"], allow_credentials=False))

@@ -1,4 +1,4 @@
-"""Pure ASGI middleware: API-key auth on /v1/* and the request's size limits (head and body).
+"""Pure ASGI middleware: API-key auth on /v1/*, the request's size limits (head and body), the per-request log line.
 
 Pure ASGI (not BaseHTTPMiddleware) so streaming responses and disconnect detection pass
 through untouched.
@@ -7,6 +7,8 @@ through untouched.
 from __future__ import annotations
 
 import hmac
+import logging
+import time
 
 from starlette.datastructures import Headers
 
@@ -79,3 +81,43 @@ class SizeLimitMiddleware:
             return msg
 
         await self.app(scope, counting_receive, send)
+
+
+class RequestLogMiddleware:
+    """server.log_requests: one line per request once its response ends: id, route, status, tokens, latency.
+
+    The generation routes leave their Answer in request.state (its id and usage); never the prompt or the key.
+    A stream the client left, or a response the app failed, still gets its line, when the app returns.
+    """
+
+    def __init__(self, app):
+        self.app = app
+        self.log = logging.getLogger("llmserve.requests")
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        t0, status, logged = time.perf_counter(), 0, False
+
+        def line() -> None:
+            nonlocal logged
+            logged = True
+            answer = scope.get("state", {}).get("answer")
+            u = answer.usage() if answer is not None else {}
+            self.log.info("%s %s %s %d prompt_tokens=%s completion_tokens=%s latency_ms=%.1f",
+                          answer.id if answer is not None else "-", scope["method"], scope["path"], status,
+                          u.get("prompt_tokens", "-"), u.get("completion_tokens", "-"), (time.perf_counter() - t0) * 1e3)
+
+        async def logging_send(msg):
+            nonlocal status
+            if msg["type"] == "http.response.start":
+                status = msg["status"]
+            await send(msg)
+            if msg["type"] == "http.response.body" and not msg.get("more_body", False):
+                line()
+
+        try:
+            await self.app(scope, receive, logging_send)
+        finally:
+            if not logged:
+                line()

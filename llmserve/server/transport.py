@@ -93,7 +93,7 @@ class LimitedH11Protocol(H11Protocol):
 
 def uvicorn_config(app, sc: ServerConfig, **overrides) -> uvicorn.Config:
     """The uvicorn settings every server uses (the CLI's and the tests'): h11 with our limits."""
-    settings = dict(host=sc.host, port=sc.port, log_level=sc.log_level, lifespan="on", access_log=False,
+    settings = dict(host=sc.host, port=sc.port, log_level=sc.log_level, lifespan="on", access_log=sc.access_log,
                     http=functools.partial(LimitedH11Protocol, limits=sc),
                     h11_max_incomplete_event_size=sc.max_header_bytes,
                     timeout_keep_alive=sc.keep_alive_timeout,

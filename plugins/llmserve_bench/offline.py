@@ -40,6 +40,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--n", type=int, default=1, help="completions per request (n > 1 shares the prompt's KV)")
     p.add_argument("--no-bound", action="store_true",
                    help="skip the bandwidth and GEMM probes and the decode step vs bound table")
+    p.add_argument("--plot", metavar="DIR", default=None,
+                   help="write latency CDFs and a timeline of running, waiting, KV usage and tok/s sampled between "
+                        "steps, as PNG + JSON (needs matplotlib)")
 
 
 def thread_layout(engine) -> dict[str, Any]:
@@ -105,6 +108,12 @@ def run(args: argparse.Namespace, config) -> dict[str, Any]:
     decodes: list[tuple[int, int, float]] = []  # decode-only steps: batch, context tokens read, step seconds
     peak = {"internal": 0.0, "external": 0.0}
     steps = 0
+    timeline = None
+    if args.plot:
+        from llmserve_bench.plot import Timeline
+
+        timeline = Timeline(None, interval=0.01, window=0.1)  # sampled between steps below, not by its thread
+    generated = 0
     before = probe_before(engine.backend.describe(), full, args.no_bound)  # the machine drifts: probe it twice
 
     def on_step(so) -> None:
@@ -118,9 +127,16 @@ def run(args: argparse.Namespace, config) -> dict[str, Any]:
                 ctx = sum(o.num_prompt_tokens + o.num_output_tokens - 1 for o in so.outputs)
                 decodes.append((m.batch_size, ctx, m.step_seconds))
         # read between steps, so its cost is not counted as engine overhead
-        c = engine.scheduler_stats().cache
+        st = engine.scheduler_stats()
+        c = st.cache
         peak["internal"] = max(peak["internal"], c.internal_fragmentation)
         peak["external"] = max(peak["external"], c.external_fragmentation)
+        if timeline is not None:
+            nonlocal generated
+            generated += sum(len(o.new_token_ids) for o in so.outputs)
+            s = timeline.samples
+            if not s or time.perf_counter() - timeline.t0 - s[-1]["t"] >= timeline.interval:
+                timeline.add(st.num_running, st.num_waiting, c.usage, generated)
 
     results, elapsed = drive(engine, items, len(items) * args.n,
                              progress_bar(args, len(items) * args.n, "bench offline"), detokenize=False,
@@ -180,6 +196,13 @@ def run(args: argparse.Namespace, config) -> dict[str, Any]:
         },
     }
     engine.shutdown()
+    if args.plot:
+        from llmserve_bench.plot import latency_data, write_plots
+
+        title = (f"llmserve bench offline: {config.backend.name} backend"
+                 f"{'' if config.backend.name == 'fake' else f' ({config.model.model})'}, {args.requests} requests "
+                 f"at once, prompt {args.prompt_len}, output {args.output_len}, max_num_seqs {full}")
+        report["plots"] = write_plots(args.plot, title, {"engine": latency_data(results)}, timeline.data())
     return report
 
 
@@ -189,7 +212,11 @@ def print_report(r: dict[str, Any]) -> None:
     c = r["config"]
     print(f"llmserve bench offline — {w['requests']} requests, prompt {w['prompt_len']}, output {w['output_len']}, "
           f"shared prefix {w['shared_prefix']}, seed {w['workload_seed']}")
-    print(f"  backend {c['backend']} ({c['model']}), scheduler {c['scheduler']}/{c['policy']}, max_num_seqs "
+    if c["backend"] == "fake":  # what the figures mean: no model runs, so they are the engine's own costs
+        print("  measures the engine (scheduler, KV cache, step loop) on the fake backend: no model runs and no HTTP; "
+              "--model M for a model")
+    model = "" if c["backend"] == "fake" else f" ({c['model']})"  # the fake backend loads none
+    print(f"  backend {c['backend']}{model}, scheduler {c['scheduler']}/{c['policy']}, max_num_seqs "
           f"{c['max_num_seqs']}, budget {c['max_num_batched_tokens']} tok, {c['num_blocks']}×{c['block_size']} blocks")
     print(f"  machine: {r['machine'].get('cpu', '?')}, {r['machine']['cpus']} cpus, python {r['machine']['python']}")
     print(f"  {format_threads(r['threads'])}")
@@ -207,6 +234,8 @@ def print_report(r: dict[str, Any]) -> None:
     print(f"prefix cache: hit rate {pc['hit_rate']:.1%}; prefill tokens computed {pc['prefill_tokens_computed']} of "
           f"{pc['prompt_tokens_total']} prompt tokens ({pc['prefill_reduction']:+.1%} saved; recompute after preemption counts)")
     print_decode_bound(r["decode_bound"])
+    for f in r.get("plots", []):
+        print(f"plot: {f}")
 
 
 def bench_config(args: argparse.Namespace):
@@ -224,6 +253,10 @@ def bench_config(args: argparse.Namespace):
 
 def main(args: argparse.Namespace) -> int:
     """Entry point of `llmserve bench offline`."""
+    if args.plot:
+        from llmserve_bench.plot import require_matplotlib
+
+        require_matplotlib()
     report = run(args, bench_config(args))
     if args.json:
         print(json.dumps(report, indent=2))

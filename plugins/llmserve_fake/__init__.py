@@ -12,9 +12,13 @@ _OPTIONS = {"vocab_size": 257, "eos_token_id": 256, "max_model_len": 4096, "num_
 
 
 def _build(config) -> FakeBackend:
-    from llmserve.config import check_options
+    from llmserve.config import ModelConfig, check_options
 
     o = check_options(config.backend.options, _OPTIONS, "backend.options (fake)")
+    if config.model.served_model_name is None and config.model.model == ModelConfig().model:
+        # it loads no model: served as "fake" (configs/fake.yaml's name, the docs'), not as the default checkpoint;
+        # the server reads the name from this (shared) config
+        config.model.served_model_name = "fake"
     max_len = config.model.max_model_len or o["max_model_len"]
     return FakeBackend(vocab_size=int(o["vocab_size"]), max_model_len=int(max_len),
                        eos_token_id=o["eos_token_id"], num_blocks=int(o["num_blocks"]),

@@ -1,4 +1,4 @@
-"""Default tokenizers: "byte" (offline byte-level) and "hf" (transformers AutoTokenizer).
+"""Default tokenizers: "byte" (offline byte-level), "printable" (its ids, printable text) and "hf" (transformers).
 
 Tokenizer "auto" is the backend's choice (ModelBackend.default_tokenizer), not this plugin's.
 Heavy imports (tiktoken, transformers) happen inside the factories.
@@ -15,6 +15,12 @@ def _byte_factory(config):
     return ByteTokenizer.from_config(config)
 
 
+def _printable_factory(config):
+    from llmserve_tokenizers.byte import PrintableByteTokenizer
+
+    return PrintableByteTokenizer.from_config(config)
+
+
 def _hf_factory(config):
     from llmserve_tokenizers.hf import HFTokenizer
 
@@ -23,6 +29,7 @@ def _hf_factory(config):
 
 @hookimpl
 def register_tokenizers(register):
-    """Register the byte and hf tokenizers."""
+    """Register the byte, printable and hf tokenizers."""
     register("byte", _byte_factory)
+    register("printable", _printable_factory)
     register("hf", _hf_factory)

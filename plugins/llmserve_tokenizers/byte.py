@@ -7,6 +7,9 @@ backend.
 Chat template (documented in docs/server.md): each message becomes ``<role>: <content>\\n``
 (text parts of a list content are joined with no separator); with ``add_generation_prompt``
 the prompt ends in ``assistant:`` so the model continues as the assistant.
+
+PrintableByteTokenizer ("printable", the embedded model's) has the same ids, but each byte decodes to
+one printable character, so the random model's output never sends control bytes to a terminal.
 """
 
 from __future__ import annotations
@@ -90,3 +93,44 @@ class ByteTokenizer(Tokenizer):
                             tools: list[dict] | None = None, continue_final_message: bool = False, **kwargs) -> str:
         """Render with the simple ``role: content`` template of the module docstring (it shows no tools)."""
         return render_simple_chat(messages, add_generation_prompt, continue_final_message)
+
+
+def printable_table() -> list[str]:
+    """Each byte's character: printable ASCII, space, tab, newline and printable Latin-1 as themselves; every
+    other byte (controls, DEL, C1, NBSP, soft hyphen) a printable stand-in from U+0100 on, as GPT-2's BPE does."""
+    keep = set(range(0x20, 0x7F)) | {0x09, 0x0A} | set(range(0xA1, 0xAD)) | set(range(0xAE, 0x100))
+    stand_in = iter(range(0x100, 0x200))
+    return [chr(b) if b in keep else chr(next(stand_in)) for b in range(256)]
+
+
+class PrintableByteTokenizer(ByteTokenizer):
+    """The byte ids, each decoding to one printable character (printable_table); text encodes back character by
+    character, and a character outside the table as its UTF-8 bytes (which then decode to their own characters)."""
+
+    def __init__(self) -> None:  # no tiktoken: a character per id is a table lookup
+        self._chars = printable_table()
+        self._ids = {c: i for i, c in enumerate(self._chars)}
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """One id per character of the table; the UTF-8 bytes of any other character."""
+        ids: list[int] = []
+        for c in text:
+            i = self._ids.get(c)
+            if i is None:
+                ids.extend(c.encode("utf-8"))
+            else:
+                ids.append(i)
+        return ids
+
+    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        """One printable character per byte id; EOS dropped unless asked for."""
+        return "".join(self._chars[t] if t != EOS_ID else ("" if skip_special_tokens else EOS_TEXT)
+                       for t in token_ids)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The UTF-8 bytes of the token's character (what the text carries)."""
+        return EOS_TEXT.encode() if token_id == EOS_ID else self._chars[token_id].encode()
+
+    def vocab_bytes(self) -> list[bytes]:
+        """Each id's character as UTF-8, then the EOS text: what a grammar sees in the output."""
+        return [c.encode() for c in self._chars] + [EOS_TEXT.encode()]

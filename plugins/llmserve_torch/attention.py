@@ -19,6 +19,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -166,6 +167,10 @@ def build_kernel() -> ctypes.CDLL:
             key = hashlib.sha256(src + " ".join([cxx, *flags, sys.platform, cpu_id()]).encode()).hexdigest()[:16]
             out = kernel_cache_dir() / f"paged_attention_{key}.so"
             if not out.exists():
+                # once per source/compiler/CPU: up to a minute of silence otherwise on a first start
+                log.info("compiling the CPU kernels (csrc/*.cpp, %s -O3 -march=native) into %s; once per machine",
+                         cxx, out.parent)
+                t0 = time.perf_counter()
                 out.parent.mkdir(parents=True, exist_ok=True)
                 with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
                     tmp_so = Path(tmp) / out.name
@@ -175,6 +180,7 @@ def build_kernel() -> ctypes.CDLL:
                     if r.returncode != 0:
                         raise RuntimeError(f"{cxx} failed: {r.stderr.strip()[-400:]}")
                     os.replace(tmp_so, out)  # atomic: concurrent builders never load a half-written file
+                log.info("compiled the CPU kernels in %.1fs", time.perf_counter() - t0)
             lib = ctypes.CDLL(str(out))
             lib.llmserve_write_kv.restype = None
             lib.llmserve_write_kv.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,

@@ -19,6 +19,8 @@ from llmserve_torch.loader import load_model
 from llmserve_torch.sampling import Sampler, prompt_logprobs
 
 log = logging.getLogger("llmserve.torch")
+# torch logs its FakeTensor cache counters at INFO when the process exits (e.g. on Ctrl-C): noise to a user
+logging.getLogger("torch._subclasses.fake_tensor").setLevel(logging.WARNING)
 
 OPTIONS = {
     "attention": "auto",  # auto | reference | cpu
@@ -71,8 +73,9 @@ class TorchBackend(ModelBackend):
         self.eos_token_id = self.arch.eos_token_id
         self.eos_token_ids = loaded.generation.eos_token_ids | {self.eos_token_id} - {None}
         self.generation_defaults = loaded.generation.sampling
-        # the embedded model's vocabulary is the byte-level tokenizer's; a checkpoint ships its own
-        self.default_tokenizer = "byte" if mc.model == "embedded" else "hf"
+        # the embedded model's vocabulary is the byte-level tokenizer's, each byte shown as a printable character
+        # (its random output would otherwise send control bytes to a terminal); a checkpoint ships its own
+        self.default_tokenizer = "printable" if mc.model == "embedded" else "hf"
         # a GGUF carries its tokenizer in metadata: its source saved it as files next to the converted weights
         self.tokenizer_path = loaded.tokenizer_dir
         self.sampler = Sampler(self.device, seed=mc.seed, eos_token_ids=self.eos_token_ids)

@@ -76,6 +76,8 @@ def test_bench_serve_text_prompts_without_ignore_eos_for_a_strict_peer(capsys, m
     add_arguments(p)
     args = p.parse_args(["--concurrency", "2", "--requests", "4", "--prompt-len", "5", "9", "--output-len", "3", "6",
                          "--text-prompts", "--no-ignore-eos", "--no-progress"])
+    assert args.concurrency == [2]
+    args.concurrency = 2  # one point of the sweep: what main() sets before run_http
     items = make_workload(args, 50257)
     assert all(isinstance(it.prompt, str) and 5 <= len(it.prompt.split()) <= 9 for it in items)
     assert items == make_workload(args, 50257)  # seeded

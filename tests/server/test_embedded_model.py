@@ -42,6 +42,19 @@ def test_seed_makes_sampling_reproducible(srv):
     assert len({x.text for x in r1.choices}) > 1
 
 
+def test_the_random_model_writes_printable_text(srv):
+    """Its noise is printable characters (tokenizer "printable"), so a demo sends no control bytes to a terminal."""
+    client = srv.client()
+    texts = [c.text for seed in range(4) for c in client.completions.create(
+        model="embedded", prompt="Once upon a time", max_tokens=64, temperature=1.0, seed=seed, n=2,
+        extra_body={"ignore_eos": True}).choices]
+    chat = client.chat.completions.create(model="embedded", messages=[{"role": "user", "content": "Hi"}],
+                                          max_tokens=64, temperature=1.0, seed=1).choices[0].message.content
+    text = "".join(texts) + chat
+    assert len(text) >= 8 * 64
+    assert all(c.isprintable() or c in "\t\n" for c in text), [c for c in text if not c.isprintable()][:5]
+
+
 def test_greedy_answer_equals_the_offline_engine(srv):
     prompt = "The quick brown fox"
     r = srv.client().completions.create(model="embedded", prompt=prompt, max_tokens=16, temperature=0,

@@ -31,6 +31,19 @@ def test_byte_tokenizer_ids_are_bytes_and_round_trip():
     assert tok.decode([0xC3]) == "\ufffd"
 
 
+def test_printable_tokenizer_shows_every_byte_as_one_printable_character():
+    tok = _build("printable")
+    every = tok.decode(list(range(256)))
+    assert len(every) == 256 and len(set(every)) == 256
+    assert all(c.isprintable() or c in "\t\n" for c in every)
+    assert tok.decode(list(b"Hello, world!\n")) == "Hello, world!\n"  # ASCII text is itself
+    assert tok.encode(every) == list(range(256))  # whatever it writes reads back as the same ids
+    assert tok.encode("café") == list(b"caf") + [0xE9]  # printable Latin-1 is one byte, as in the table
+    assert tok.decode(tok.encode("✓")) == tok.decode(list("✓".encode()))  # other text: its UTF-8 bytes
+    assert tok.decode([104, 256], skip_special_tokens=False) == "h<|endoftext|>"
+    assert tok.token_bytes(0) == tok.decode([0]).encode() and tok.vocab_bytes()[7] == tok.decode([7]).encode()
+
+
 def test_byte_chat_template_is_the_documented_one():
     tok = _build("byte")
     msgs = [{"role": "system", "content": "be brief"},
@@ -51,10 +64,10 @@ def _engine_tokenizer(**config):
 
 
 def test_auto_is_the_backends_choice_byte_for_embedded_and_fake():
-    from llmserve_tokenizers.byte import ByteTokenizer
+    from llmserve_tokenizers.byte import ByteTokenizer, PrintableByteTokenizer
 
     assert isinstance(_engine_tokenizer(model={"model": "embedded"}, backend={"kv_cache_memory": "4MiB"}),
-                      ByteTokenizer)
+                      PrintableByteTokenizer)
     assert isinstance(_engine_tokenizer(model={"model": "/nonexistent"}, backend={"name": "fake"}), ByteTokenizer)
 
 

@@ -223,3 +223,22 @@ def test_without_a_compiler_auto_falls_back_and_cpu_is_a_clear_error(monkeypatch
     assert len(out.sampled_token_ids) == 1 and 0 <= out.sampled_token_ids[0] < 257
     with pytest.raises(ConfigError, match="cpu kernel cannot be used"):
         make_backend("embedded", attention="cpu")
+
+
+@pytest.mark.slow
+def test_compiling_the_cpu_kernels_is_announced_once(monkeypatch, tmp_path, caplog):
+    """A first start compiles csrc/ for a while: a line says so before (and how long after); a cached build is silent."""
+    import logging
+
+    import llmserve_torch.attention as attn
+
+    monkeypatch.setenv("LLMSERVE_CACHE_DIR", str(tmp_path / "kernels"))
+    for _ in range(2):
+        monkeypatch.setattr(attn, "_lib", None)
+        monkeypatch.setattr(attn, "_lib_error", None)
+        with caplog.at_level(logging.INFO, logger="llmserve.torch"):
+            attn.build_kernel()
+    lines = [r.getMessage() for r in caplog.records if "CPU kernels" in r.getMessage()]
+    assert len(lines) == 2, lines  # the first build only; the second loads the cached library
+    assert lines[0].startswith("compiling the CPU kernels") and str(tmp_path / "kernels") in lines[0]
+    assert lines[1].startswith("compiled the CPU kernels in ")
