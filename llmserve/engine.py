@@ -293,7 +293,7 @@ class Engine:
         self.threads.check()
         outputs, self._pending = self._pending, []
         batch = self.scheduler.schedule()
-        backend_s = 0.0
+        backend_s, sampled = 0.0, 0
         if batch.requests:
             self.constraints.fill(batch, self._seqs)
             tb = time.perf_counter()
@@ -311,12 +311,13 @@ class Engine:
                         self._fail(r, f"backend error: {type(mo).__name__}: {mo}")
             else:
                 self.scheduler.update_from_output(batch, mo)
+                sampled = len(mo.sampled_token_ids) - mo.sampled_token_ids.count(None)
                 self._postprocess(batch, mo, now, t0, outputs)
                 if self._holding:
                     self._release_held()
         outputs.extend(self._pending)
         self._pending = []
-        return StepOutput(outputs, self._report_step(batch, t0, backend_s))
+        return StepOutput(outputs, self._report_step(batch, t0, backend_s, sampled))
 
     def _postprocess(self, batch, mo, now: float, t0: float, outputs: list[RequestOutput]) -> None:
         eos = self.eos_token_ids
@@ -371,7 +372,7 @@ class Engine:
                 continue
             outputs.append(self._delta(r, text))
 
-    def _report_step(self, batch, t0: float, backend_s: float) -> StepMetrics | None:
+    def _report_step(self, batch, t0: float, backend_s: float, sampled: int) -> StepMetrics | None:
         if not batch.requests and not batch.preempted_request_ids:
             return None
         self._step_no += 1
@@ -387,7 +388,7 @@ class Engine:
             num_running=st.num_running, num_waiting=st.num_waiting,
             num_preempted=len(batch.preempted_request_ids), step_seconds=step_s,
             backend_seconds=backend_s, overhead_seconds=step_s - backend_s,
-            kv_cache_usage=c.usage, prefix_cache_queries=dq, prefix_cache_hits=dh,
+            kv_cache_usage=c.usage, prefix_cache_queries=dq, prefix_cache_hits=dh, num_output_tokens=sampled,
         )
         self.collector.on_step(m)
         for s in self.metric_sinks:
