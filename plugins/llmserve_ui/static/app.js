@@ -352,12 +352,14 @@ function drawChart(canvas, series) {
   const ctx = canvas.getContext("2d");
   ctx.scale(dpr, dpr);
   const top = Math.max(1, ...series.flatMap(([v]) => v)) * 1.15;
-  const x = (i) => w - (HISTORY - 1 - i) * (w / (HISTORY - 1));
+  // the newest point at the right edge; a fresh page spreads its few points over at least 20 slots
+  const span = Math.min(HISTORY, Math.max(20, ...series.map(([v]) => v.length)));
+  const x = (i) => w - (span - 1 - i) * (w / (span - 1));
   const y = (v) => h - 2 - (v / top) * (h - 14);
   ctx.lineWidth = 1.6;
   series.forEach(([values, color], k) => {
     if (!values.length) return;
-    const off = HISTORY - values.length;
+    const off = span - values.length;
     ctx.beginPath();
     values.forEach((v, i) => (i ? ctx.lineTo(x(off + i), y(v)) : ctx.moveTo(x(off + i), y(v))));
     ctx.strokeStyle = cssVar(color);
