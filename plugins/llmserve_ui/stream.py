@@ -80,6 +80,8 @@ async def stats_stream(request):
             snap, t = await st.stats_snapshot(), time.monotonic()
             yield {"data": json.dumps(frame(snap, prev, t - t_prev), separators=(",", ":"))}
             prev, t_prev = snap, t
-            await asyncio.sleep(interval)
+            end = t + interval
+            while not st.draining and (left := end - time.monotonic()) > 0:  # wakes for a drain within 0.25 s
+                await asyncio.sleep(min(left, 0.25))
 
     return EventSourceResponse(frames(), ping=15, headers={"Cache-Control": "no-cache"})

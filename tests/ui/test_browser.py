@@ -15,6 +15,7 @@ import pytest
 
 from tests.server.conftest import FAKE, start_default_server, start_server
 from tests.ui.conftest import OUTPUT, ROOT
+from tests.ui.test_ui_routes import frames
 
 # a fake step of 30 ms: a 40-token answer streams for over a second, long enough to watch it arrive
 SLOW_FAKE = FAKE | {"backend": {"name": "fake", "options": {"step_cost_s": 0.03}}}
@@ -157,7 +158,9 @@ def test_screenshots_of_the_default_model(browser):
             load = background_load(s, 12)  # so the dashboard has a batch, a queue and a curve to show
             pg.wait_for_function("() => Number(document.querySelector('#d-running').textContent) > 1",
                                  timeout=60_000)
-            pg.wait_for_timeout(3000)
+            if name == "wide":  # a frame of the feed under the same load, for docs/ui.md
+                (OUTPUT / "stats-frame.json").write_text(json.dumps(frames(s.url, 2, interval=0.5)[-1]))
+            pg.wait_for_timeout(2500)
             pg.hover(".msg.assistant >> nth=0 >> .tok >> nth=5")
             path = OUTPUT / f"ui-{name}.png"
             pg.screenshot(path=str(path), full_page=name == "narrow")

@@ -3,7 +3,12 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
+import sys
 import threading
+import time
 
 import httpx
 import pytest
@@ -12,7 +17,8 @@ from starlette.testclient import TestClient
 from llmserve.config import config_from_dict
 from llmserve.engine import Engine
 from llmserve.server import create_app
-from tests.server.conftest import FAKE, start_server
+from tests.server.conftest import FAKE, free_port, start_server
+from tests.ui.conftest import ROOT
 
 
 @pytest.fixture(scope="module")
@@ -140,3 +146,37 @@ def test_the_page_is_503_while_the_model_loads_then_served():
             threading.Event().wait(0.05)
         assert client.get("/").status_code == 200
         assert client.get("/no/such/route").status_code == 404
+
+
+def test_sigterm_ends_an_open_feed_at_once():
+    # `serve` drains connections on SIGTERM: an open dashboard must not hold the exit up to drain_timeout
+    port = free_port()
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'plugins'}"}
+    env.pop("LLMSERVE_API_KEY", None)
+    proc = subprocess.Popen([sys.executable, "-m", "llmserve", "--log-level", "warning", "serve", "--backend", "fake",
+                             "--port", str(port), "--set", "server.drain_timeout=30"],
+                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while not _answers(url + "/health"):
+            assert proc.poll() is None and time.monotonic() < deadline, "the server did not come up"
+            time.sleep(0.1)
+        with httpx.stream("GET", url + "/stats/stream", params={"interval": 60}, timeout=40) as r:
+            lines = r.iter_lines()
+            assert next(line for line in lines if line.startswith("data:"))
+            t0 = time.monotonic()
+            proc.send_signal(signal.SIGTERM)
+            rest = list(lines)  # the server ends the stream
+        assert proc.wait(30) == 0 and time.monotonic() - t0 < 5, rest
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def _answers(url: str) -> bool:
+    try:
+        return httpx.get(url, timeout=1).status_code == 200
+    except httpx.TransportError:
+        return False
