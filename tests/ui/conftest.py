@@ -7,10 +7,12 @@ under CI (CI=true), where a silent skip would hide that the page went untested, 
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 from pathlib import Path
 
+import httpx
 import pytest
 
 from tests.server.conftest import fake_server  # noqa: F401  (the pages' tests use the same test server)
@@ -61,3 +63,16 @@ def page(browser, request):
     pg.problems = problems
     yield pg
     ctx.close()
+
+
+def frames(url: str, n: int, **params):
+    """The first n frames of url/stats/stream, as dicts."""
+    out = []
+    with httpx.stream("GET", url + "/stats/stream", params=params, timeout=10) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        for line in r.iter_lines():
+            if line.startswith("data:"):
+                out.append(json.loads(line[5:]))
+                if len(out) == n:
+                    return out
+    return out

@@ -14,8 +14,7 @@ import threading
 import pytest
 
 from tests.server.conftest import FAKE, start_default_server, start_server
-from tests.ui.conftest import OUTPUT, ROOT
-from tests.ui.test_ui_routes import frames
+from tests.ui.conftest import OUTPUT, ROOT, frames
 
 # a fake step of 30 ms: a 40-token answer streams for over a second, long enough to watch it arrive
 SLOW_FAKE = FAKE | {"backend": {"name": "fake", "options": {"step_cost_s": 0.03}}}
@@ -51,6 +50,7 @@ def test_a_chat_streams_in_and_the_dashboard_counts_it(page, slow_server):
         page.wait_for_timeout(60)
     assert len({n for n in lengths if 0 < n < 40}) >= 3, lengths  # seen part-way, several times
     assert page.inner_text(".msg.user") == "Hello"
+    assert page.evaluate("ui.messages.map((m) => m.role)") == ["user", "assistant"]  # the next turn sends both
     meta = page.inner_text(".msg.assistant .meta")
     assert meta.startswith("40 tokens") and meta.endswith("length"), meta
     # the dashboard: the request is counted, its tokens are in the total and its latencies in the table
@@ -76,6 +76,8 @@ def test_a_streamed_count_moves_the_live_tiles_while_it_runs(page, slow_server):
     page.click("#stop-btn")  # Stop aborts the stream; the engine frees the sequence
     page.wait_for_function("() => document.querySelector('#d-running').textContent === '0'", timeout=5000)
     assert page.inner_text(".msg.assistant .meta").endswith("stopped")
+    page.click("#clear")
+    assert page.locator(".msg").count() == 0 and page.evaluate("ui.messages.length") == 0
     assert not page.problems, page.problems
 
 

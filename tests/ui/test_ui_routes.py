@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -18,7 +17,7 @@ from llmserve.config import config_from_dict
 from llmserve.engine import Engine
 from llmserve.server import create_app
 from tests.server.conftest import FAKE, free_port, start_server
-from tests.ui.conftest import ROOT
+from tests.ui.conftest import ROOT, frames
 
 
 @pytest.fixture(scope="module")
@@ -27,19 +26,6 @@ def keyed_server():
     s = start_server(FAKE | {"server": {"api_key": "sesame", "cors_origins": ["http://ui.test"]}})
     yield s
     s.stop()
-
-
-def frames(url: str, n: int, **params):
-    """The first n frames of url/stats/stream, as dicts."""
-    out = []
-    with httpx.stream("GET", url + "/stats/stream", params=params, timeout=10) as r:
-        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
-        for line in r.iter_lines():
-            if line.startswith("data:"):
-                out.append(json.loads(line[5:]))
-                if len(out) == n:
-                    return out
-    return out
 
 
 def test_the_page_and_its_files_are_served(fake_server):

@@ -184,12 +184,13 @@ async function send(ev) {
 
   let out;
   let url;
+  const history = ui.messages; // Clear replaces ui.messages; this answer belongs to the old one
   if (ui.mode === "chat") {
     addMessage("user", text);
     $("input").value = "";
-    ui.messages.push({ role: "user", content: text });
+    history.push({ role: "user", content: text });
     const system = $("system").value.trim();
-    body.messages = (system ? [{ role: "system", content: system }] : []).concat(ui.messages);
+    body.messages = (system ? [{ role: "system", content: system }] : []).concat(history);
     url = "/v1/chat/completions";
     out = addMessage("assistant");
   } else {
@@ -242,7 +243,8 @@ async function send(ev) {
       if (piece || toks.length) tFirst ??= performance.now();
       content += piece;
       if (toks.length) {
-        bodyEl.append(...toks.map((t) => tokenSpan(t, !piece)));
+        const extra = !piece && Boolean(choice.finish_reason); // the end-of-sequence token, which adds no text
+        bodyEl.append(...toks.map((t) => tokenSpan(t, extra)));
         tokens += toks.length;
       } else if (piece) {
         bodyEl.append(piece);
@@ -271,8 +273,8 @@ async function send(ev) {
     if (finish) parts.push(finish);
     meta.textContent = parts.join(" · ");
     if (ui.mode === "chat") {
-      if (content) ui.messages.push({ role: "assistant", content });
-      else ui.messages.pop(); // nothing came back: the user's turn can be sent again
+      if (content) history.push({ role: "assistant", content });
+      else history.pop(); // nothing came back: the user's turn can be sent again
     }
     ui.controller = null;
     setBusy(false);
@@ -444,6 +446,7 @@ document.addEventListener("DOMContentLoaded", () => {
   });
   $("stop-btn").addEventListener("click", () => ui.controller && ui.controller.abort());
   $("clear").addEventListener("click", () => {
+    if (ui.controller) ui.controller.abort();
     ui.messages = [];
     $("transcript").replaceChildren();
   });
