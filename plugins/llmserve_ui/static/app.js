@@ -184,8 +184,9 @@ async function send(ev) {
 
   let out;
   let url;
+  const mode = ui.mode; // the mode may be switched while this answer streams
   const history = ui.messages; // Clear replaces ui.messages; this answer belongs to the old one
-  if (ui.mode === "chat") {
+  if (mode === "chat") {
     addMessage("user", text);
     $("input").value = "";
     history.push({ role: "user", content: text });
@@ -233,13 +234,13 @@ async function send(ev) {
       if (chunk.usage) usage = chunk.usage;
       const choice = chunk.choices && chunk.choices[0];
       if (!choice) continue;
-      const piece = ui.mode === "chat" ? (choice.delta && choice.delta.content) || "" : choice.text || "";
-      const thought = ui.mode === "chat" && choice.delta && choice.delta.reasoning_content;
+      const piece = mode === "chat" ? (choice.delta && choice.delta.content) || "" : choice.text || "";
+      const thought = mode === "chat" && choice.delta && choice.delta.reasoning_content;
       if (thought) {
         reasoning.hidden = false;
         reasoning.textContent += thought;
       }
-      const toks = ui.mode === "chat" ? chatTokens(choice.logprobs) : completionTokens(choice.logprobs);
+      const toks = mode === "chat" ? chatTokens(choice.logprobs) : completionTokens(choice.logprobs);
       if (piece || toks.length) tFirst ??= performance.now();
       content += piece;
       if (toks.length) {
@@ -272,7 +273,7 @@ async function send(ev) {
     if (n > 1 && secs > 0) parts.push(`${((n - 1) / secs).toFixed(1)} tok/s`);
     if (finish) parts.push(finish);
     meta.textContent = parts.join(" · ");
-    if (ui.mode === "chat") {
+    if (mode === "chat") {
       if (content) history.push({ role: "assistant", content });
       else history.pop(); // nothing came back: the user's turn can be sent again
     }
