@@ -137,41 +137,62 @@ def background_load(server, n: int) -> list[threading.Thread]:
     return threads
 
 
-def test_screenshots_of_the_default_model(browser):
+@pytest.fixture(scope="module")
+def default_server():
     s = start_default_server()
+    yield s
+    s.stop()
+
+
+def test_a_stop_string_stays_out_of_the_answer_and_is_dimmed_in_the_token_view(page, default_server):
+    page.goto(default_server.url + "/")
+    page.click("#mode-completion")
+    page.fill("#temperature", "0")
+    page.fill("#max-tokens", "40")
+    page.fill("#stop", ",")
+    page.fill("#input", "The three largest cities in France are")
+    page.press("#input", "Enter")
+    page.wait_for_selector(".msg.completion .meta:not(:empty)", timeout=120_000)
+    assert page.inner_text(".msg.completion .meta").endswith("stop")
+    shown = page.locator(".msg.completion .tok:not(.extra)").all_inner_texts()
+    dimmed = page.locator(".msg.completion .tok.extra").all_inner_texts()
+    assert "Paris" in "".join(shown) and "," not in "".join(shown)
+    assert dimmed and "," in dimmed[0]
+    assert not page.problems, page.problems
+
+
+def test_screenshots_of_the_default_model(browser, default_server):
+    s = default_server
     OUTPUT.mkdir(parents=True, exist_ok=True)
     shots = {}
-    try:
-        for name, size in (("wide", (1280, 800)), ("narrow", (390, 844))):
-            ctx = browser.new_context(viewport={"width": size[0], "height": size[1]}, device_scale_factor=1)
-            pg = ctx.new_page()
-            pg.goto(s.url + "/")
-            pg.wait_for_function(FRAMES.format(1))
-            if name == "narrow":
-                pg.click(".params summary")  # folded on a phone; shown here for the picture
-            pg.fill("#temperature", "0")
-            pg.fill("#max-tokens", "64")
-            for i, q in enumerate(("What is the capital of France?", "Tell me one fact about it.")):
-                pg.fill("#input", q)
-                pg.press("#input", "Enter")
-                pg.wait_for_selector(f".msg.assistant >> nth={i}")
-                pg.wait_for_selector(".msg.assistant.streaming", state="detached", timeout=120_000)
-            assert "Paris" in pg.inner_text(".msg.assistant >> nth=0")
-            load = background_load(s, 12)  # so the dashboard has a batch, a queue and a curve to show
-            pg.wait_for_function("() => Number(document.querySelector('#d-running').textContent) > 1",
-                                 timeout=60_000)
-            if name == "wide":  # a frame of the feed under the same load, for docs/ui.md
-                (OUTPUT / "stats-frame.json").write_text(json.dumps(frames(s.url, 2, interval=0.5)[-1]))
-            pg.wait_for_timeout(2500)
-            pg.hover(".msg.assistant >> nth=0 >> .tok >> nth=5")
-            path = OUTPUT / f"ui-{name}.png"
-            pg.screenshot(path=str(path), full_page=name == "narrow")
-            shots[name] = path
-            for t in load:
-                t.join(120)
-            ctx.close()
-    finally:
-        s.stop()
+    for name, size in (("wide", (1280, 800)), ("narrow", (390, 844))):
+        ctx = browser.new_context(viewport={"width": size[0], "height": size[1]}, device_scale_factor=1)
+        pg = ctx.new_page()
+        pg.goto(s.url + "/")
+        pg.wait_for_function(FRAMES.format(1))
+        if name == "narrow":
+            pg.click(".params summary")  # folded on a phone; shown here for the picture
+        pg.fill("#temperature", "0")
+        pg.fill("#max-tokens", "64")
+        for i, q in enumerate(("What is the capital of France?", "Tell me one fact about it.")):
+            pg.fill("#input", q)
+            pg.press("#input", "Enter")
+            pg.wait_for_selector(f".msg.assistant >> nth={i}")
+            pg.wait_for_selector(".msg.assistant.streaming", state="detached", timeout=120_000)
+        assert "Paris" in pg.inner_text(".msg.assistant >> nth=0")
+        load = background_load(s, 12)  # so the dashboard has a batch, a queue and a curve to show
+        pg.wait_for_function("() => Number(document.querySelector('#d-running').textContent) > 1",
+                             timeout=60_000)
+        if name == "wide":  # a frame of the feed under the same load, for docs/ui.md
+            (OUTPUT / "stats-frame.json").write_text(json.dumps(frames(s.url, 2, interval=0.5)[-1]))
+        pg.wait_for_timeout(2500)
+        pg.hover(".msg.assistant >> nth=0 >> .tok >> nth=5")
+        path = OUTPUT / f"ui-{name}.png"
+        pg.screenshot(path=str(path), full_page=name == "narrow")
+        shots[name] = path
+        for t in load:
+            t.join(120)
+        ctx.close()
     assert all(p.stat().st_size > 20_000 for p in shots.values())
     if os.environ.get("LLMSERVE_UPDATE_DOCS") == "1":
         for name, path in shots.items():

@@ -54,8 +54,15 @@ function initKey() {
 // ---- request body ---------------------------------------------------------------------------
 
 function parseStops(text) {
-  // comma-separated; \n and \t written out stand for a newline and a tab
-  return text.split(",").map((s) => s.trim().replace(/\\n/g, "\n").replace(/\\t/g, "\t")).filter((s) => s.length);
+  // one stop string (\n and \t written out stand for a newline and a tab), or several as a JSON list
+  if (text.trim().startsWith("[")) {
+    try {
+      const list = JSON.parse(text);
+      if (Array.isArray(list)) return list.map(String).filter((s) => s.length);
+    } catch (e) { /* not a list: taken as one string */ }
+  }
+  const one = text.replace(/\\n/g, "\n").replace(/\\t/g, "\t");
+  return one ? [one] : [];
 }
 
 function numberField(id) {
@@ -264,6 +271,7 @@ async function send(ev) {
       finish = "stopped";
     }
   } finally {
+    dimUnsent(bodyEl, content);
     out.classList.remove("streaming");
     const n = usage ? usage.completion_tokens : tokens;
     const secs = (performance.now() - (tFirst ?? t0)) / 1000;
@@ -279,6 +287,18 @@ async function send(ev) {
     }
     ui.controller = null;
     setBusy(false);
+  }
+}
+
+function dimUnsent(bodyEl, content) {
+  // tokens past the answer's text (a matched stop string) are in the token view but not in the answer
+  const spans = bodyEl.querySelectorAll(".tok:not(.extra)");
+  const all = Array.from(spans, (sp) => sp.textContent).join("");
+  if (all.length <= content.length || !all.startsWith(content)) return;
+  let at = 0;
+  for (const sp of spans) {
+    if (at >= content.length) sp.classList.add("extra");
+    at += sp.textContent.length;
   }
 }
 
