@@ -8,7 +8,7 @@ HOST ?= 127.0.0.1
 PORT ?= 8000
 PYTEST_ARGS ?=
 
-.PHONY: install model test serve bench bench-torch plugins clean
+.PHONY: install model browser test serve bench bench-torch plugins clean
 
 # pip's own progress (no -q): the first install downloads torch and the rest for a few minutes
 $(STAMP): pyproject.toml constraints.txt
@@ -24,7 +24,15 @@ install: $(STAMP)
 model: $(STAMP)
 	$(VENV)/bin/llmserve --log-level warning fetch-model
 
-test: $(STAMP) model
+# the page's browser tests (tests/ui) drive Debian's chromium; installed here when missing and running as root
+browser:
+	@command -v chromium >/dev/null || command -v chromium-browser >/dev/null || \
+	if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	  echo "installing chromium for the browser tests (apt-get, about a minute)"; \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; \
+	else echo "no chromium: tests/ui will skip (fail under CI); apt-get install chromium, or set LLMSERVE_CHROMIUM"; fi
+
+test: $(STAMP) model browser
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 # serves the default model, SmolLM2-135M-Instruct, on http://$(HOST):$(PORT)/v1

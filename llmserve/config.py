@@ -115,6 +115,7 @@ class ServerConfig:
     log_requests: bool = False  # llmserve's line per request: id, route, status, tokens, latency (never the prompt or key)
     tool_parser: str = "auto"  # reads tool_choice auto's calls: auto (from the chat template) | none | hermes | …
     reasoning_parser: str = "none"  # none | think (<think>…</think> → reasoning_content)
+    ui: bool = True  # GET / (playground and live dashboard) and /stats/stream, from plugin llmserve_ui
 
 
 @dataclass(slots=True)

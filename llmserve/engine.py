@@ -296,7 +296,7 @@ class Engine:
         self.threads.check()
         outputs, self._pending = self._pending, []
         batch = self.scheduler.schedule()
-        backend_s = 0.0
+        backend_s, sampled = 0.0, 0
         if batch.requests:
             self.constraints.fill(batch, self._seqs)
             tb = time.perf_counter()
@@ -305,12 +305,13 @@ class Engine:
             backend_s = now - tb
             for part, mo in done:
                 self.scheduler.update_from_output(part, mo)
+                sampled += len(mo.sampled_token_ids) - mo.sampled_token_ids.count(None)
                 self._postprocess(part, mo, now, t0, outputs)
             if self._holding:
                 self._release_held()
         outputs.extend(self._pending)
         self._pending = []
-        return StepOutput(outputs, self._report_step(batch, t0, backend_s))
+        return StepOutput(outputs, self._report_step(batch, t0, backend_s, sampled))
 
     def _execute(self, batch: SchedulerOutput) -> list[tuple[SchedulerOutput, ModelOutput]]:
         """Run the batch; when the backend fails it, halve it until the failing sequences are alone, fail
@@ -383,7 +384,7 @@ class Engine:
                 continue
             outputs.append(self._delta(r, text))
 
-    def _report_step(self, batch, t0: float, backend_s: float) -> StepMetrics | None:
+    def _report_step(self, batch, t0: float, backend_s: float, sampled: int) -> StepMetrics | None:
         if not batch.requests and not batch.preempted_request_ids:
             return None
         self._step_no += 1
@@ -399,7 +400,7 @@ class Engine:
             num_running=st.num_running, num_waiting=st.num_waiting,
             num_preempted=len(batch.preempted_request_ids), step_seconds=step_s,
             backend_seconds=backend_s, overhead_seconds=step_s - backend_s,
-            kv_cache_usage=c.usage, prefix_cache_queries=dq, prefix_cache_hits=dh,
+            kv_cache_usage=c.usage, prefix_cache_queries=dq, prefix_cache_hits=dh, num_output_tokens=sampled,
         )
         self.collector.on_step(m)
         for s in self.metric_sinks:

@@ -32,6 +32,7 @@ class StepMetrics:
     kv_cache_usage: float  # used blocks / total blocks
     prefix_cache_queries: int  # prompt tokens looked up in this step
     prefix_cache_hits: int  # of those, served from the cache
+    num_output_tokens: int = 0  # tokens sampled in this step (what "output tok/s" counts while requests run)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -95,6 +96,7 @@ class MetricsCollector:
         self.preemptions = 0
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
+        self.step_tokens = {"prefill": 0, "decode": 0, "output": 0}  # totals over steps: live rates need no finish
 
     def on_step(self, m: StepMetrics) -> None:
         self.steps += 1
@@ -105,6 +107,8 @@ class MetricsCollector:
         self.preemptions += m.num_preempted
         self.prefix_cache_queries += m.prefix_cache_queries
         self.prefix_cache_hits += m.prefix_cache_hits
+        for k, n in (("prefill", m.num_prefill_tokens), ("decode", m.num_decode_tokens), ("output", m.num_output_tokens)):
+            self.step_tokens[k] += n
 
     def on_request_finished(self, m: RequestMetrics) -> None:
         self.requests_finished[m.finish_reason or "error"] += 1
@@ -125,6 +129,7 @@ class MetricsCollector:
             "generation_tokens": self.generation_tokens,
             "decode_tokens": self.decode_tokens,
             "preemptions": self.preemptions,
+            "step_tokens": dict(self.step_tokens),
             "prefix_cache_queries": self.prefix_cache_queries,
             "prefix_cache_hits": self.prefix_cache_hits,
             "prefix_cache_hit_rate": (self.prefix_cache_hits / self.prefix_cache_queries)

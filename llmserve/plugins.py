@@ -39,6 +39,7 @@ DEFAULT_PLUGINS: tuple[str, ...] = (
     "llmserve_grammar",
     "llmserve_bench",
     "llmserve_tools",
+    "llmserve_ui",
 )
 
 # registry kind → the hook that fills it

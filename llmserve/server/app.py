@@ -18,11 +18,7 @@ from llmserve.config import EngineConfig
 from llmserve.engine import Engine
 from llmserve.server import routes, tokenize, tools
 from llmserve.server.errors import EXCEPTION_HANDLERS
-<<<<<<< HEAD
-from llmserve.server.middleware import ApiKeyMiddleware, SizeLimitMiddleware
-=======
-from llmserve.server.middleware import ApiKeyMiddleware, BodyLimitMiddleware, RequestLogMiddleware
->>>>>>> helper-first
+from llmserve.server.middleware import ApiKeyMiddleware, RequestLogMiddleware, SizeLimitMiddleware
 from llmserve.server.state import ServerState
 
 log = logging.getLogger("llmserve.server")

@@ -69,6 +69,11 @@ async def handle_error(request: Request, exc: ApiError | InvalidRequestError) ->
 
 
 async def handle_http_exception(request: Request, exc: HTTPException) -> Response:
+    st = request.app.state.llm
+    if exc.status_code == 404 and not st.ready and st.load_error is None:  # plugin routes (/, /metrics) come later
+        return error_response(ApiError(503, f"no route {request.method} {request.url.path} yet: the model is loading, "
+                                            "and plugins add their routes (such as /) once it is ready",
+                                       code="not_ready", headers={"Retry-After": "5"}))
     msg = f"no route {request.method} {request.url.path}" if exc.status_code == 404 else str(exc.detail)
     code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
     return error_response(ApiError(exc.status_code, msg, code=code, headers=dict(exc.headers or {})))

@@ -322,6 +322,8 @@ def test_metrics_snapshot_and_sinks_report_latencies():
     snap = eng.metrics_snapshot()
     assert snap["requests_finished"] == {"length": 5}
     assert snap["generation_tokens"] == 20 and snap["prompt_tokens"] == 30
+    # the per-step totals (what live rates are made of): each prefill samples a token, each decode one more
+    assert snap["step_tokens"] == {"prefill": 30, "decode": 15, "output": 20}
     lat = snap["latency_seconds"]
     assert lat["ttft"]["count"] == 5 and lat["ttft"]["p50"] >= 0.001
     assert lat["itl"]["count"] == 15 and lat["itl"]["p99"] >= lat["itl"]["p50"] > 0

@@ -90,6 +90,23 @@ def start_server(config: dict, extra_plugins: list | None = None, build_engine: 
     return LiveServer(f"http://127.0.0.1:{port}", app, engine, server, t)
 
 
+def start_default_server() -> LiveServer:
+    """configs/default.yaml as `make serve` serves it (on a free port), returned once its model has loaded."""
+    from pathlib import Path
+
+    from llmserve.config import load_config
+
+    cfg = load_config(Path(__file__).resolve().parents[2] / "configs" / "default.yaml").to_dict()
+    cfg["server"]["port"] = 0
+    s = start_server(cfg, build_engine=False)
+    deadline = time.monotonic() + 600  # a first start dequantizes the GGUF once
+    while (h := httpx.get(s.url + "/health")).status_code != 200:
+        assert h.json().get("status") == "loading", h.text
+        assert time.monotonic() < deadline, "the default model did not load in 10 minutes"
+        time.sleep(0.5)
+    return s
+
+
 @pytest.fixture(scope="module")
 def fake_server():
     """The default test server: fake backend, byte tokenizer."""

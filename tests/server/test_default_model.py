@@ -9,14 +9,11 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import time
 from pathlib import Path
 
-import httpx
 import pytest
 
-from llmserve.config import load_config
-from tests.server.conftest import start_server
+from tests.server.conftest import start_default_server
 
 ROOT = Path(__file__).resolve().parents[2]
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
@@ -24,14 +21,7 @@ QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 
 @pytest.fixture(scope="module")
 def default_server():
-    cfg = load_config(ROOT / "configs" / "default.yaml").to_dict()
-    cfg["server"]["port"] = 0
-    s = start_server(cfg, build_engine=False)
-    deadline = time.monotonic() + 600  # a first start dequantizes the GGUF once
-    while (h := httpx.get(s.url + "/health")).status_code != 200:
-        assert h.json().get("status") == "loading", h.text
-        assert time.monotonic() < deadline, "the default model did not load in 10 minutes"
-        time.sleep(0.5)
+    s = start_default_server()
     yield s
     s.stop()
 
