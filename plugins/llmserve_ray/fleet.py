@@ -85,13 +85,14 @@ class FleetEngine(AsyncEngine):
         if not self.built.done():
             self.built.set_result(self.engine)
 
-    def replica_ids(self) -> list[str]:
+    def reports(self) -> dict[str, dict]:
+        """Each running replica's latest report (routing stats), by replica id."""
         router = self.router_state()
-        return router.replica_ids() if router is not None else []
+        return router.reports() if router is not None else {}
 
     @property
     def running(self) -> bool:
-        return not self._stop
+        return not self._stop and bool(self.reports())  # /health: 503 while no replica is up
 
     @property
     def num_waiting(self) -> int:
@@ -137,34 +138,22 @@ class FleetEngine(AsyncEngine):
             t.cancel()
 
     async def call(self, fn):
-        """fn(front) after refreshing the fleet's stats (what /stats reads)."""
-        self.engine.fleet_stats = await self.fleet_stats()
+        """fn(front) with the fleet's stats refreshed (what /stats reads)."""
+        self.engine.fleet_stats = self.fleet_stats()
         return fn(self.engine)
 
-    async def per_replica(self, method: str, timeout: float = 5.0) -> dict[str, Any]:
-        """method(replica=id) on every running replica; an exception in place of a replica that did not answer."""
-        ids = self.replica_ids()
-
-        async def one(rid):
-            return await asyncio.wait_for(getattr(self.handle, method).remote(replica=rid), timeout)
-
-        got = await asyncio.gather(*(one(r) for r in ids), return_exceptions=True)
-        return dict(zip(ids, got))
-
-    async def fleet_stats(self) -> dict[str, Any]:
-        """Each replica's /stats body and their sums."""
-        per = await self.per_replica("stats")
-        ok = {r: s for r, s in per.items() if isinstance(s, dict)}
-        total = {k: sum(s["cache"][k] for s in ok.values())
+    def fleet_stats(self) -> dict[str, Any]:
+        """Each replica's /stats body as it last reported it (every stats_period_s), and their sums."""
+        per = {r: rep.get("stats") for r, rep in sorted(self.reports().items())}
+        ok = [s for s in per.values() if s]
+        total = {k: sum(s["cache"][k] for s in ok)
                  for k in ("num_blocks", "used_blocks", "prefix_queries", "prefix_hits", "evictions")}
         total["prefix_hit_rate"] = total["prefix_hits"] / total["prefix_queries"] if total["prefix_queries"] else 0.0
         router = self.router_state()
         routed = router.routed_requests if router is not None else 0
         return {"model": self.engine.config.served_model_name, "max_model_len": self.engine.max_model_len,
-                "waiting": sum(s["waiting"] for s in ok.values()) + self._waiting,
-                "running": sum(s["running"] for s in ok.values()), "cache": total,
-                "replicas": {r: s if isinstance(s, dict) else {"error": f"{type(s).__name__}: {s}"}
-                             for r, s in per.items()},
+                "waiting": sum(s["waiting"] for s in ok) + self._waiting, "running": sum(s["running"] for s in ok),
+                "cache": total, "replicas": {r: s or {"error": "no report yet"} for r, s in per.items()},
                 "router": {"name": self.engine.config.distributed.router, "routed_requests": routed,
                            "seconds_per_request": router.routing_seconds / routed if routed else 0.0}}
 

@@ -28,10 +28,9 @@ class Ingress:
         fleet = self.fleet
 
         async def metrics(request):
-            """GET /metrics: every replica's metrics with a replica label, and the router's."""
-            per = await fleet.per_replica("metrics")
+            """GET /metrics: every replica's metrics (as last reported) with a replica label, and the router's."""
             router = fleet.router_state()
-            text = merge_replica_metrics({r: t for r, t in per.items() if isinstance(t, str)})
+            text = merge_replica_metrics({r: rep["metrics"] for r, rep in fleet.reports().items() if rep.get("metrics")})
             if router is not None:
                 text += ("# HELP llmserve_router_requests_total Requests the router placed.\n"
                          "# TYPE llmserve_router_requests_total counter\n"

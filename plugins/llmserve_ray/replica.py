@@ -57,7 +57,8 @@ class EngineReplica:
             self.replica_id = "local"
 
     def _bind(self) -> None:
-        self.aengine.start(asyncio.get_running_loop())  # outputs come back to this replica's event loop
+        # outputs come back to the loop that runs generate (Serve's user-code loop)
+        self.aengine.start(asyncio.get_running_loop())
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams, request_id: str, priority: int = 0,
                        cache_salt: str | None = None):
@@ -79,27 +80,20 @@ class EngineReplica:
                 "tokenizer_path": e.backend.tokenizer_path, "default_tokenizer": e.backend.default_tokenizer,
                 "backend": e.backend.describe()}
 
-    async def stats(self, replica: str | None = None) -> dict[str, Any]:
-        """This replica's /stats body (`replica` routes the call here; see serve_router)."""
-        self._bind()
-        snap = await self.aengine.call(lambda e: e.stats())
+    async def record_routing_stats(self) -> dict[str, Any]:
+        """Serve's routing stats, every distributed.options.stats_period_s: the short keys of the blocks this
+        replica holds (the prefix-aware router's view), its /stats body and its Prometheus text (the fleet's)."""
+        alloc = self._allocator[0]
+        keys, snap = await self.aengine.call(lambda e: (alloc.held_block_keys(), e.stats()))
         snap["replica"] = self.replica_id
         snap["server"] = {"active_requests": self.aengine.num_active, "steps": self.aengine.num_steps}
-        return snap
+        return {"keys": [short_key(k) for k in keys], "stats": snap, "metrics": self._metrics()}
 
-    async def metrics(self, replica: str | None = None) -> str:
-        """This replica's Prometheus text."""
+    def _metrics(self) -> str:
         from llmserve_prometheus import find_sink
 
         sink = find_sink(self.engine)
         return sink.render().decode() if sink is not None else ""
-
-    async def record_routing_stats(self) -> dict[str, Any]:
-        """Serve's routing stats: the short keys of the blocks this replica holds, and its load."""
-        self._bind()
-        alloc = self._allocator[0]
-        keys = await self.aengine.call(lambda e: alloc.held_block_keys())
-        return {"keys": [short_key(k) for k in keys], "active": self.aengine.num_active}
 
     def check_health(self) -> None:
         """Serve's health check: a replica whose engine stopped is replaced."""

@@ -2,8 +2,8 @@
 
 Serve calls choose_replicas for every call on the replicas' handle. A `generate` call is ranked
 by the configured Router from the prompt's leading block keys and each replica's load (Serve's
-queue-length cache) and held keys (its routing stats, record_routing_stats on the replica). A call
-that names `replica=` (the ingress's per-replica /stats and /metrics) goes to that replica only.
+queue-length cache) and held keys (its routing stats, record_routing_stats on the replica). The
+ingress also reads each replica's /stats and metrics from those routing stats (fleet.py).
 """
 
 from __future__ import annotations
@@ -30,9 +30,9 @@ class LLMRequestRouter(RequestRouter):
         self.routing_seconds = 0.0
         fleet_module.ROUTERS[self._deployment_id.name] = self  # the ingress reads the fleet from it
 
-    def replica_ids(self) -> list[str]:
-        """The running replicas' ids, in a stable order."""
-        return sorted(r.replica_id.unique_id for r in self._replicas_list)
+    def reports(self) -> dict[str, dict]:
+        """Each running replica's latest routing stats (keys, /stats body, metrics), by replica id."""
+        return {r.replica_id.unique_id: r.routing_stats or {} for r in self._replicas_list}
 
     def _load(self, r: RunningReplica) -> ReplicaLoad:
         rid = r.replica_id.unique_id
@@ -46,9 +46,6 @@ class LLMRequestRouter(RequestRouter):
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
         if pending_request is None or not candidate_replicas:
             return [candidate_replicas]
-        target = pending_request.kwargs.get("replica")
-        if target is not None:
-            return [[r for r in candidate_replicas if r.replica_id.unique_id == target]]
         if pending_request.metadata.call_method != "generate":
             return [candidate_replicas]
         t0 = time.perf_counter()
