@@ -42,4 +42,10 @@ class Ingress:
 
         # taken before the plugins' register_routes runs, so the Prometheus plugin's single-engine /metrics steps aside
         app.router.routes.append(Route("/metrics", metrics, methods=["GET"]))
+        self.state = app.state.llm  # (`app` is a property of Serve's ASGI wrapper)
         return app
+
+    async def drain(self, timeout: float) -> bool:
+        """SIGTERM: admit no more requests (503) and wait up to timeout for those in flight; False if some were left."""
+        self.state.begin_drain()
+        return await self.fleet.wait_idle(timeout)

@@ -1,8 +1,8 @@
 """`llmserve serve --replicas N`: the engine replicas and the OpenAI ingress as one Ray Serve application.
 
 build_app(config) makes the application (tests deploy it with serve.run); serve_fleet(config)
-starts or joins Ray, runs it on server.host:server.port, and on SIGTERM drains every replica
-(Serve waits up to server.drain_timeout for their requests) before it exits.
+starts or joins Ray, runs it on server.host:server.port, and on SIGTERM drains: the ingress answers
+503 to new requests and waits up to server.drain_timeout for those in flight, then Serve stops.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from llmserve.plugins import load_plugins
 log = logging.getLogger("llmserve.ray")
 
 APP_NAME = "llmserve"
+INGRESS = "Ingress"
 REPLICAS = "EngineReplica"  # the replicas' deployment; the ingress finds its router by this name
 _OPTIONS = {"router": {}, "max_ongoing_requests": 256, "stats_period_s": 0.5, "ingress_num_cpus": 0.0,
             "health_check_period_s": 2.0}
@@ -57,7 +58,7 @@ def build_app(config: EngineConfig):
         ray_actor_options={"num_cpus": d.num_cpus, "num_gpus": d.num_gpus},
         graceful_shutdown_timeout_s=config.server.drain_timeout, graceful_shutdown_wait_loop_s=0.5,
         health_check_period_s=o["health_check_period_s"], request_router_config=routing)
-    ingress = serve.deployment(serve.ingress()(Ingress), name="Ingress",
+    ingress = serve.deployment(serve.ingress()(Ingress), name=INGRESS,
                                max_ongoing_requests=config.server.max_waiting_requests,
                                ray_actor_options={"num_cpus": o["ingress_num_cpus"]},
                                graceful_shutdown_timeout_s=config.server.drain_timeout)
@@ -78,8 +79,12 @@ def serve_fleet(config: EngineConfig) -> int:
         log.info("serving %s on http://%s:%d with %d replicas (router %s)", config.served_model_name, sc.host,
                  sc.port, d.replicas, d.router)
         stop.wait()
-        log.info("draining every replica (up to %gs)", sc.drain_timeout)
+        log.info("draining: new requests get 503; waiting up to %gs for those in flight", sc.drain_timeout)
+        # Serve's own shutdown would close the proxy's open streams at once: drain through the ingress first
+        ingress = serve.get_deployment_handle(INGRESS, app_name=APP_NAME)
+        if not ingress.drain.remote(sc.drain_timeout).result(timeout_s=sc.drain_timeout + 10):
+            log.warning("requests still in flight after %gs; stopping anyway", sc.drain_timeout)
     finally:
-        serve.shutdown()  # Serve waits for each replica's requests, up to graceful_shutdown_timeout_s
+        serve.shutdown()  # then every replica stops (each waits for what it still runs)
         ray.shutdown()
     return 0
