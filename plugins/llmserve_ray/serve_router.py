@@ -52,6 +52,8 @@ class LLMRequestRouter(RequestRouter):
         ids, _params, _rid, _priority, salt = pending_request.args
         keys = request_keys(ids, self.block_size, salt)
         ranks = self.policy.rank(keys, [self._load(r) for r in candidate_replicas])
+        if len(self._keys_of) > 10_000:  # requests cancelled before they were routed leave theirs behind
+            self._keys_of.clear()
         self._keys_of[pending_request.metadata.internal_request_id] = keys
         self.routed_requests += 1
         self.routing_seconds += time.perf_counter() - t0

@@ -125,3 +125,19 @@ def test_fleet_metrics_keep_one_family_with_a_replica_label():
     lines = merged.splitlines()
     assert lines.index('x_total{replica="r2",model_name="m"} 3.0') < lines.index("# HELP y Gauge.")
     assert 'y{replica="r1"} 1.0' in lines and 'y{replica="r2"} 1.0' in lines
+
+
+def test_bench_router_prefix_aware_beats_the_blind_routers(capsys):
+    # `llmserve bench router`, small: no Ray, the same router objects, --json
+    import json
+
+    from llmserve.cli import main
+
+    assert main(["bench", "router", "--replicas", "4", "--users-per-replica", "3", "--turns", "3", "--json"]) == 0
+    rows = {r["router"]: r for r in json.loads(capsys.readouterr().out)["results"]}
+    assert set(rows) == {"round-robin", "power-of-two", "prefix-aware"}
+    pa = rows["prefix-aware"]
+    for blind in ("round-robin", "power-of-two"):
+        assert pa["prefix_hit_rate"] > rows[blind]["prefix_hit_rate"]
+        assert pa["ttft_p50_ms"] <= rows[blind]["ttft_p50_ms"]
+    assert all(r["requests"] == 4 * 3 * 3 and r["router_us_per_request"] > 0 for r in rows.values())
