@@ -100,10 +100,6 @@ class EngineReplica:
         if not self.aengine.running:
             raise RuntimeError(f"the engine is not running: {self.aengine.dead}")
 
-    async def drain(self, timeout: float) -> bool:
-        """Let in-flight requests finish (SIGTERM drains every replica)."""
-        return await self.aengine.wait_idle(timeout)
-
     def __del__(self):
         a = getattr(self, "aengine", None)
         if a is not None and a.running:

@@ -45,6 +45,19 @@ class Fleet:
     def stats(self) -> dict:
         return httpx.get(self.url + "/stats", timeout=30).json()
 
+    def settled_stats(self, timeout: float = 15.0) -> dict:
+        """/stats once the replicas' reports (every stats_period_s) have caught up: two reads in a row agree."""
+        deadline = time.monotonic() + timeout
+        time.sleep(0.3)
+        last = self.stats()
+        while time.monotonic() < deadline:
+            time.sleep(0.3)
+            s = self.stats()
+            if s["cache"] == last["cache"] and s["running"] == 0 and s["waiting"] == 0:
+                return s
+            last = s
+        return last
+
     def deploy(self, router: str) -> None:
         serve.run(build_app(config_from_dict(fleet_config(router))), name=APP_NAME, route_prefix="/")
         self.wait_replicas(2)
@@ -118,13 +131,13 @@ def test_fleet_stats_and_metrics_per_replica(fleet):
 def test_shared_prefix_lands_on_one_replica(fleet):
     rng = random.Random(1)
     prefix = ids(rng, 10 * BLOCK)
-    before = {r: v["cache"]["prefix_queries"] for r, v in fleet.stats()["replicas"].items()}
+    before = {r: v["cache"]["prefix_queries"] for r, v in fleet.settled_stats()["replicas"].items()}
     c = fleet.client()
     cached = []
     for _ in range(6):
         r = c.completions.create(model="embedded", prompt=prefix + ids(rng, 8), max_tokens=2)
         cached.append(r.usage.prompt_tokens_details.cached_tokens)
-    after = {r: v["cache"]["prefix_queries"] for r, v in fleet.stats()["replicas"].items()}
+    after = {r: v["cache"]["prefix_queries"] for r, v in fleet.settled_stats()["replicas"].items()}
     moved = [r for r in after if after[r] != before.get(r, 0)]
     assert len(moved) == 1, f"shared-prefix requests went to {moved}"
     assert cached[0] == 0 and all(x == 10 * BLOCK for x in cached[1:]), cached
@@ -133,14 +146,14 @@ def test_shared_prefix_lands_on_one_replica(fleet):
 def _conversations(seed: int, fleet: Fleet) -> float:
     """Multi-turn chats (each turn's prompt extends the last), one after another; the fleet's prefix hit rate."""
     rng = random.Random(seed)
-    before = fleet.stats()["cache"]
+    before = fleet.settled_stats()["cache"]
     c = fleet.client()
     for _ in range(6):
         prompt = ids(rng, 4 * BLOCK)
         for _turn in range(3):
             prompt = prompt + ids(rng, 4 * BLOCK)
             c.completions.create(model="embedded", prompt=prompt, max_tokens=2)
-    after = fleet.stats()["cache"]
+    after = fleet.settled_stats()["cache"]
     return (after["prefix_hits"] - before["prefix_hits"]) / (after["prefix_queries"] - before["prefix_queries"])
 
 
