@@ -52,6 +52,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     cfg = config_from_args(args)
     if args.log_level:
         cfg.server.log_level = args.log_level  # one flag for our logs and uvicorn's
+    if cfg.distributed.replicas:  # N engine replicas behind one endpoint (the ray plugin by default)
+        return load_plugins().get("launcher", cfg.distributed.launcher).factory(cfg)
     from llmserve.server import serve
 
     return serve(cfg)

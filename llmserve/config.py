@@ -119,6 +119,17 @@ class ServerConfig:
 
 
 @dataclass(slots=True)
+class DistributedConfig:
+    replicas: int = 0  # engine replicas behind one endpoint; 0 serves in this process (no Ray)
+    launcher: str = "ray"  # the plugin that runs them (register_launchers)
+    router: str = "prefix-aware"  # picks a replica per request (register_routers): round-robin | power-of-two | …
+    ray_address: str | None = None  # an existing Ray cluster ("auto", "ray://host:10001"); None starts a local one
+    num_cpus: float = 1.0  # per replica
+    num_gpus: float = 0.0  # per replica
+    options: dict[str, Any] = field(default_factory=dict)  # the launcher's and router's own settings
+
+
+@dataclass(slots=True)
 class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     backend: BackendConfig = field(default_factory=BackendConfig)
@@ -128,6 +139,7 @@ class EngineConfig:
     structured_output: StructuredOutputConfig = field(default_factory=StructuredOutputConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     server: ServerConfig = field(default_factory=ServerConfig)
+    distributed: DistributedConfig = field(default_factory=DistributedConfig)
     source: str = "<defaults>"  # where the values came from, for error messages
 
     @property
@@ -170,6 +182,9 @@ class EngineConfig:
         need(self.server.max_connections >= 1, "server.max_connections", "must be >= 1")
         for key in ("request_read_timeout", "keep_alive_timeout", "drain_timeout"):
             need(0 < getattr(self.server, key) < float("inf"), f"server.{key}", "must be a positive number of seconds")
+        d = self.distributed
+        need(d.replicas >= 0, "distributed.replicas", f"must be >= 0, got {d.replicas}")
+        need(d.num_cpus >= 0 and d.num_gpus >= 0, "distributed", "num_cpus and num_gpus must be >= 0")
 
 
 def _type_check(value: Any, tp: Any, key: str, source: str) -> Any:

@@ -35,6 +35,9 @@ CONFIG_FLAGS: dict[str, tuple[str, type, str]] = {
     "--port": ("server.port", int, "port to bind"),
     "--api-key": ("server.api_key", str, "require this Bearer token on /v1/*"),
     "--tool-parser": ("server.tool_parser", str, "how tool calls are read from the output: auto | none | hermes | …"),
+    "--replicas": ("distributed.replicas", int, "engine replicas on Ray Serve behind one endpoint (pip install llmserve[ray])"),
+    "--router": ("distributed.router", str, "how a request picks its replica: prefix-aware | power-of-two | round-robin"),
+    "--ray-address": ("distributed.ray_address", str, "join this Ray cluster (default: start a local one)"),
     "--reasoning-parser": ("server.reasoning_parser", str, "none | think (<think>…</think> → reasoning_content)"),
 }
 

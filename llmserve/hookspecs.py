@@ -48,6 +48,19 @@ def register_structured_output(register):
     """Register grammar engines: ``register(name, factory)``, ``factory(config, tokenizer, vocab_size) -> GrammarEngine``."""
 
 
+# --- scale-out ------------------------------------------------------------------------------
+
+
+@hookspec
+def register_routers(register):
+    """Register replica routers: ``register(name, factory)``, ``factory(options) -> Router`` (llmserve.interfaces)."""
+
+
+@hookspec
+def register_launchers(register):
+    """Register ways to serve several replicas: ``register(name, factory)``, ``factory(config) -> exit status``."""
+
+
 # --- server and command line ------------------------------------------------------------------
 
 

@@ -61,6 +61,10 @@ class CacheAllocator(ABC):
     def reset_prefix_cache(self) -> None:  # noqa: B027 - optional
         """Forget every cached block that no sequence holds."""
 
+    def held_block_keys(self) -> list[bytes]:
+        """The sha256 keys of the full blocks whose KV it holds (what a prefix-aware router reads); [] if none."""
+        return []
+
 
 class Scheduler(ABC):
     """Owns the waiting and running sequences and their KV blocks; decides each step's work."""
@@ -234,3 +238,23 @@ class MetricSink(ABC):
 
     def close(self) -> None:  # noqa: B027 - optional
         """Flush and close."""
+
+
+@dataclass(slots=True)
+class ReplicaLoad:
+    """What a router knows of one engine replica: its id, requests in flight, the block keys it holds."""
+
+    replica_id: str
+    in_flight: int = 0
+    keys: frozenset[int] = frozenset()  # llmserve_ray.prefix.short_key of each held block
+
+
+class Router(ABC):
+    """Picks the replica for a request from the request's leading block keys and the replicas' loads."""
+
+    @abstractmethod
+    def rank(self, keys: Sequence[int], replicas: Sequence[ReplicaLoad]) -> list[list[int]]:
+        """Indices into replicas in ranks, best first; a rank's members are equally good (the least loaded wins)."""
+
+    def routed(self, keys: Sequence[int], replica_id: str) -> None:  # noqa: B027 - optional
+        """The request went to replica_id (a router may remember its keys until the replica reports them)."""

@@ -40,6 +40,7 @@ DEFAULT_PLUGINS: tuple[str, ...] = (
     "llmserve_bench",
     "llmserve_tools",
     "llmserve_ui",
+    "llmserve_ray",
 )
 
 # registry kind → the hook that fills it
@@ -52,6 +53,8 @@ COMPONENT_HOOKS: dict[str, str] = {
     "grammar": "register_structured_output",
     "tool_parser": "register_tool_parsers",
     "reasoning_parser": "register_reasoning_parsers",
+    "router": "register_routers",
+    "launcher": "register_launchers",
 }
 
 

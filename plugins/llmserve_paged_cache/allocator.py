@@ -103,6 +103,10 @@ class PagedAllocator(CacheAllocator):
     def num_free_blocks(self) -> int:
         return len(self._free) + len(self._evictable)
 
+    def held_block_keys(self) -> list[bytes]:
+        # builtin keys are tuples, not block_hash digests a router could recompute
+        return list(self._cached) if self._sha else []
+
     # --- allocation ---------------------------------------------------------------------------
 
     def _forget(self, b: int) -> None:

@@ -1,0 +1,166 @@
+"""The ingress side: the same OpenAI routes over a DeploymentHandle to the engine replicas.
+
+The routes call an AsyncEngine and read an Engine (tokenizer, limits, grammar, plugins). Here
+FleetEngine is that AsyncEngine, with each request's deltas pumped from a replica's streamed
+`generate` into the same RequestStream; Front is that Engine without a model, its facts taken
+from a replica. Everything else (parsing, validation, answers, SSE, disconnects) is the server's
+own code, unchanged.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+from typing import Any
+
+from llmserve.async_engine import AsyncEngine, RequestStream
+from llmserve.constraints import Constraints
+from llmserve.engine import Engine
+from llmserve.errors import EngineDeadError
+
+log = logging.getLogger("llmserve.ray")
+
+_ids = itertools.count()
+
+# deployment name → the LLMRequestRouter of that deployment's handle in this process (serve_router.py
+# registers it): the ingress reads the running replicas and the router's costs from it
+ROUTERS: dict[str, Any] = {}
+
+
+class _RemoteBackend:
+    """The backend facts the routes read (vocabulary, limits), as a replica described them."""
+
+    def __init__(self, info: dict[str, Any]):
+        self.vocab_size = info["vocab_size"]
+        self.max_model_len = info["max_model_len"]
+        self.eos_token_id = info["eos_token_id"]
+        self.default_tokenizer = info["default_tokenizer"]
+        self.tokenizer_path = info["tokenizer_path"]
+        self._info = info["backend"]
+
+    def describe(self) -> dict[str, Any]:
+        return dict(self._info)
+
+
+class Front(Engine):
+    """An Engine with no model and no KV cache: the tokenizer, grammar and limits the ingress validates with."""
+
+    def __init__(self, config, plugins, info: dict[str, Any]):  # noqa: D107 - Engine.__init__ would load the model
+        self.config, self.plugins = config, plugins
+        self.backend = _RemoteBackend(info)
+        self.max_model_len = info["max_model_len"]
+        self.eos_token_id = info["eos_token_id"]
+        self.generation_defaults = dict(info["generation_defaults"])
+        self.tokenizer = self._build_tokenizer()  # Engine's own rules: the same tokenizer the replicas built
+        self.constraints = Constraints(*self._build_grammar(), self.backend.vocab_size)
+        self.metric_sinks = []
+        self.fleet_stats: dict[str, Any] = {}  # refreshed by FleetEngine.call before /stats reads it
+
+    def stats(self) -> dict[str, Any]:
+        return self.fleet_stats
+
+    def add_metric_sink(self, sink) -> None:
+        self.metric_sinks.append(sink)  # no steps here: the replicas' sinks are the ones /metrics reads
+
+
+def replica_error(exc: BaseException) -> Exception:
+    """What the client is told when its replica failed mid-request (it died, or was stopped)."""
+    return EngineDeadError(f"the replica serving this request failed ({type(exc).__name__}); retry the request")
+
+
+class FleetEngine(AsyncEngine):
+    """The server's AsyncEngine over Ray Serve: requests go to the replicas the router picks."""
+
+    def __init__(self, front: Front, handle, router_state):
+        super().__init__(front)  # a built engine: no engine thread is started
+        self.handle = handle
+        self.router_state = router_state  # () -> the LLMRequestRouter of this process (replica list, costs)
+        self._tasks: dict[str, asyncio.Task] = {}
+        self._waiting = 0  # sequences sent to a replica that has not answered yet
+
+    def start(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
+        self._loop = loop or self._loop or asyncio.get_running_loop()
+        if not self.built.done():
+            self.built.set_result(self.engine)
+
+    def reports(self) -> dict[str, dict]:
+        """Each running replica's latest report (routing stats), by replica id."""
+        router = self.router_state()
+        return router.reports() if router is not None else {}
+
+    @property
+    def running(self) -> bool:
+        return not self._stop and bool(self.reports())  # /health: 503 while no replica is up
+
+    @property
+    def num_waiting(self) -> int:
+        return self._waiting
+
+    def add_request(self, prompt_token_ids, params, request_id=None, priority=0, cache_salt=None) -> RequestStream:
+        if self._stop or self._loop is None:
+            raise EngineDeadError("the server is shutting down")
+        rid = request_id or f"req-{next(_ids)}-{time.monotonic_ns():x}"
+        stream = RequestStream(rid, params.n, self._loop)
+        self._streams[rid] = stream
+        self._tasks[rid] = self._loop.create_task(self._pump(rid, list(prompt_token_ids), params, priority, cache_salt))
+        return stream
+
+    async def _pump(self, rid: str, ids: list[int], params, priority: int, salt: str | None) -> None:
+        gen = self.handle.options(stream=True).generate.remote(ids, params, rid, priority, salt)
+        waiting = params.n
+        self._waiting += waiting
+        try:
+            async for batch in gen:
+                self._waiting -= waiting
+                waiting = 0
+                self._deliver(batch)
+        except asyncio.CancelledError:
+            gen.cancel()  # the client went away: the replica aborts the request and frees its blocks
+            raise
+        except Exception as e:  # noqa: BLE001 - the replica died or failed: this stream ends with an error
+            log.warning("request %s failed on its replica: %s: %s", rid, type(e).__name__, e)
+            self._deliver_error(rid, replica_error(e))
+        finally:
+            self._waiting -= waiting
+            self._tasks.pop(rid, None)
+        if rid in self._streams:  # the replica's stream ended before the request did
+            self._deliver_error(rid, EngineDeadError("the replica ended the stream early"))
+
+    def abort(self, request_id: str) -> None:
+        s = self._streams.pop(request_id, None)
+        if s is not None and not s.done:
+            s.done = True
+            s._wake()
+        t = self._tasks.pop(request_id, None)
+        if t is not None:
+            t.cancel()
+
+    async def call(self, fn):
+        """fn(front) with the fleet's stats refreshed (what /stats reads)."""
+        self.engine.fleet_stats = self.fleet_stats()
+        return fn(self.engine)
+
+    def fleet_stats(self) -> dict[str, Any]:
+        """Each replica's /stats body as it last reported it (every stats_period_s), and their sums."""
+        per = {r: rep.get("stats") for r, rep in sorted(self.reports().items())}
+        ok = [s for s in per.values() if s]
+        total = {k: sum(s["cache"][k] for s in ok)
+                 for k in ("num_blocks", "used_blocks", "prefix_queries", "prefix_hits", "evictions")}
+        total["prefix_hit_rate"] = total["prefix_hits"] / total["prefix_queries"] if total["prefix_queries"] else 0.0
+        router = self.router_state()
+        routed = router.routed_requests if router is not None else 0
+        return {"model": self.engine.config.served_model_name, "max_model_len": self.engine.max_model_len,
+                "waiting": sum(s["waiting"] for s in ok) + self._waiting, "running": sum(s["running"] for s in ok),
+                "cache": total, "replicas": {r: s or {"error": "no report yet"} for r, s in per.items()},
+                "router": {"name": self.engine.config.distributed.router, "routed_requests": routed,
+                           "seconds_per_request": router.routing_seconds / routed if routed else 0.0}}
+
+    async def shutdown(self, drain_timeout: float = 0.0) -> None:
+        if drain_timeout > 0:
+            await self.wait_idle(drain_timeout)
+        self._stop = True
+        for rid in list(self._streams):
+            self.abort(rid)
+        self._fail_all(EngineDeadError("the server is shutting down"))
