@@ -93,8 +93,11 @@ def main() -> None:
     u = urlparse(base)
     big = "x-big: " + "a" * (30 * 1024 * 1024) + "\r\n"
     with socket.create_connection((u.hostname, u.port)) as s:
-        s.sendall(f"GET /health HTTP/1.1\r\nhost: t\r\n{big}\r\n".encode())
-        results["4. a complete 30 MiB header"] = s.recv(200).split(b"\r\n")[0].decode()
+        try:
+            s.sendall(f"GET /health HTTP/1.1\r\nhost: t\r\n{big}\r\n".encode())
+            results["4. a 30 MiB header"] = s.recv(200).split(b"\r\n")[0].decode()
+        except ConnectionResetError:  # refused and closed before the rest was sent
+            results["4. a 30 MiB header"] = "connection closed by the server before 30 MiB arrived"
     with socket.create_connection((u.hostname, u.port)) as s:
         t0 = time.monotonic()
         s.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: t\r\n")
