@@ -7,14 +7,13 @@ import os
 import signal
 import subprocess
 import sys
-import time
 
 import httpx
 import pytest
 
 pytest.importorskip("ray", reason="the ray extra is not installed (pip install 'llmserve[ray]')")
 
-from tests.server.conftest import free_port  # noqa: E402
+from tests.server.conftest import free_port, wait_healthy  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -27,16 +26,7 @@ def test_sigterm_drains_the_replicas_and_exits_0():
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=os.environ.copy())
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert proc.poll() is None, proc.stderr.read()
-            assert time.monotonic() < deadline, "the fleet did not come up"
-            time.sleep(0.5)
+        wait_healthy(proc, url, timeout=120)
         body = {"model": "embedded", "prompt": "drain me", "max_tokens": 200, "stream": True, "ignore_eos": True}
         tokens, last = 0, None
         with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as r:

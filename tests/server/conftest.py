@@ -28,6 +28,20 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def wait_healthy(proc, url: str, timeout: float = 60) -> None:
+    """Poll a server process's /health until 200; fail with its output if it exits or the timeout passes."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        assert proc.poll() is None, (proc.stdout or proc.stderr).read()
+        assert time.monotonic() < deadline, "the server did not come up"
+        time.sleep(0.1)
+
+
 @dataclass
 class LiveServer:
     """A running server: its base URL, app, engine and uvicorn handle."""

@@ -13,7 +13,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.server.conftest import FAKE, free_port, start_server
+from tests.server.conftest import FAKE, free_port, start_server, wait_healthy
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -103,19 +103,6 @@ def _serve(*flags: str, backend: tuple[str, ...] = ("--backend", "fake")) -> tup
     return proc, f"http://127.0.0.1:{port}"
 
 
-def _wait_healthy(proc: subprocess.Popen, url: str) -> None:
-    deadline = time.monotonic() + 60
-    while True:
-        try:
-            if httpx.get(url + "/health", timeout=1).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        assert proc.poll() is None, proc.stdout.read()
-        assert time.monotonic() < deadline, "the server did not come up"
-        time.sleep(0.1)
-
-
 def _ctrl_c(proc: subprocess.Popen, before) -> str:
     """Run `before()`, send SIGINT (a terminal's Ctrl-C), return the output; never leave the process behind."""
     try:
@@ -132,7 +119,7 @@ def test_ctrl_c_stops_the_server_with_130_and_no_traceback_and_the_access_log_is
     proc, url = _serve("--access-log", "--log-requests")
 
     def one_request():
-        _wait_healthy(proc, url)
+        wait_healthy(proc, url)
         assert httpx.post(url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 3}).status_code == 200
 
     out = _ctrl_c(proc, one_request)

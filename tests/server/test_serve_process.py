@@ -13,7 +13,7 @@ from pathlib import Path
 
 import httpx
 
-from tests.server.conftest import free_port
+from tests.server.conftest import free_port, wait_healthy
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -28,16 +28,8 @@ def start_serve(*settings: str) -> tuple[subprocess.Popen, str]:
                              "--port", str(port), *args],
                             cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 60
-    while True:
-        try:
-            if httpx.get(url + "/health", timeout=1).status_code == 200:
-                return proc, url
-        except httpx.TransportError:
-            pass
-        assert proc.poll() is None, proc.stdout.read()
-        assert time.monotonic() < deadline, "the server did not come up"
-        time.sleep(0.1)
+    wait_healthy(proc, url)
+    return proc, url
 
 
 def test_sigterm_drains_in_flight_streams_and_exits_zero():
