@@ -17,7 +17,7 @@ def test_embedded_model(dtype, linear):
     from llmserve_torch.sources import find_source
 
     if linear == "onednn" and not onednn_available(torch.device("cpu"), getattr(torch, dtype)):
-        pytest.skip("no oneDNN packed linear here")
+        pytest.skip("no oneDNN packed linear for this dtype on this CPU / torch build")
     b = make_backend("embedded", dtype=dtype, linear=linear)
     d = b.describe()
     # a step reads the four linears of each layer (weights and biases) and the LM head tied to wte; not wpe, not

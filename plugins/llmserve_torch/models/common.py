@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 
 import torch
@@ -19,11 +20,24 @@ LM_HEAD_CHUNK = 4096
 LINEAR_KINDS = ("auto", "torch", "onednn")
 
 
+@functools.cache
 def onednn_available(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether oneDNN's pre-packed linear (the op torch.compile uses on CPU) exists for this device/dtype."""
+    """Whether oneDNN's pre-packed linear (the op torch.compile uses on CPU) runs here for this dtype and agrees
+    with F.linear: the torch build must have it, and for bf16 the CPU must too (AVX512BW/VL/DQ or AVX_NE_CONVERT;
+    on an AVX2-only CPU torch refuses to pack a bf16 weight)."""
     ops = getattr(torch.ops, "mkldnn", None)
-    return (device.type == "cpu" and dtype in (torch.float32, torch.bfloat16) and torch.backends.mkldnn.is_available()
-            and ops is not None and hasattr(ops, "_linear_pointwise") and hasattr(ops, "_reorder_linear_weight"))
+    if not (device.type == "cpu" and dtype in (torch.float32, torch.bfloat16) and torch.backends.mkldnn.is_available()
+            and ops is not None and hasattr(ops, "_linear_pointwise") and hasattr(ops, "_reorder_linear_weight")):
+        return False
+    try:  # a packed GEMM must agree with F.linear before we trust it with a model
+        g = torch.Generator().manual_seed(0)
+        w = torch.randn(48, 32, generator=g).to(dtype)
+        x = torch.randn(5, 32, generator=g).to(dtype)
+        got = Linear(w, None, True)(x).float()
+        return torch.allclose(got, F.linear(x, w).float(), atol=1e-2 if dtype == torch.bfloat16 else 1e-4, rtol=1e-2)
+    except RuntimeError as e:
+        log.info("oneDNN packed linear unusable for %s (%s); using F.linear", dtype, e)
+        return False
 
 
 class Linear:
@@ -111,18 +125,9 @@ def choose_packing(kind: str, device: torch.device, dtype: torch.dtype) -> bool:
     if kind == "torch":
         return False
     ok = onednn_available(device, dtype)
-    if ok:
-        try:  # a packed GEMM must agree with F.linear before we trust it with a model
-            g = torch.Generator().manual_seed(0)
-            w = torch.randn(48, 32, generator=g).to(dtype)
-            x = torch.randn(5, 32, generator=g).to(dtype)
-            got = Linear(w, None, True)(x).float()
-            ok = torch.allclose(got, F.linear(x, w).float(), atol=1e-2 if dtype == torch.bfloat16 else 1e-4, rtol=1e-2)
-        except RuntimeError as e:
-            log.info("oneDNN packed linear unusable (%s); using F.linear", e)
-            ok = False
     if kind == "onednn" and not ok:
-        raise ValueError(f"backend.options.linear: onednn is not available for {dtype} on {device} in this torch build")
+        raise ValueError(f"backend.options.linear: onednn is not available for {dtype} on {device} "
+                         "(this torch build or this CPU lacks it)")
     return ok
 
 
