@@ -34,7 +34,7 @@ log = logging.getLogger("llmserve.torch")
 
 KERNELS = ("auto", "reference", "cpu")
 _CSRC = Path(__file__).with_name("csrc")
-_SOURCES = ("paged_attention.cpp", "decoder_ops.cpp")  # compiled into one library; bf16.h is shared
+_SOURCES = ("paged_attention.cpp", "decoder_ops.cpp", "quant_matmul.cpp")  # one library; bf16.h is shared
 
 
 @dataclass(slots=True)
@@ -209,6 +209,12 @@ def build_kernel() -> ctypes.CDLL:
             lib.llmserve_int8_matmul.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_void_p,
                                                  ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
                                                  ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int]
+            lib.llmserve_int4_matmul.restype = None
+            lib.llmserve_int4_matmul.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_void_p,
+                                                 ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int,
+                                                 ctypes.c_int, ctypes.c_int, ctypes.c_int]
+            lib.llmserve_quant_isa.restype = ctypes.c_char_p
+            lib.llmserve_quant_isa.argtypes = []
             _lib = lib
             return lib
         except (OSError, RuntimeError, subprocess.SubprocessError) as e:

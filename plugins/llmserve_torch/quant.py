@@ -1,9 +1,10 @@
 """Weight-only quantized weights and linears on CPU: int8 per output channel, int4 in groups of 32.
 
-The matmuls are torch's own CPU kernels (aten._weight_int8pack_mm, aten._weight_int4pack_mm_for_cpu).
-They are fast only at a few rows and only with bf16 activations on the CPUs measured so far, so a
-QuantLinear casts activations to the kernel's dtype and hands large batches (prefill, many decodes)
-to a dense copy of the weight; kernel_plan.py measures where that crossover lies.
+The matmuls are our own C kernels for a few rows (csrc/quant_matmul.cpp for int4, csrc/decoder_ops.cpp for
+int8) where the kernel library builds, else torch's own (aten._weight_int8pack_mm,
+aten._weight_int4pack_mm_for_cpu), which are fast only at a few rows and only with bf16 activations on the
+CPUs measured so far. A QuantLinear hands large batches (prefill, many decodes) to a dense copy of the
+weight; kernel_plan.py measures where that crossover lies.
 """
 
 from __future__ import annotations
@@ -98,25 +99,45 @@ def cat_rows(parts: list[QuantWeight]) -> QuantWeight:
 # rows: float activations 1.16/1.98/4.20/7.18, activations quantized to int8 per 64 (VNNI) -/1.02/1.59/3.24,
 # aten._weight_int8pack_mm 2.81/3.55/3.96/6.53. One row is memory-bound either way: it keeps float activations.
 OWN_INT8_MAX_ROWS = 8  # kMaxRows in decoder_ops.cpp; it also caps the inputs at kMaxK = 8192
-OWN_INT8_DTYPES = (torch.float32, torch.bfloat16)  # what it reads (it tells them apart by element size)
+OWN_DTYPES = (torch.float32, torch.bfloat16)  # what our kernels read (they tell them apart by element size)
 
 
 @functools.cache
-def _own_int8_kernel():
-    """Our C int8 matmul for a few rows (None where the kernel library cannot be built)."""
+def _own_kernels():
+    """Our C kernel library (None where it cannot be built: torch's kernels run instead)."""
     from llmserve_torch.attention import build_kernel
 
     try:
-        return build_kernel().llmserve_int8_matmul
+        return build_kernel()
     except RuntimeError:
         return None
+
+
+def _own_int8_kernel():
+    """Our C int8 matmul for a few rows, or None."""
+    lib = _own_kernels()
+    return None if lib is None else lib.llmserve_int8_matmul
+
+
+def own_int4_isa() -> str | None:
+    """The integer dot product our int4 kernel runs on this CPU (avx512-vnni, avx-vnni, avx2, scalar), or None."""
+    lib = _own_kernels()
+    return None if lib is None else lib.llmserve_quant_isa().decode()
+
+
+def pack_int4_own(qw: QuantWeight) -> tuple[torch.Tensor, torch.Tensor]:
+    """csrc/quant_matmul.cpp's form: two values a byte, byte j of a group of 32 holding j (low nibble) and j + 16
+    (high), [out, in/2] uint8; and (scale, zero) per group, [out, in/32, 2] float32 (w = (q - 8) * scale + zero)."""
+    g = qw.q.view(qw.q.shape[0], -1, 2, GROUP // 2)
+    packed = (g[:, :, 0] | (g[:, :, 1] << 4)).flatten(1).contiguous()
+    return packed, torch.stack([qw.scale, qw.zero], dim=-1).float().contiguous()
 
 
 class QuantLinear:
     """y = x @ w.T (+ bias) through a weight-only quantized kernel, or a dense copy above plan's row limit."""
 
     __slots__ = ("kind", "source", "out_features", "in_features", "bias", "plan", "dense", "_w", "_scale", "_zero",
-                 "_scales", "_wsum")
+                 "_scales", "_wsum", "_own4")
 
     fused_gelu = False  # no post-op fusion in these kernels: the model applies its activation itself
 
@@ -132,18 +153,24 @@ class QuantLinear:
             self._w = qw.q.contiguous()
             if self.in_features % 64 == 0:  # per-64 weight sums: the VNNI path of our int8 kernel needs them
                 self._wsum = self._w.view(self.out_features, -1, 64).sum(-1, dtype=torch.int32).contiguous()
-        else:
+        self._own4 = qw.kind == "int4" and _own_kernels() is not None
+        self._scale, self._zero = qw.scale, qw.zero
+        if self._own4:  # our kernel: its own packing, and (scale, zero) pairs in _scale
+            self._w, self._scale = pack_int4_own(qw)
+            self._zero = None
+        elif qw.kind == "int4":
             # the CPU packing takes int32 values 0..15 and stores two per byte, [out, in/2]
             self._w = torch.ops.aten._convert_weight_to_int4pack_for_cpu(qw.q.to(torch.int32).contiguous(), 1)
-        self._scales = {}  # activation dtype → scales in it (the kernels want them in the activation dtype)
-        self._scale, self._zero = qw.scale, qw.zero
+        self._scales = {}  # activation dtype → scales in it (torch's kernels want them in the activation dtype)
 
     @property
     def nbytes(self) -> int:
         """Bytes a quantized matmul reads: the packed values and their scales (and offsets)."""
         n = self._w.numel() * self._w.element_size()
-        return n + self.out_features * (self.in_features // GROUP) * 2 * 2 if self.kind == "int4" else \
-            n + self.out_features * 2
+        if self.kind == "int8":
+            return n + self.out_features * 2
+        # (scale, offset) per group: float32 for our kernel, in the bf16 activations for torch's
+        return n + self.out_features * (self.in_features // GROUP) * 2 * (4 if self._own4 else 2)
 
     @property
     def params(self) -> int:
@@ -167,13 +194,20 @@ class QuantLinear:
             own = _own_int8_kernel()
             rows = x.shape[0]
             if own is not None and rows <= OWN_INT8_MAX_ROWS and self.in_features <= 8192 and \
-                    x.dtype in OWN_INT8_DTYPES:
+                    x.dtype in OWN_DTYPES:
                 y = torch.empty((rows, self.out_features), dtype=torch.float32)
                 xc = x.contiguous()  # it reads float32 or bf16 directly: no cast to act
                 wsum = self._wsum.data_ptr() if rows > 1 and self._wsum is not None else None
                 own(xc.data_ptr(), xc.stride(0), rows, self._w.data_ptr(), wsum, self._scale.data_ptr(), y.data_ptr(),
                     y.stride(0), self.out_features, self.in_features, xc.element_size(), torch.get_num_threads())
                 return y
+        elif self._own4:  # int4 packed for our kernel: it reads float32 or bf16 directly, any rows
+            xc = x.contiguous() if x.dtype in OWN_DTYPES else x.float().contiguous()
+            y = torch.empty((xc.shape[0], self.out_features), dtype=torch.float32)
+            _own_kernels().llmserve_int4_matmul(xc.data_ptr(), xc.stride(0), xc.shape[0], self._w.data_ptr(),
+                                                self._scale.data_ptr(), y.data_ptr(), y.stride(0), self.out_features,
+                                                self.in_features, xc.element_size(), torch.get_num_threads())
+            return y
         xa = (x if x.dtype == act else x.to(act)).contiguous()
         if self.kind == "int8":
             return torch.ops.aten._weight_int8pack_mm(xa, self._w, self.scales_for(act))
