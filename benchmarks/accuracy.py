@@ -262,9 +262,10 @@ def gguf_of(model: str) -> Path | None:
 
 def report_machine() -> dict[str, Any]:
     """llmserve_bench.report.machine_info() (imported late: the script puts the repo on sys.path first)."""
+    import torch
     from llmserve_bench.report import machine_info
 
-    return machine_info()
+    return {**machine_info(), "torch": torch.__version__}
 
 
 def build_engine(args: argparse.Namespace, dtype: str, quantization: str):

@@ -33,6 +33,7 @@ class KindPlan:
     max_rows: int
     how: str  # "measured", "asked for", "no dense copy"
     timings: dict = field(default_factory=dict)  # rows → {"quantized_ms", "dense_ms"} over all linears of the kind
+    kernel: str = ""  # the quantized matmul (QuantLinear.kernel)
 
 
 class KernelPlan:
@@ -48,7 +49,7 @@ class KernelPlan:
 
     def describe(self) -> dict:
         """For /stats and the start-up log."""
-        return {k: {"activations": str(p.act).replace("torch.", ""),
+        return {k: {"kernel": p.kernel, "activations": str(p.act).replace("torch.", ""),
                     "quantized_up_to_rows": None if p.max_rows >= NEVER else p.max_rows, "how": p.how,
                     "timings_ms": p.timings} for k, p in self.kinds.items()}
 
@@ -97,12 +98,14 @@ def plan_kernels(plan: KernelPlan, linears: list, serving: torch.dtype, max_batc
                     kp = KindPlan(act, NEVER, "measured")
                     _measure_crossover(group, kp, serving, max_batch_rows)
                     _remember(key, kp)
+        kp.kernel = group[0].kernel
         plan.kinds[kind] = kp
         if kp.max_rows >= max_batch_rows:
             for lin in group:
                 lin.dense = None  # never used: free its memory
-        log.info("quantized %s linears (%d): %s activations, quantized kernel up to %s rows (%s)", kind, len(group),
-                 str(act).replace("torch.", ""), "all" if kp.max_rows >= max_batch_rows else kp.max_rows, kp.how)
+        log.info("quantized %s linears (%d): %s, %s activations, quantized kernel up to %s rows (%s)", kind,
+                 len(group), kp.kernel, str(act).replace("torch.", ""),
+                 "all" if kp.max_rows >= max_batch_rows else kp.max_rows, kp.how)
 
 
 def _measure_crossover(group: list, kp: KindPlan, serving: torch.dtype, max_batch_rows: int) -> None:

@@ -173,6 +173,15 @@ class QuantLinear:
         return n + self.out_features * (self.in_features // GROUP) * 2 * (4 if self._own4 else 2)
 
     @property
+    def kernel(self) -> str:
+        """Which matmul runs the quantized rows (for /stats and the start-up log)."""
+        if self._own4:
+            return f"llmserve int4 ({own_int4_isa()})"
+        if self.kind == "int8" and _own_int8_kernel() is not None:
+            return f"llmserve int8 up to {OWN_INT8_MAX_ROWS} rows, then aten"
+        return f"aten {self.kind}"
+
+    @property
     def params(self) -> int:
         """Multiply-accumulates per row of input."""
         return self.out_features * self.in_features

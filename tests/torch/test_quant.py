@@ -186,6 +186,8 @@ def test_a_quantized_gguf_runs_quantized_close_to_its_dequantized_self(tmp_path,
     assert q["mode"] == "auto" and set(q["linears"]) == {f"{kind} ({qtype})"}
     assert q["linears"][f"{kind} ({qtype})"] == 2 * 4 + 1  # 2 layers × (qkv, o, gate_up, down) + LM head
     assert q["kernels"][kind]["quantized_up_to_rows"] == 16
+    # ours where the kernel library builds (naming the integer dot product for int4), else torch's
+    assert q["kernels"][kind]["kernel"].startswith(f"llmserve {kind}" if own_int4_isa() else f"aten {kind}")
     # the Q/K rows are unpermuted with their scales: a wrong order would scramble the logits entirely
     err = (got - ref).abs().max() / ref.abs().max()
     # 4-bit through torch's kernel: only bf16 activations, scales and offsets differ (measured 0.03); through ours
