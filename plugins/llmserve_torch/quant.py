@@ -119,10 +119,18 @@ def _own_int8_kernel():
     return None if lib is None else lib.llmserve_int8_matmul
 
 
-def own_int4_isa() -> str | None:
-    """The integer dot product our int4 kernel runs on this CPU (avx512-vnni, avx-vnni, avx2, scalar), or None."""
+def own_kernel_isa() -> str | None:
+    """The integer dot product our kernels run on this CPU (avx512-vnni, avx-vnni, avx2, scalar), or None."""
     lib = _own_kernels()
     return None if lib is None else lib.llmserve_quant_isa().decode()
+
+
+@functools.cache
+def int8_quantizes_one_row() -> bool:
+    """Whether our int8 kernel rounds one row of activations to int8 too. With AVX2's vpmaddubsw it halved
+    SmolLM2's int8 head at one row (1.76 → 0.84 ms, an AVX2-only EPYC); with AVX512-VNNI one row is
+    memory-bound either way and keeps float activations (exact); the scalar build has no integer path."""
+    return own_kernel_isa() in ("avx2", "avx-vnni")
 
 
 def pack_int4_own(qw: QuantWeight) -> tuple[torch.Tensor, torch.Tensor]:
@@ -151,7 +159,8 @@ class QuantLinear:
         self._wsum = None
         if qw.kind == "int8":
             self._w = qw.q.contiguous()
-            if self.in_features % 64 == 0:  # per-64 weight sums: the VNNI path of our int8 kernel needs them
+            if self.in_features % 64 == 0:  # per-64 weight sums: the VNNI path of our int8 kernel needs them (and
+                # their presence tells the kernel the blocks divide K, which its AVX2 path needs)
                 self._wsum = self._w.view(self.out_features, -1, 64).sum(-1, dtype=torch.int32).contiguous()
         self._own4 = qw.kind == "int4" and _own_kernels() is not None
         self._scale, self._zero = qw.scale, qw.zero
@@ -176,9 +185,9 @@ class QuantLinear:
     def kernel(self) -> str:
         """Which matmul runs the quantized rows (for /stats and the start-up log)."""
         if self._own4:
-            return f"llmserve int4 ({own_int4_isa()})"
+            return f"llmserve int4 ({own_kernel_isa()})"
         if self.kind == "int8" and _own_int8_kernel() is not None:
-            return f"llmserve int8 up to {OWN_INT8_MAX_ROWS} rows, then aten"
+            return f"llmserve int8 ({own_kernel_isa()}) up to {OWN_INT8_MAX_ROWS} rows, then aten"
         return f"aten {self.kind}"
 
     @property
@@ -206,7 +215,8 @@ class QuantLinear:
                     x.dtype in OWN_DTYPES:
                 y = torch.empty((rows, self.out_features), dtype=torch.float32)
                 xc = x.contiguous()  # it reads float32 or bf16 directly: no cast to act
-                wsum = self._wsum.data_ptr() if rows > 1 and self._wsum is not None else None
+                quantize = self._wsum is not None and (rows > 1 or int8_quantizes_one_row())
+                wsum = self._wsum.data_ptr() if quantize else None  # no sums: float activations
                 own(xc.data_ptr(), xc.stride(0), rows, self._w.data_ptr(), wsum, self._scale.data_ptr(), y.data_ptr(),
                     y.stride(0), self.out_features, self.in_features, xc.element_size(), torch.get_num_threads())
                 return y

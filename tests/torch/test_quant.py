@@ -18,7 +18,8 @@ from llmserve.errors import ConfigError
 from llmserve_torch.gguf_quant import INT4_TYPES, INT8_TYPES, repack
 from llmserve_torch.kernel_plan import NEVER, KernelPlan, KindPlan, plan_kernels
 from llmserve_torch.models.common import Linear
-from llmserve_torch.quant import GROUP, QuantLinear, cat_rows, own_int4_isa, quantize_int4, quantize_int8
+from llmserve_torch.quant import (GROUP, QuantLinear, cat_rows, int8_quantizes_one_row, own_kernel_isa, quantize_int4,
+                                  quantize_int8)
 
 GGUF_TYPES = INT4_TYPES + INT8_TYPES
 DTYPES = [torch.float32, torch.bfloat16]
@@ -115,7 +116,7 @@ def test_float32_activations_run_the_kernel_too():
     x = torch.randn(2, qw.shape[1])
     want = F.linear(x, qw.dequantize())
     # our kernel quantizes activations to int8 per 32 (as llama.cpp does): within ~1/254 of each group's range
-    tol = 1e-3 if own_int4_isa() is None else 0.01 * want.abs().max().item()
+    tol = 1e-3 if own_kernel_isa() is None else 0.01 * want.abs().max().item()
     torch.testing.assert_close(lin(x), want, atol=tol, rtol=1e-3)
 
 
@@ -123,7 +124,7 @@ def test_float32_activations_run_the_kernel_too():
 @pytest.mark.parametrize("rows", [1, 2, 7, 8, 9, 20])
 def test_our_int4_kernel_matches_the_reference_at_any_rows(rows, serving):
     """Passes of up to 8 rows, each row's activations quantized per 32 (tight: not the bf16 tolerance)."""
-    if own_int4_isa() is None:
+    if own_kernel_isa() is None:
         pytest.skip("the kernel library does not build here (no C++ compiler): torch's int4 kernel runs")
     qw = repack(_gguf_tensor(_weights(40, 160, rows), "Q4_1"))
     lin = QuantLinear(qw, None, _plan("int4", serving, NEVER))
@@ -187,13 +188,13 @@ def test_a_quantized_gguf_runs_quantized_close_to_its_dequantized_self(tmp_path,
     assert q["linears"][f"{kind} ({qtype})"] == 2 * 4 + 1  # 2 layers × (qkv, o, gate_up, down) + LM head
     assert q["kernels"][kind]["quantized_up_to_rows"] == 16
     # ours where the kernel library builds (naming the integer dot product for int4), else torch's
-    assert q["kernels"][kind]["kernel"].startswith(f"llmserve {kind}" if own_int4_isa() else f"aten {kind}")
+    assert q["kernels"][kind]["kernel"].startswith(f"llmserve {kind}" if own_kernel_isa() else f"aten {kind}")
     # the Q/K rows are unpermuted with their scales: a wrong order would scramble the logits entirely
     err = (got - ref).abs().max() / ref.abs().max()
     # 4-bit through torch's kernel: only bf16 activations, scales and offsets differ (measured 0.03); through ours
     # the activations are rounded to int8 per 32 as well (0.02-0.05); the int8 types are rounded once more per row
     # (0.10-0.12). A scrambled Q/K order gives ~1
-    assert err < (0.06 if kind == "int4" and own_int4_isa() is None else 0.2), float(err)
+    assert err < (0.06 if kind == "int4" and own_kernel_isa() is None else 0.2), float(err)
     assert (got.argmax(-1) == ref.argmax(-1)).float().mean() >= 0.8
 
 
@@ -253,7 +254,7 @@ def test_a_measured_crossover_is_remembered_for_the_next_load(monkeypatch):
     assert second.kinds["int4"].timings == first.kinds["int4"].timings
 
 
-@pytest.mark.parametrize("rows", [1, 3, 8, 12])  # our kernel: float activations, int8 activations (VNNI); aten
+@pytest.mark.parametrize("rows", [1, 3, 8, 12])  # ours: float or int8 activations (VNNI or AVX2); aten
 @pytest.mark.parametrize("serving", DTYPES + [torch.float16])  # float16: not ours (it reads fp32/bf16 only)
 def test_each_int8_kernel_path_matches_the_reference(rows, serving):
     qw = quantize_int8(torch.from_numpy(_weights(80, 320)))
@@ -261,5 +262,20 @@ def test_each_int8_kernel_path_matches_the_reference(rows, serving):
     x = torch.randn(rows, 320)
     want = F.linear(x, qw.dequantize())
     got = lin(x.to(serving)).float()
-    tol = (1e-4 if rows == 1 and serving == torch.float32 else 0.02) * want.abs().max().item()
+    floats = rows == 1 and serving == torch.float32 and not int8_quantizes_one_row()  # exact, as F.linear
+    tol = (1e-4 if floats else 0.02) * want.abs().max().item()
     torch.testing.assert_close(got, want, atol=tol, rtol=0)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 8])
+def test_our_int8_kernel_rounds_only_the_activations(rows):
+    """Where it takes int8 activations (per 64, round to nearest): within that rounding's bound, not bf16's."""
+    if not int8_quantizes_one_row() and rows == 1 or own_kernel_isa() in (None, "scalar"):
+        pytest.skip(f"our int8 kernel keeps float activations here ({own_kernel_isa()})")
+    qw = quantize_int8(torch.from_numpy(_weights(72, 320, rows)))
+    lin = QuantLinear(qw, None, _plan("int8", torch.float32, 16))
+    x = torch.randn(rows, 320)
+    want = F.linear(x, qw.dequantize())
+    # each block of 64 activations is off by at most its max |x| / 254 per value
+    bound = x.abs().unflatten(1, (-1, 64)).amax(-1) / 254 @ qw.dequantize().abs().unflatten(1, (-1, 64)).sum(-1).T
+    assert ((lin(x) - want).abs() <= bound + 1e-5).all()

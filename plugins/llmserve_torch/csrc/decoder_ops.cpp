@@ -9,7 +9,7 @@
 
 #include <cstdint>
 
-#if defined(__AVX512VNNI__) && defined(__AVX512F__)
+#if defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -124,6 +124,51 @@ void int8_matmul_vnni(const float* xf, int rows, const int8_t* w, const int32_t*
     }
   }
 }
+#elif defined(__AVX2__)
+// Without AVX512-VNNI, on AVX2 (as llama.cpp's Q8_0 x Q8_0): the activations quantized to signed int8 per block of
+// 64, and each product taken as |x| * (w with x's sign), so that vpmaddubsw's unsigned-by-signed pairs fit int16
+// (2 * 127 * 127). The float loop below ran SmolLM2's 120 int8 linears at 27 ms for 4 rows on an AVX2-only EPYC.
+inline __m256i dot32(const int8_t* x, const int8_t* w) {
+  const __m256i xi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
+  const __m256i wi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w));
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(xi, xi), _mm256_sign_epi8(wi, xi)),
+                           _mm256_set1_epi16(1));
+}
+
+void int8_matmul_avx2(const float* xf, int rows, const int8_t* w, const float* scale, float* y, int64_t ys, int N,
+                      int K, int th) {
+  const int nb = K / kBlock;
+  alignas(64) static thread_local int8_t xq[kMaxRows][kMaxK];
+  static thread_local float xs[kMaxRows][kMaxK / kBlock];
+  for (int r = 0; r < rows; ++r) {
+    for (int b = 0; b < nb; ++b) {
+      const float* x = xf + r * kMaxK + b * kBlock;
+      float mx = 0.f;
+      for (int i = 0; i < kBlock; ++i) mx = fmaxf(mx, fabsf(x[i]));
+      const float inv = mx > 0.f ? 127.f / mx : 0.f;
+      xs[r][b] = mx / 127.f;
+      for (int i = 0; i < kBlock; ++i) xq[r][b * kBlock + i] = static_cast<int8_t>(lrintf(x[i] * inv));
+    }
+  }
+  const int8_t(*xqp)[kMaxK] = xq;
+  const float(*xsp)[kMaxK / kBlock] = xs;
+#pragma omp parallel for num_threads(th) schedule(static)
+  for (int n = 0; n < N; ++n) {
+    const int8_t* wn = w + static_cast<int64_t>(n) * K;
+    for (int r = 0; r < rows; ++r) {
+      __m256 acc = _mm256_setzero_ps();
+      for (int b = 0; b < nb; ++b) {
+        const int8_t* xb = xqp[r] + b * kBlock;
+        const __m256i d = _mm256_add_epi32(dot32(xb, wn + b * kBlock), dot32(xb + 32, wn + b * kBlock + 32));
+        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), _mm256_set1_ps(xsp[r][b]), acc);
+      }
+      __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
+      s4 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+      s4 = _mm_add_ss(s4, _mm_movehdup_ps(s4));
+      y[r * ys + n] = _mm_cvtss_f32(s4) * scale[n];
+    }
+  }
+}
 #endif
 
 template <typename T>
@@ -135,6 +180,11 @@ void int8_matmul(const T* x, int64_t xs, int rows, const int8_t* w, const int32_
 #if defined(__AVX512VNNI__) && defined(__AVX512F__)
   if (wsum != nullptr && K % kBlock == 0) {
     int8_matmul_vnni(&xf[0][0], rows, w, wsum, scale, y, ys, N, K, th);
+    return;
+  }
+#elif defined(__AVX2__)
+  if (wsum != nullptr && K % kBlock == 0) {  // wsum marks a K the blocks divide (the AVX2 path needs no sums)
+    int8_matmul_avx2(&xf[0][0], rows, w, scale, y, ys, N, K, th);
     return;
   }
 #endif
@@ -164,7 +214,7 @@ int llmserve_int8_matmul(const void* x, int64_t xs, int rows, const int8_t* w, c
     int8_matmul<float>(static_cast<const float*>(x), xs, rows, w, wsum, scale, y, ys, N, K, th);
   else
     int8_matmul<uint16_t>(static_cast<const uint16_t*>(x), xs, rows, w, wsum, scale, y, ys, N, K, th);
-#if defined(__AVX512VNNI__) && defined(__AVX512F__)
+#if (defined(__AVX512VNNI__) && defined(__AVX512F__)) || defined(__AVX2__)
   return wsum != nullptr && K % kBlock == 0;
 #else
   return 0;
