@@ -211,8 +211,8 @@ def build_kernel() -> ctypes.CDLL:
                                                  ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int]
             lib.llmserve_int4_matmul.restype = None
             lib.llmserve_int4_matmul.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_void_p,
-                                                 ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int,
-                                                 ctypes.c_int, ctypes.c_int, ctypes.c_int]
+                                                 ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
+                                                 ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int]
             lib.llmserve_quant_isa.restype = ctypes.c_char_p
             lib.llmserve_quant_isa.argtypes = []
             _lib = lib

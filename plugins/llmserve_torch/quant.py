@@ -133,12 +133,11 @@ def int8_quantizes_one_row() -> bool:
     return own_kernel_isa() in ("avx2", "avx-vnni")
 
 
-def pack_int4_own(qw: QuantWeight) -> tuple[torch.Tensor, torch.Tensor]:
-    """csrc/quant_matmul.cpp's form: two values a byte, byte j of a group of 32 holding j (low nibble) and j + 16
-    (high), [out, in/2] uint8; and (scale, zero) per group, [out, in/32, 2] float32 (w = (q - 8) * scale + zero)."""
+def pack_int4_own(qw: QuantWeight) -> torch.Tensor:
+    """csrc/quant_matmul.cpp's form of the values: two a byte, byte j of a group of 32 holding j (low nibble) and
+    j + 16 (high), [out, in/2] uint8 (its scale and zero are QuantWeight's: w = (q - 8) * scale + zero)."""
     g = qw.q.view(qw.q.shape[0], -1, 2, GROUP // 2)
-    packed = (g[:, :, 0] | (g[:, :, 1] << 4)).flatten(1).contiguous()
-    return packed, torch.stack([qw.scale, qw.zero], dim=-1).float().contiguous()
+    return (g[:, :, 0] | (g[:, :, 1] << 4)).flatten(1).contiguous()
 
 
 class QuantLinear:
@@ -164,9 +163,9 @@ class QuantLinear:
                 self._wsum = self._w.view(self.out_features, -1, 64).sum(-1, dtype=torch.int32).contiguous()
         self._own4 = qw.kind == "int4" and _own_kernels() is not None
         self._scale, self._zero = qw.scale, qw.zero
-        if self._own4:  # our kernel: its own packing, and (scale, zero) pairs in _scale
-            self._w, self._scale = pack_int4_own(qw)
-            self._zero = None
+        if self._own4:  # our kernel: its own packing of the values, scale and zero as float32 [out, in/32]
+            self._w = pack_int4_own(qw)
+            self._scale, self._zero = qw.scale.float().contiguous(), qw.zero.float().contiguous()
         elif qw.kind == "int4":
             # the CPU packing takes int32 values 0..15 and stores two per byte, [out, in/2]
             self._w = torch.ops.aten._convert_weight_to_int4pack_for_cpu(qw.q.to(torch.int32).contiguous(), 1)
@@ -224,8 +223,9 @@ class QuantLinear:
             xc = x.contiguous() if x.dtype in OWN_DTYPES else x.float().contiguous()
             y = torch.empty((xc.shape[0], self.out_features), dtype=torch.float32)
             _own_kernels().llmserve_int4_matmul(xc.data_ptr(), xc.stride(0), xc.shape[0], self._w.data_ptr(),
-                                                self._scale.data_ptr(), y.data_ptr(), y.stride(0), self.out_features,
-                                                self.in_features, xc.element_size(), torch.get_num_threads())
+                                                self._scale.data_ptr(), self._zero.data_ptr(), y.data_ptr(),
+                                                y.stride(0), self.out_features, self.in_features, xc.element_size(),
+                                                torch.get_num_threads())
             return y
         xa = (x if x.dtype == act else x.to(act)).contiguous()
         if self.kind == "int8":

@@ -1,7 +1,6 @@
-// The int4 weight-only matmul for a few rows (decode steps): y[r, n] = sum_k x[r, k] * w[n, k], each
-// quantized weight row read once from memory for all rows (torch's _weight_int4pack_mm_for_cpu read ~16 GB/s
-// with bf16 activations, and took a slow path with float32 ones). Activations are quantized to int8 per block,
-// as llama.cpp does, so the inner products run on integer SIMD: AVX512-VNNI (vpdpbusd), AVX-VNNI, or AVX2
+// The int4 weight-only matmul: y[r, n] = sum_k x[r, k] * w[n, k], each quantized weight row read once from
+// memory for all rows (torch's _weight_int4pack_mm_for_cpu read ~16 GB/s with bf16 activations, and took a
+// slow path with float32 ones). Activations are quantized to int8 per group of 32, as llama.cpp does, so the inner products run on integer SIMD: AVX512-VNNI (vpdpbusd), AVX-VNNI, or AVX2
 // (vpmaddubsw + vpmaddwd), with a scalar loop where none of them exists (-march=native picks).
 //
 // Plain C ABI, loaded with ctypes together with the other CPU kernels (one library).
@@ -19,29 +18,42 @@
 
 namespace {
 
-constexpr int kMaxRows = 8;  // rows one pass keeps accumulators for; more rows take more passes
-constexpr int kG4 = 32;      // int4 group: one scale and offset per 32 inputs (llama.cpp's Q4_0/Q4_1 block)
+constexpr int kG4 = 32;  // int4 group: one scale and zero per 32 inputs (llama.cpp's Q4_0/Q4_1 block)
 
-// x[r, :] ≈ d[r, b] * q[r, b*B:(b+1)*B] with q in -127..127; sx[r, b] = the block's exact sum (the offset
-// term needs no rounding: llama.cpp's Q8_1 keeps d * sum(q) there instead)
+// One row of activations, per group of 32: x ≈ d * q with q in -127..127, qsum = sum(q), xsum = the exact sum
+// (the zero term needs no rounding: llama.cpp's Q8_1 keeps d * sum(q) there instead)
+struct Acts {
+  std::vector<int8_t> q;
+  std::vector<float> d, xsum;
+  std::vector<int32_t> qsum;
+};
+
 template <typename T>
-void quantize_rows(const T* x, int64_t xs, int rows, int K, int B, int8_t* q, float* d, float* sx) {
-  const int nb = K / B;
+Acts quantize_rows(const T* x, int64_t xs, int rows, int K) {
+  const int ng = K / kG4;
+  Acts a{std::vector<int8_t>(static_cast<size_t>(rows) * K), std::vector<float>(static_cast<size_t>(rows) * ng),
+         std::vector<float>(static_cast<size_t>(rows) * ng), std::vector<int32_t>(static_cast<size_t>(rows) * ng)};
   for (int r = 0; r < rows; ++r) {
-    for (int b = 0; b < nb; ++b) {
-      const T* xb = x + r * xs + b * B;
+    for (int g = 0; g < ng; ++g) {
+      const T* xg = x + r * xs + g * kG4;
       float mx = 0.f, sum = 0.f;
-      for (int i = 0; i < B; ++i) {
-        mx = fmaxf(mx, fabsf(load(xb[i])));
-        sum += load(xb[i]);
+      for (int i = 0; i < kG4; ++i) {
+        mx = fmaxf(mx, fabsf(load(xg[i])));
+        sum += load(xg[i]);
       }
       const float inv = mx > 0.f ? 127.f / mx : 0.f;
-      int8_t* qb = q + static_cast<int64_t>(r) * K + b * B;
-      for (int i = 0; i < B; ++i) qb[i] = static_cast<int8_t>(lrintf(load(xb[i]) * inv));
-      d[r * nb + b] = mx / 127.f;
-      sx[r * nb + b] = sum;
+      int8_t* qg = a.q.data() + static_cast<int64_t>(r) * K + g * kG4;
+      int qsum = 0;
+      for (int i = 0; i < kG4; ++i) {
+        qg[i] = static_cast<int8_t>(lrintf(load(xg[i]) * inv));
+        qsum += qg[i];
+      }
+      a.d[r * ng + g] = mx / 127.f;
+      a.xsum[r * ng + g] = sum;
+      a.qsum[r * ng + g] = qsum;
     }
   }
+  return a;
 }
 
 #if defined(__AVX2__)
@@ -52,109 +64,82 @@ inline float hsum(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
-// eight int32 sums of four u8 * s8 products each (without VNNI, pairs of u * s are summed in int16: safe for
-// |x| <= 127 and |w| <= 8)
-inline __m256i dot_u8s8(__m256i u, __m256i s) {
+// lane i: the sum of v[i]'s eight lanes
+inline __m256i hsum8(const __m256i* v) {
+  const __m256i ab = _mm256_hadd_epi32(_mm256_hadd_epi32(v[0], v[1]), _mm256_hadd_epi32(v[2], v[3]));
+  const __m256i cd = _mm256_hadd_epi32(_mm256_hadd_epi32(v[4], v[5]), _mm256_hadd_epi32(v[6], v[7]));
+  return _mm256_add_epi32(_mm256_permute2x128_si256(ab, cd, 0x20), _mm256_permute2x128_si256(ab, cd, 0x31));
+}
+
+// one group: eight int32 partial sums of q * x, q the 4-bit values 0..15 (u8) and x int8 (pairs of u8 * s8
+// summed in int16 without VNNI: at most 2 * 15 * 127)
+inline __m256i group_dot(const uint8_t* p16, const int8_t* x32) {
+  const __m128i m4 = _mm_set1_epi8(0x0F);
+  const __m128i p = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p16));
+  const __m256i q = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(p, 4), m4), _mm_and_si128(p, m4));
+  const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x32));
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-  return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s);
+  return _mm256_dpbusd_epi32(_mm256_setzero_si256(), q, x);
 #elif defined(__AVXVNNI__)
-  return _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), u, s);
+  return _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), q, x);
 #else
-  return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(q, x), _mm256_set1_epi16(1));
 #endif
 }
 #endif
 
-// int4: w[n, 32g + j] = (q - 8) * scale[n, g] + zero[n, g], q in 0..15 packed two per byte, byte j of a group
-// holding j (low nibble) and j + 16 (high nibble); sz[n, g] = (scale, zero). Centred on 8, the weights the
-// rounded activations meet are half as large as llama.cpp's Q4_1 x Q8_1 (q * scale + min), and so is the error.
-template <int R>
-void int4_pass(const int8_t* xq, const float* xd, const float* xsum, const uint8_t* w, const float* sz, float* y,
-               int64_t ys, int N, int K, int th) {
+// One output: sum over groups of scale * d * (sum(q * x) - 8 * qsum) + zero * xsum. The -8 centres the weights
+// exactly (integers): the rounded activations meet w - zero = (q - 8) * scale, half as large as llama.cpp's
+// Q4_1 x Q8_1 (q * scale + min), and so is the error.
+inline float row_dot(const uint8_t* w, const float* scale, const float* zero, const int8_t* x, const float* d,
+                     const int32_t* qsum, const float* xsum, int ng) {
+  int g = 0;
+  float tail = 0.f;
+#if defined(__AVX2__)
+  // eight groups at a time: their int32 sums meet their eight scales in one vector (not one broadcast each)
+  __m256 acc = _mm256_setzero_ps();
+  for (; g + 8 <= ng; g += 8) {
+    __m256i v[8];
+    for (int j = 0; j < 8; ++j) v[j] = group_dot(w + (g + j) * 16, x + (g + j) * kG4);
+    const __m256i qs = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qsum + g));
+    const __m256i s = _mm256_sub_epi32(hsum8(v), _mm256_slli_epi32(qs, 3));
+    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(_mm256_loadu_ps(scale + g), _mm256_loadu_ps(d + g)),
+                          acc);
+    acc = _mm256_fmadd_ps(_mm256_loadu_ps(zero + g), _mm256_loadu_ps(xsum + g), acc);
+  }
+  for (; g < ng; ++g) {  // the groups left over (576 inputs are 18 groups): one at a time, still in SIMD
+    const __m256i v = group_dot(w + g * 16, x + g * kG4);
+    __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
+    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xB1));
+    tail += static_cast<float>(_mm_cvtsi128_si32(s4) - 8 * qsum[g]) * scale[g] * d[g] + zero[g] * xsum[g];
+  }
+  tail += hsum(acc);
+#endif
+  for (; g < ng; ++g) {
+    const uint8_t* p = w + g * 16;
+    const int8_t* xg = x + g * kG4;
+    int s = 0;
+    for (int j = 0; j < 16; ++j) s += (p[j] & 15) * xg[j] + (p[j] >> 4) * xg[j + 16];
+    tail += static_cast<float>(s - 8 * qsum[g]) * scale[g] * d[g] + zero[g] * xsum[g];
+  }
+  return tail;
+}
+
+// w[n, 32g + j] = (q - 8) * scale[n, g] + zero[n, g], q in 0..15 packed two per byte, byte j of a group holding
+// j (low nibble) and j + 16 (high nibble). Each weight row is read from memory once for all rows of x.
+template <typename T>
+void int4_matmul(const T* x, int64_t xs, int rows, const uint8_t* w, const float* scale, const float* zero, float* y,
+                 int64_t ys, int N, int K, int th) {
   const int ng = K / kG4;
+  const Acts a = quantize_rows(x, xs, rows, K);
 #pragma omp parallel for num_threads(th) schedule(static)
   for (int n = 0; n < N; ++n) {
-    const uint8_t* wn = w + static_cast<int64_t>(n) * (K / 2);
-    const float* sn = sz + static_cast<int64_t>(n) * ng * 2;
-    float corr[R];
-    for (int r = 0; r < R; ++r) corr[r] = 0.f;
-#if defined(__AVX2__)
-    const __m128i m4 = _mm_set1_epi8(0x0F);
-    const __m256i eight = _mm256_set1_epi8(8);
-    __m256 acc[R];
-    for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
-    for (int g = 0; g < ng; ++g) {
-      const __m128i p = _mm_loadu_si128(reinterpret_cast<const __m128i*>(wn + g * 16));
-      const __m256i qw = _mm256_sub_epi8(
-          _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(p, 4), m4), _mm_and_si128(p, m4)), eight);
-      for (int r = 0; r < R; ++r) {
-        const __m256i qx = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + r * K + g * kG4));
-        // |x| times w with x's sign: the unsigned-by-signed products the instruction takes
-        const __m256i dot = dot_u8s8(_mm256_sign_epi8(qx, qx), _mm256_sign_epi8(qw, qx));
-        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(sn[2 * g] * xd[r * ng + g]), acc[r]);
-        corr[r] += sn[2 * g + 1] * xsum[r * ng + g];
-      }
-    }
-    for (int r = 0; r < R; ++r) y[r * ys + n] = hsum(acc[r]) + corr[r];
-#else
-    float acc[R];
-    for (int r = 0; r < R; ++r) acc[r] = 0.f;
-    for (int g = 0; g < ng; ++g) {
-      const uint8_t* p = wn + g * 16;
-      for (int r = 0; r < R; ++r) {
-        const int8_t* qx = xq + r * K + g * kG4;
-        int dot = 0;
-        for (int j = 0; j < 16; ++j) dot += ((p[j] & 15) - 8) * qx[j] + ((p[j] >> 4) - 8) * qx[j + 16];
-        acc[r] += static_cast<float>(dot) * sn[2 * g] * xd[r * ng + g];
-        corr[r] += sn[2 * g + 1] * xsum[r * ng + g];
-      }
-    }
-    for (int r = 0; r < R; ++r) y[r * ys + n] = acc[r] + corr[r];
-#endif
+    const int64_t off = static_cast<int64_t>(n) * ng;
+    for (int r = 0; r < rows; ++r)
+      y[r * ys + n] = row_dot(w + off * 16, scale + off, zero + off, a.q.data() + static_cast<int64_t>(r) * K,
+                              a.d.data() + r * ng, a.qsum.data() + r * ng, a.xsum.data() + r * ng, ng);
   }
-}
-
-template <template <int> class Pass, typename... A>
-void by_rows(int rows, A... a) {
-  switch (rows) {
-    case 1: Pass<1>::run(a...); break;
-    case 2: Pass<2>::run(a...); break;
-    case 3: Pass<3>::run(a...); break;
-    case 4: Pass<4>::run(a...); break;
-    case 5: Pass<5>::run(a...); break;
-    case 6: Pass<6>::run(a...); break;
-    case 7: Pass<7>::run(a...); break;
-    default: Pass<8>::run(a...); break;
-  }
-}
-
-template <int R>
-struct Int4Pass {
-  static void run(const int8_t* xq, const float* xd, const float* xsum, const uint8_t* w, const float* sz, float* y,
-                  int64_t ys, int N, int K, int th) {
-    int4_pass<R>(xq, xd, xsum, w, sz, y, ys, N, K, th);
-  }
-};
-
-// quantize the activations, then run passes of up to kMaxRows rows
-template <typename T, typename F>
-void in_passes(const T* x, int64_t xs, int rows, int K, int B, float* y, int64_t ys, F pass) {
-  const int nb = K / B;
-  std::vector<int8_t> q(static_cast<size_t>(rows) * K);
-  std::vector<float> d(static_cast<size_t>(rows) * nb), ds(static_cast<size_t>(rows) * nb);
-  quantize_rows(x, xs, rows, K, B, q.data(), d.data(), ds.data());
-  for (int r0 = 0; r0 < rows; r0 += kMaxRows) {
-    const int rs = rows - r0 < kMaxRows ? rows - r0 : kMaxRows;
-    pass(rs, q.data() + static_cast<int64_t>(r0) * K, d.data() + r0 * nb, ds.data() + r0 * nb, y + r0 * ys);
-  }
-}
-
-template <typename T>
-void int4_matmul(const T* x, int64_t xs, int rows, const uint8_t* w, const float* sz, float* y, int64_t ys, int N,
-                 int K, int th) {
-  in_passes(x, xs, rows, K, kG4, y, ys, [&](int rs, const int8_t* q, const float* d, const float* ds, float* yr) {
-    by_rows<Int4Pass>(rs, q, d, ds, w, sz, yr, ys, N, K, th);
-  });
 }
 
 }  // namespace
@@ -174,13 +159,14 @@ const char* llmserve_quant_isa() {
 #endif
 }
 
-// x: [rows, K] float32 (elem_size 4) or bf16 (2), row stride xs; K a multiple of 32; y: [rows, N] float32.
-void llmserve_int4_matmul(const void* x, int64_t xs, int rows, const uint8_t* w, const float* sz, float* y, int64_t ys,
-                          int N, int K, int elem_size, int th) {
+// x: [rows, K] float32 (elem_size 4) or bf16 (2), row stride xs; K a multiple of 32; scale, zero: [N, K/32]
+// float32; y: [rows, N] float32.
+void llmserve_int4_matmul(const void* x, int64_t xs, int rows, const uint8_t* w, const float* scale,
+                          const float* zero, float* y, int64_t ys, int N, int K, int elem_size, int th) {
   if (elem_size == 4)
-    int4_matmul<float>(static_cast<const float*>(x), xs, rows, w, sz, y, ys, N, K, th);
+    int4_matmul<float>(static_cast<const float*>(x), xs, rows, w, scale, zero, y, ys, N, K, th);
   else
-    int4_matmul<uint16_t>(static_cast<const uint16_t*>(x), xs, rows, w, sz, y, ys, N, K, th);
+    int4_matmul<uint16_t>(static_cast<const uint16_t*>(x), xs, rows, w, scale, zero, y, ys, N, K, th);
 }
 
 }  // extern "C"
