@@ -120,17 +120,18 @@ def _own_int8_kernel():
 
 
 def own_kernel_isa() -> str | None:
-    """The integer dot product our kernels run on this CPU (avx512-vnni, avx-vnni, avx2, scalar), or None."""
+    """The integer SIMD our kernels run on this CPU (avx512-vnni, avx2, scalar), or None where they do not build."""
     lib = _own_kernels()
     return None if lib is None else lib.llmserve_quant_isa().decode()
 
 
 @functools.cache
 def int8_quantizes_one_row() -> bool:
-    """Whether our int8 kernel rounds one row of activations to int8 too. With AVX2's vpmaddubsw it halved
-    SmolLM2's int8 head at one row (1.76 → 0.84 ms, an AVX2-only EPYC); with AVX512-VNNI one row is
-    memory-bound either way and keeps float activations (exact); the scalar build has no integer path."""
-    return own_kernel_isa() in ("avx2", "avx-vnni")
+    """Whether our int8 kernel rounds one row of activations to integers too. Its AVX2 path (int16 activations,
+    vpmaddwd) runs SmolLM2's int8 head at one row faster than float activations (an AVX2-only EPYC); with
+    AVX512-VNNI one row is memory-bound either way and keeps float activations (exact); the scalar build has
+    no integer path."""
+    return own_kernel_isa() == "avx2"
 
 
 def pack_int4_own(qw: QuantWeight) -> torch.Tensor:
@@ -184,7 +185,7 @@ class QuantLinear:
     def kernel(self) -> str:
         """Which matmul runs the quantized rows (for /stats and the start-up log)."""
         if self._own4:
-            return f"llmserve int4 ({own_kernel_isa()})"
+            return f"llmserve int4 (int16 activations, {own_kernel_isa()})"
         if self.kind == "int8" and _own_int8_kernel() is not None:
             return f"llmserve int8 ({own_kernel_isa()}) up to {OWN_INT8_MAX_ROWS} rows, then aten"
         return f"aten {self.kind}"

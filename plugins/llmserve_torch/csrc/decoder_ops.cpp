@@ -83,7 +83,7 @@ void silu_mul(const T* gu, int64_t gs, T* out, int64_t os, int rows, int inter, 
 // memory for all of them (torch's _weight_int8pack_mm streamed SmolLM2's 28 MB LM head at ~8 GB/s).
 constexpr int kMaxRows = 8;
 constexpr int kMaxK = 8192;
-constexpr int kBlock = 64;  // activations are quantized to int8 with one scale per 64 values
+constexpr int kBlock = 64;  // activations are quantized (int8 with VNNI, int16 with AVX2) with one scale per 64
 
 #if defined(__AVX512VNNI__) && defined(__AVX512F__)
 // With VNNI, as llama.cpp does: the activations are quantized to int8 per block of 64 (stored +128 as
@@ -125,41 +125,42 @@ void int8_matmul_vnni(const float* xf, int rows, const int8_t* w, const int32_t*
   }
 }
 #elif defined(__AVX2__)
-// Without AVX512-VNNI, on AVX2 (as llama.cpp's Q8_0 x Q8_0): the activations quantized to signed int8 per block of
-// 64, and each product taken as |x| * (w with x's sign), so that vpmaddubsw's unsigned-by-signed pairs fit int16
-// (2 * 127 * 127). The float loop below ran SmolLM2's 120 int8 linears at 27 ms for 4 rows on an AVX2-only EPYC.
-inline __m256i dot32(const int8_t* x, const int8_t* w) {
-  const __m256i xi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
-  const __m256i wi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w));
-  return _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(xi, xi), _mm256_sign_epi8(wi, xi)),
-                           _mm256_set1_epi16(1));
+// Without AVX512-VNNI, on AVX2: the activations rounded to int16 per block of 64 (int8, as llama.cpp's Q8_0 x Q8_0,
+// lost SmolLM2's small activations beside its outliers: see quant_matmul.cpp) and multiplied with the widened
+// int8 weights by vpmaddwd. The float loop below ran SmolLM2's 120 int8 linears at 27 ms for 4 rows on an
+// AVX2-only EPYC.
+inline __m256i dot16(const int16_t* x, const int8_t* w) {  // 16 products, as 8 int32 pair sums
+  const __m256i wi = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w)));
+  return _mm256_madd_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x)), wi);
 }
 
 void int8_matmul_avx2(const float* xf, int rows, const int8_t* w, const float* scale, float* y, int64_t ys, int N,
                       int K, int th) {
   const int nb = K / kBlock;
-  alignas(64) static thread_local int8_t xq[kMaxRows][kMaxK];
+  alignas(64) static thread_local int16_t xq[kMaxRows][kMaxK];
   static thread_local float xs[kMaxRows][kMaxK / kBlock];
   for (int r = 0; r < rows; ++r) {
     for (int b = 0; b < nb; ++b) {
       const float* x = xf + r * kMaxK + b * kBlock;
       float mx = 0.f;
       for (int i = 0; i < kBlock; ++i) mx = fmaxf(mx, fabsf(x[i]));
-      const float inv = mx > 0.f ? 127.f / mx : 0.f;
-      xs[r][b] = mx / 127.f;
-      for (int i = 0; i < kBlock; ++i) xq[r][b * kBlock + i] = static_cast<int8_t>(lrintf(x[i] * inv));
+      const float inv = mx > 0.f ? 32767.f / mx : 0.f;
+      xs[r][b] = mx / 32767.f;
+      for (int i = 0; i < kBlock; ++i) xq[r][b * kBlock + i] = static_cast<int16_t>(lrintf(x[i] * inv));
     }
   }
-  const int8_t(*xqp)[kMaxK] = xq;
+  const int16_t(*xqp)[kMaxK] = xq;
   const float(*xsp)[kMaxK / kBlock] = xs;
 #pragma omp parallel for num_threads(th) schedule(static)
   for (int n = 0; n < N; ++n) {
     const int8_t* wn = w + static_cast<int64_t>(n) * K;
     for (int r = 0; r < rows; ++r) {
       __m256 acc = _mm256_setzero_ps();
-      for (int b = 0; b < nb; ++b) {
-        const int8_t* xb = xqp[r] + b * kBlock;
-        const __m256i d = _mm256_add_epi32(dot32(xb, wn + b * kBlock), dot32(xb + 32, wn + b * kBlock + 32));
+      for (int b = 0; b < nb; ++b) {  // a block's sum: at most 64 * 127 * 32767 < 2^31
+        const int16_t* xb = xqp[r] + b * kBlock;
+        const int8_t* wb = wn + b * kBlock;
+        const __m256i d = _mm256_add_epi32(_mm256_add_epi32(dot16(xb, wb), dot16(xb + 16, wb + 16)),
+                                           _mm256_add_epi32(dot16(xb + 32, wb + 32), dot16(xb + 48, wb + 48)));
         acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), _mm256_set1_ps(xsp[r][b]), acc);
       }
       __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));

@@ -1,7 +1,9 @@
 // The int4 weight-only matmul: y[r, n] = sum_k x[r, k] * w[n, k], each quantized weight row read once from
 // memory for all rows (torch's _weight_int4pack_mm_for_cpu read ~16 GB/s with bf16 activations, and took a
-// slow path with float32 ones). Activations are quantized to int8 per group of 32, as llama.cpp does, so the inner products run on integer SIMD: AVX512-VNNI (vpdpbusd), AVX-VNNI, or AVX2
-// (vpmaddubsw + vpmaddwd), with a scalar loop where none of them exists (-march=native picks).
+// slow path with float32 ones). Activations are quantized to int16 per group of 32, so the inner products run
+// on integer SIMD (AVX2 vpmaddwd; a scalar loop without AVX2; -march=native picks). Not int8 as llama.cpp's
+// Q8_1: SmolLM2's activations have outliers, a group's small values then round to zero, and greedy answers
+// changed with a prefix-cache hit (the last prompt rows taking this kernel instead of the dense copy).
 //
 // Plain C ABI, loaded with ctypes together with the other CPU kernels (one library).
 
@@ -20,10 +22,10 @@ namespace {
 
 constexpr int kG4 = 32;  // int4 group: one scale and zero per 32 inputs (llama.cpp's Q4_0/Q4_1 block)
 
-// One row of activations, per group of 32: x ≈ d * q with q in -127..127, qsum = sum(q), xsum = the exact sum
+// One row of activations, per group of 32: x ≈ d * q with q in -32767..32767, qsum = sum(q), xsum = the exact sum
 // (the zero term needs no rounding: llama.cpp's Q8_1 keeps d * sum(q) there instead)
 struct Acts {
-  std::vector<int8_t> q;
+  std::vector<int16_t> q;
   std::vector<float> d, xsum;
   std::vector<int32_t> qsum;
 };
@@ -31,7 +33,7 @@ struct Acts {
 template <typename T>
 Acts quantize_rows(const T* x, int64_t xs, int rows, int K) {
   const int ng = K / kG4;
-  Acts a{std::vector<int8_t>(static_cast<size_t>(rows) * K), std::vector<float>(static_cast<size_t>(rows) * ng),
+  Acts a{std::vector<int16_t>(static_cast<size_t>(rows) * K), std::vector<float>(static_cast<size_t>(rows) * ng),
          std::vector<float>(static_cast<size_t>(rows) * ng), std::vector<int32_t>(static_cast<size_t>(rows) * ng)};
   for (int r = 0; r < rows; ++r) {
     for (int g = 0; g < ng; ++g) {
@@ -41,14 +43,14 @@ Acts quantize_rows(const T* x, int64_t xs, int rows, int K) {
         mx = fmaxf(mx, fabsf(load(xg[i])));
         sum += load(xg[i]);
       }
-      const float inv = mx > 0.f ? 127.f / mx : 0.f;
-      int8_t* qg = a.q.data() + static_cast<int64_t>(r) * K + g * kG4;
+      const float inv = mx > 0.f ? 32767.f / mx : 0.f;
+      int16_t* qg = a.q.data() + static_cast<int64_t>(r) * K + g * kG4;
       int qsum = 0;
       for (int i = 0; i < kG4; ++i) {
-        qg[i] = static_cast<int8_t>(lrintf(load(xg[i]) * inv));
+        qg[i] = static_cast<int16_t>(lrintf(load(xg[i]) * inv));
         qsum += qg[i];
       }
-      a.d[r * ng + g] = mx / 127.f;
+      a.d[r * ng + g] = mx / 32767.f;
       a.xsum[r * ng + g] = sum;
       a.qsum[r * ng + g] = qsum;
     }
@@ -71,27 +73,22 @@ inline __m256i hsum8(const __m256i* v) {
   return _mm256_add_epi32(_mm256_permute2x128_si256(ab, cd, 0x20), _mm256_permute2x128_si256(ab, cd, 0x31));
 }
 
-// one group: eight int32 partial sums of q * x, q the 4-bit values 0..15 (u8) and x int8 (pairs of u8 * s8
-// summed in int16 without VNNI: at most 2 * 15 * 127)
-inline __m256i group_dot(const uint8_t* p16, const int8_t* x32) {
+// one group: eight int32 partial sums of q * x, q the 4-bit values 0..15 and x int16 (the group's whole sum is
+// at most 32 * 15 * 32767 < 2^24: exact in int32 and in its float conversion)
+inline __m256i group_dot(const uint8_t* p16, const int16_t* x32) {
   const __m128i m4 = _mm_set1_epi8(0x0F);
   const __m128i p = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p16));
-  const __m256i q = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(p, 4), m4), _mm_and_si128(p, m4));
-  const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x32));
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-  return _mm256_dpbusd_epi32(_mm256_setzero_si256(), q, x);
-#elif defined(__AVXVNNI__)
-  return _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), q, x);
-#else
-  return _mm256_madd_epi16(_mm256_maddubs_epi16(q, x), _mm256_set1_epi16(1));
-#endif
+  const __m256i lo = _mm256_cvtepu8_epi16(_mm_and_si128(p, m4));                     // q[0..15]
+  const __m256i hi = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(p, 4), m4));  // q[16..31]
+  const __m256i x0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x32));
+  const __m256i x1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x32 + 16));
+  return _mm256_add_epi32(_mm256_madd_epi16(lo, x0), _mm256_madd_epi16(hi, x1));
 }
 #endif
 
 // One output: sum over groups of scale * d * (sum(q * x) - 8 * qsum) + zero * xsum. The -8 centres the weights
-// exactly (integers): the rounded activations meet w - zero = (q - 8) * scale, half as large as llama.cpp's
-// Q4_1 x Q8_1 (q * scale + min), and so is the error.
-inline float row_dot(const uint8_t* w, const float* scale, const float* zero, const int8_t* x, const float* d,
+// exactly (integers): the rounded activations meet w - zero = (q - 8) * scale, half as large as q * scale + min.
+inline float row_dot(const uint8_t* w, const float* scale, const float* zero, const int16_t* x, const float* d,
                      const int32_t* qsum, const float* xsum, int ng) {
   int g = 0;
   float tail = 0.f;
@@ -118,7 +115,7 @@ inline float row_dot(const uint8_t* w, const float* scale, const float* zero, co
 #endif
   for (; g < ng; ++g) {
     const uint8_t* p = w + g * 16;
-    const int8_t* xg = x + g * kG4;
+    const int16_t* xg = x + g * kG4;
     int s = 0;
     for (int j = 0; j < 16; ++j) s += (p[j] & 15) * xg[j] + (p[j] >> 4) * xg[j + 16];
     tail += static_cast<float>(s - 8 * qsum[g]) * scale[g] * d[g] + zero[g] * xsum[g];
@@ -146,12 +143,11 @@ void int4_matmul(const T* x, int64_t xs, int rows, const uint8_t* w, const float
 
 extern "C" {
 
-// Which integer dot product this build runs (for /stats and the start-up log).
+// The integer SIMD this build's quantized kernels run on (for /stats and the start-up log): the int8 kernel's
+// VNNI path needs AVX512-VNNI (decoder_ops.cpp); both kernels have AVX2 paths.
 const char* llmserve_quant_isa() {
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__) && defined(__AVX2__)
+#if defined(__AVX512VNNI__) && defined(__AVX512F__)
   return "avx512-vnni";
-#elif defined(__AVXVNNI__) && defined(__AVX2__)
-  return "avx-vnni";
 #elif defined(__AVX2__)
   return "avx2";
 #else
