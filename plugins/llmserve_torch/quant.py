@@ -120,7 +120,8 @@ def _own_int8_kernel():
 
 
 def own_kernel_isa() -> str | None:
-    """The integer SIMD our kernels run on this CPU (avx512-vnni, avx2, scalar), or None where they do not build."""
+    """The integer SIMD our kernels run on this CPU (avx512-vnni, avx512bw, avx2, scalar), or None where they do not
+    build."""
     lib = _own_kernels()
     return None if lib is None else lib.llmserve_quant_isa().decode()
 
@@ -131,7 +132,7 @@ def int8_quantizes_one_row() -> bool:
     vpmaddwd) runs SmolLM2's int8 head at one row faster than float activations (an AVX2-only EPYC); with
     AVX512-VNNI one row is memory-bound either way and keeps float activations (exact); the scalar build has
     no integer path."""
-    return own_kernel_isa() == "avx2"
+    return own_kernel_isa() in ("avx2", "avx512bw")  # avx512bw: no VNNI, so the int8 kernel takes its AVX2 path
 
 
 def pack_int4_own(qw: QuantWeight) -> torch.Tensor:

@@ -121,13 +121,14 @@ def test_float32_activations_run_the_kernel_too():
 
 @pytest.mark.parametrize("serving", DTYPES)
 @pytest.mark.parametrize("rows", [1, 2, 7, 8, 9, 20])
-def test_our_int4_kernel_matches_the_reference_at_any_rows(rows, serving):
+@pytest.mark.parametrize("k", [160, 576])  # 5 groups: all past the kernel's chunks of 8; 18: two chunks and two
+def test_our_int4_kernel_matches_the_reference_at_any_rows(rows, serving, k):
     """Any rows in one pass, each row's activations rounded to int16 per 32 (tight: not the bf16 tolerance)."""
     if own_kernel_isa() is None:
         pytest.skip("the kernel library does not build here (no C++ compiler): torch's int4 kernel runs")
-    qw = repack(_gguf_tensor(_weights(40, 160, rows), "Q4_1"))
+    qw = repack(_gguf_tensor(_weights(40, k, rows), "Q4_1"))
     lin = QuantLinear(qw, None, _plan("int4", serving, NEVER))
-    x = torch.randn(rows, 160).to(serving)
+    x = torch.randn(rows, k).to(serving)
     want = F.linear(x.float(), qw.dequantize())
     got = lin(x)
     assert got.dtype == serving and got.shape == (rows, 40)

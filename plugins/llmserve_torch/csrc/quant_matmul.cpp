@@ -30,8 +30,17 @@ struct Acts {
   std::vector<int32_t> qsum;
 };
 
+// Where element i of group g sits in a row of quantized activations: in order, or (paired, for the AVX-512 path)
+// with the groups in pairs, each as [g0 0..15, g1 0..15, g0 16..31, g1 16..31]: the low nibbles of two groups' 32
+// packed bytes are then one vector's worth of values meeting one load of x, the high nibbles the next (a last odd
+// group stays in order).
+inline int64_t x_index(int g, int i, int ng, bool paired) {
+  if (paired && g < (ng & ~1)) return (g & ~1) * kG4 + (i >> 4) * 32 + (g & 1) * 16 + (i & 15);
+  return static_cast<int64_t>(g) * kG4 + i;
+}
+
 template <typename T>
-Acts quantize_rows(const T* x, int64_t xs, int rows, int K) {
+Acts quantize_rows(const T* x, int64_t xs, int rows, int K, bool paired) {
   const int ng = K / kG4;
   Acts a{std::vector<int16_t>(static_cast<size_t>(rows) * K), std::vector<float>(static_cast<size_t>(rows) * ng),
          std::vector<float>(static_cast<size_t>(rows) * ng), std::vector<int32_t>(static_cast<size_t>(rows) * ng)};
@@ -44,11 +53,12 @@ Acts quantize_rows(const T* x, int64_t xs, int rows, int K) {
         sum += load(xg[i]);
       }
       const float inv = mx > 0.f ? 32767.f / mx : 0.f;
-      int16_t* qg = a.q.data() + static_cast<int64_t>(r) * K + g * kG4;
+      int16_t* qr = a.q.data() + static_cast<int64_t>(r) * K;
       int qsum = 0;
       for (int i = 0; i < kG4; ++i) {
-        qg[i] = static_cast<int16_t>(lrintf(load(xg[i]) * inv));
-        qsum += qg[i];
+        const int16_t q = static_cast<int16_t>(lrintf(load(xg[i]) * inv));
+        qr[x_index(g, i, ng, paired)] = q;
+        qsum += q;
       }
       a.d[r * ng + g] = mx / 32767.f;
       a.xsum[r * ng + g] = sum;
@@ -64,6 +74,12 @@ inline float hsum(__m256 v) {
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
   s = _mm_add_ss(s, _mm_movehdup_ps(s));
   return _mm_cvtss_f32(s);
+}
+
+inline int hsum_i32(__m256i v) {
+  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
+  return _mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1)));
 }
 
 // lane i: the sum of v[i]'s eight lanes
@@ -105,11 +121,8 @@ inline float row_dot(const uint8_t* w, const float* scale, const float* zero, co
     acc = _mm256_fmadd_ps(_mm256_loadu_ps(zero + g), _mm256_loadu_ps(xsum + g), acc);
   }
   for (; g < ng; ++g) {  // the groups left over (576 inputs are 18 groups): one at a time, still in SIMD
-    const __m256i v = group_dot(w + g * 16, x + g * kG4);
-    __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
-    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
-    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xB1));
-    tail += static_cast<float>(_mm_cvtsi128_si32(s4) - 8 * qsum[g]) * scale[g] * d[g] + zero[g] * xsum[g];
+    const int s = hsum_i32(group_dot(w + g * 16, x + g * kG4)) - 8 * qsum[g];
+    tail += static_cast<float>(s) * scale[g] * d[g] + zero[g] * xsum[g];
   }
   tail += hsum(acc);
 #endif
@@ -123,16 +136,109 @@ inline float row_dot(const uint8_t* w, const float* scale, const float* zero, co
   return tail;
 }
 
+#if defined(__AVX512BW__)
+// Two groups' values as int16, centred (q - 8), from their 32 packed bytes: lo = both groups' q[0..15], hi = their
+// q[16..31], in the pair layout of x_index
+inline void unpack_pair(const uint8_t* p32, __m512i* lo, __m512i* hi) {
+  const __m256i m4 = _mm256_set1_epi8(0x0F);
+  const __m512i eight = _mm512_set1_epi16(8);
+  const __m256i p = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p32));
+  *lo = _mm512_sub_epi16(_mm512_cvtepu8_epi16(_mm256_and_si256(p, m4)), eight);
+  *hi = _mm512_sub_epi16(_mm512_cvtepu8_epi16(_mm256_and_si256(_mm256_srli_epi16(p, 4), m4)), eight);
+}
+
+inline __m512i dot16(__m512i acc, __m512i w, const int16_t* x) {
+#if defined(__AVX512VNNI__)
+  return _mm512_dpwssd_epi32(acc, w, _mm512_loadu_si512(x));
+#else
+  return _mm512_add_epi32(acc, _mm512_madd_epi16(w, _mm512_loadu_si512(x)));
+#endif
+}
+
+// one pair of groups against its 64 activations: lanes 0..7 sum the first group, 8..15 the second (|q - 8| <= 8,
+// so a group's whole sum stays below 2^23: exact in int32 and in float)
+inline __m512i pair_dot(__m512i lo, __m512i hi, const int16_t* x64) {
+  return dot16(dot16(_mm512_setzero_si512(), lo, x64), hi, x64 + 32);
+}
+
+constexpr int kRowBlock = 8;  // rows that share one unpacking of a weight row's groups (their sums stay in registers)
+
+// One weight row against every row of x: each 8 groups are unpacked once into registers and meet all rows of a
+// block, so at 64 rows the unpacking is not repeated 64 times (the AVX2 path below does repeat it).
+inline void row_all(const uint8_t* w, const float* scale, const float* zero, const Acts& a, int rows, int K, float* y,
+                    int64_t ys) {
+  const int ng = K / kG4;
+  for (int r0 = 0; r0 < rows; r0 += kRowBlock) {
+    const int rb = rows - r0 < kRowBlock ? rows - r0 : kRowBlock;
+    __m256 acc[kRowBlock];
+    float tail[kRowBlock];
+    for (int r = 0; r < rb; ++r) acc[r] = _mm256_setzero_ps(), tail[r] = 0.f;
+    int g = 0;
+    for (; g + 8 <= ng; g += 8) {
+      __m512i lo[4], hi[4];
+      for (int j = 0; j < 4; ++j) unpack_pair(w + (g + 2 * j) * 16, lo + j, hi + j);
+      const __m256 sc = _mm256_loadu_ps(scale + g), zc = _mm256_loadu_ps(zero + g);
+      for (int r = 0; r < rb; ++r) {
+        const int64_t row = r0 + r;
+        const int16_t* xr = a.q.data() + row * K + g * kG4;
+        __m256i h[8];
+        for (int j = 0; j < 4; ++j) {
+          const __m512i v = pair_dot(lo[j], hi[j], xr + j * 64);
+          h[2 * j] = _mm512_castsi512_si256(v);
+          h[2 * j + 1] = _mm512_extracti64x4_epi64(v, 1);
+        }
+        const float* d = a.d.data() + row * ng + g;
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(hsum8(h)), _mm256_mul_ps(sc, _mm256_loadu_ps(d)), acc[r]);
+        acc[r] = _mm256_fmadd_ps(zc, _mm256_loadu_ps(a.xsum.data() + row * ng + g), acc[r]);
+      }
+    }
+    for (; g + 2 <= ng; g += 2) {  // the pairs left over (576 inputs are 18 groups: one)
+      __m512i lo, hi;
+      unpack_pair(w + g * 16, &lo, &hi);
+      for (int r = 0; r < rb; ++r) {
+        const int64_t row = r0 + r;
+        const __m512i v = pair_dot(lo, hi, a.q.data() + row * K + g * kG4);
+        for (int j = 0; j < 2; ++j) {
+          const int s = hsum_i32(j ? _mm512_extracti64x4_epi64(v, 1) : _mm512_castsi512_si256(v));
+          tail[r] += static_cast<float>(s) * scale[g + j] * a.d[row * ng + g + j] + zero[g + j] * a.xsum[row * ng + g + j];
+        }
+      }
+    }
+    if (g < ng) {  // an odd last group, in its natural order: the AVX2 group dot, centred through qsum
+      for (int r = 0; r < rb; ++r) {
+        const int64_t row = r0 + r;
+        const int s = hsum_i32(group_dot(w + g * 16, a.q.data() + row * K + g * kG4)) - 8 * a.qsum[row * ng + g];
+        tail[r] += static_cast<float>(s) * scale[g] * a.d[row * ng + g] + zero[g] * a.xsum[row * ng + g];
+      }
+    }
+    for (int r = 0; r < rb; ++r) y[(r0 + r) * ys] = hsum(acc[r]) + tail[r];
+  }
+}
+#endif
+
 // w[n, 32g + j] = (q - 8) * scale[n, g] + zero[n, g], q in 0..15 packed two per byte, byte j of a group holding
 // j (low nibble) and j + 16 (high nibble). Each weight row is read from memory once for all rows of x.
 template <typename T>
 void int4_matmul(const T* x, int64_t xs, int rows, const uint8_t* w, const float* scale, const float* zero, float* y,
                  int64_t ys, int N, int K, int th) {
   const int ng = K / kG4;
-  const Acts a = quantize_rows(x, xs, rows, K);
+#if defined(__AVX512BW__)
+  // one or two rows: the AVX2 path, unpacking each group as it meets x, is faster on Zen 4 (its 512-bit shuffles
+  // and widenings cost twice a 256-bit one); from three rows, unpacking once per block of rows wins
+  const bool paired = rows > 2;
+#else
+  const bool paired = false;
+#endif
+  const Acts a = quantize_rows(x, xs, rows, K, paired);
 #pragma omp parallel for num_threads(th) schedule(static)
   for (int n = 0; n < N; ++n) {
     const int64_t off = static_cast<int64_t>(n) * ng;
+#if defined(__AVX512BW__)
+    if (paired) {
+      row_all(w + off * 16, scale + off, zero + off, a, rows, K, y + n, ys);
+      continue;
+    }
+#endif
     for (int r = 0; r < rows; ++r)
       y[r * ys + n] = row_dot(w + off * 16, scale + off, zero + off, a.q.data() + static_cast<int64_t>(r) * K,
                               a.d.data() + r * ng, a.qsum.data() + r * ng, a.xsum.data() + r * ng, ng);
@@ -146,8 +252,10 @@ extern "C" {
 // The integer SIMD this build's quantized kernels run on (for /stats and the start-up log): the int8 kernel's
 // VNNI path needs AVX512-VNNI (decoder_ops.cpp); both kernels have AVX2 paths.
 const char* llmserve_quant_isa() {
-#if defined(__AVX512VNNI__) && defined(__AVX512F__)
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
   return "avx512-vnni";
+#elif defined(__AVX512BW__)
+  return "avx512bw";
 #elif defined(__AVX2__)
   return "avx2";
 #else
