@@ -207,8 +207,8 @@ def build_kernel() -> ctypes.CDLL:
                                               ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int]
             lib.llmserve_int8_matmul.restype = ctypes.c_int
             lib.llmserve_int8_matmul.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_void_p,
-                                                 ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
-                                                 ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int]
+                                                 ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int,
+                                                 ctypes.c_int, ctypes.c_int, ctypes.c_int]
             lib.llmserve_int4_matmul.restype = None
             lib.llmserve_int4_matmul.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_void_p,
                                                  ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,

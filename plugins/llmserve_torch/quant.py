@@ -95,9 +95,9 @@ def cat_rows(parts: list[QuantWeight]) -> QuantWeight:
                        "+".join(sources))
 
 
-# csrc/decoder_ops.cpp's int8 matmul, SmolLM2's 49152 x 576 int8 LM head, AMD EPYC, 2 threads, ms at 1/2/4/8
-# rows: float activations 1.16/1.98/4.20/7.18, activations quantized to int8 per 64 (VNNI) -/1.02/1.59/3.24,
-# aten._weight_int8pack_mm 2.81/3.55/3.96/6.53. One row is memory-bound either way: it keeps float activations.
+# csrc/decoder_ops.cpp's int8 matmul (activations rounded to int16 per 64), SmolLM2's 49152 x 576 int8 LM head, AMD
+# EPYC with AVX512-VNNI, 2 threads, ms at 1/2/4/8 rows: 0.20/0.36/0.73/1.59, float activations 0.38/0.72/1.45/3.07;
+# aten._weight_int8pack_mm took 2.81/3.55/3.96/6.53 on an earlier such machine.
 OWN_INT8_MAX_ROWS = 8  # kMaxRows in decoder_ops.cpp; it also caps the inputs at kMaxK = 8192
 OWN_DTYPES = (torch.float32, torch.bfloat16)  # what our kernels read (they tell them apart by element size)
 
@@ -126,15 +126,6 @@ def own_kernel_isa() -> str | None:
     return None if lib is None else lib.llmserve_quant_isa().decode()
 
 
-@functools.cache
-def int8_quantizes_one_row() -> bool:
-    """Whether our int8 kernel rounds one row of activations to integers too. Its AVX2 path (int16 activations,
-    vpmaddwd) runs SmolLM2's int8 head at one row faster than float activations (an AVX2-only EPYC); with
-    AVX512-VNNI one row is memory-bound either way and keeps float activations (exact); the scalar build has
-    no integer path."""
-    return own_kernel_isa() in ("avx2", "avx512bw")  # avx512bw: no VNNI, so the int8 kernel takes its AVX2 path
-
-
 def pack_int4_own(qw: QuantWeight) -> torch.Tensor:
     """csrc/quant_matmul.cpp's form of the values: two a byte, byte j of a group of 32 holding j (low nibble) and
     j + 16 (high), [out, in/2] uint8 (its scale and zero are QuantWeight's: w = (q - 8) * scale + zero)."""
@@ -146,7 +137,7 @@ class QuantLinear:
     """y = x @ w.T (+ bias) through a weight-only quantized kernel, or a dense copy above plan's row limit."""
 
     __slots__ = ("kind", "source", "out_features", "in_features", "bias", "plan", "dense", "_w", "_scale", "_zero",
-                 "_scales", "_wsum", "_own4")
+                 "_scales", "_own4")
 
     fused_gelu = False  # no post-op fusion in these kernels: the model applies its activation itself
 
@@ -157,12 +148,8 @@ class QuantLinear:
         self.bias = bias
         self.plan = plan  # kernel_plan.KernelPlan: activation dtype and dense row limit per kind
         self.dense = dense  # a common.Linear over the dequantized weight, or None
-        self._wsum = None
         if qw.kind == "int8":
             self._w = qw.q.contiguous()
-            if self.in_features % 64 == 0:  # per-64 weight sums: the VNNI path of our int8 kernel needs them (and
-                # their presence tells the kernel the blocks divide K, which its AVX2 path needs)
-                self._wsum = self._w.view(self.out_features, -1, 64).sum(-1, dtype=torch.int32).contiguous()
         self._own4 = qw.kind == "int4" and _own_kernels() is not None
         self._scale, self._zero = qw.scale, qw.zero
         if self._own4:  # our kernel: its own packing of the values, scale and zero as float32 [out, in/32]
@@ -188,7 +175,7 @@ class QuantLinear:
         if self._own4:
             return f"llmserve int4 (int16 activations, {own_kernel_isa()})"
         if self.kind == "int8" and _own_int8_kernel() is not None:
-            return f"llmserve int8 ({own_kernel_isa()}) up to {OWN_INT8_MAX_ROWS} rows, then aten"
+            return f"llmserve int8 (int16 activations, {own_kernel_isa()}) up to {OWN_INT8_MAX_ROWS} rows, then aten"
         return f"aten {self.kind}"
 
     @property
@@ -208,7 +195,7 @@ class QuantLinear:
         return s
 
     def quantized(self, x: torch.Tensor, act: torch.dtype) -> torch.Tensor:
-        """The quantized kernel with activations in act (result in act, or float32 from our own int8 kernel)."""
+        """The quantized kernel with activations in act (result in act; ours: float32 from int8, x's dtype from int4)."""
         if self.kind == "int8":
             own = _own_int8_kernel()
             rows = x.shape[0]
@@ -216,14 +203,12 @@ class QuantLinear:
                     x.dtype in OWN_DTYPES:
                 y = torch.empty((rows, self.out_features), dtype=torch.float32)
                 xc = x.contiguous()  # it reads float32 or bf16 directly: no cast to act
-                quantize = self._wsum is not None and (rows > 1 or int8_quantizes_one_row())
-                wsum = self._wsum.data_ptr() if quantize else None  # no sums: float activations
-                own(xc.data_ptr(), xc.stride(0), rows, self._w.data_ptr(), wsum, self._scale.data_ptr(), y.data_ptr(),
+                own(xc.data_ptr(), xc.stride(0), rows, self._w.data_ptr(), self._scale.data_ptr(), y.data_ptr(),
                     y.stride(0), self.out_features, self.in_features, xc.element_size(), torch.get_num_threads())
                 return y
         elif self._own4:  # int4 packed for our kernel: it reads float32 or bf16 directly, any rows
             xc = x.contiguous() if x.dtype in OWN_DTYPES else x.float().contiguous()
-            y = torch.empty((xc.shape[0], self.out_features), dtype=torch.float32)
+            y = torch.empty((xc.shape[0], self.out_features), dtype=xc.dtype)  # it writes x's dtype
             _own_kernels().llmserve_int4_matmul(xc.data_ptr(), xc.stride(0), xc.shape[0], self._w.data_ptr(),
                                                 self._scale.data_ptr(), self._zero.data_ptr(), y.data_ptr(),
                                                 y.stride(0), self.out_features, self.in_features, xc.element_size(),

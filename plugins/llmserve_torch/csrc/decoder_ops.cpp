@@ -83,59 +83,22 @@ void silu_mul(const T* gu, int64_t gs, T* out, int64_t os, int rows, int inter, 
 // memory for all of them (torch's _weight_int8pack_mm streamed SmolLM2's 28 MB LM head at ~8 GB/s).
 constexpr int kMaxRows = 8;
 constexpr int kMaxK = 8192;
-constexpr int kBlock = 64;  // activations are quantized (int8 with VNNI, int16 with AVX2) with one scale per 64
+constexpr int kBlock = 64;  // activations are rounded to int16 with one scale per 64
 
-#if defined(__AVX512VNNI__) && defined(__AVX512F__)
-// With VNNI, as llama.cpp does: the activations are quantized to int8 per block of 64 (stored +128 as
-// uint8, so vpdpbusd can multiply them with the signed weights), and each block's int32 dot product is
-// scaled back; wsum[n, b] (the block's weight sum) removes the +128.
-void int8_matmul_vnni(const float* xf, int rows, const int8_t* w, const int32_t* wsum, const float* scale, float* y,
-                      int64_t ys, int N, int K, int th) {
-  const int nb = K / kBlock;
-  alignas(64) static thread_local uint8_t xq[kMaxRows][kMaxK];
-  static thread_local float xs[kMaxRows][kMaxK / kBlock];
-  for (int r = 0; r < rows; ++r) {
-    for (int b = 0; b < nb; ++b) {
-      const float* x = xf + r * kMaxK + b * kBlock;
-      float mx = 0.f;
-      for (int i = 0; i < kBlock; ++i) mx = fmaxf(mx, fabsf(x[i]));
-      const float s = mx / 127.f, inv = mx > 0.f ? 127.f / mx : 0.f;
-      xs[r][b] = s;
-      for (int i = 0; i < kBlock; ++i) xq[r][b * kBlock + i] = static_cast<uint8_t>(lrintf(x[i] * inv) + 128);
-    }
-  }
-  const uint8_t(*xqp)[kMaxK] = xq;
-  const float(*xsp)[kMaxK / kBlock] = xs;
-#pragma omp parallel for num_threads(th) schedule(static)
-  for (int n = 0; n < N; ++n) {
-    const int8_t* wn = w + static_cast<int64_t>(n) * K;
-    const int32_t* sn = wsum + static_cast<int64_t>(n) * nb;
-    for (int r = 0; r < rows; ++r) {
-      __m512 acc = _mm512_setzero_ps();
-      float corr = 0.f;
-      for (int b = 0; b < nb; ++b) {
-        const __m512i xi = _mm512_load_si512(xqp[r] + b * kBlock);
-        const __m512i wi = _mm512_loadu_si512(wn + b * kBlock);
-        const __m512i d = _mm512_dpbusd_epi32(_mm512_setzero_si512(), xi, wi);
-        acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), _mm512_set1_ps(xsp[r][b]), acc);
-        corr += xsp[r][b] * 128.f * static_cast<float>(sn[b]);
-      }
-      y[r * ys + n] = (_mm512_reduce_add_ps(acc) - corr) * scale[n];
-    }
-  }
-}
-#elif defined(__AVX2__)
-// Without AVX512-VNNI, on AVX2: the activations rounded to int16 per block of 64 (int8, as llama.cpp's Q8_0 x Q8_0,
-// lost SmolLM2's small activations beside its outliers: see quant_matmul.cpp) and multiplied with the widened
-// int8 weights by vpmaddwd. The float loop below ran SmolLM2's 120 int8 linears at 27 ms for 4 rows on an
-// AVX2-only EPYC.
+#if defined(__AVX2__)
+// The activations rounded to int16 per block of 64 and multiplied with the widened int8 weights by vpmaddwd
+// (vpdpwssd with AVX512-VNNI). Not int8, as llama.cpp's Q8_0 x Q8_0: that lost SmolLM2's small activations beside
+// its outliers (see quant_matmul.cpp), and on an AVX512-VNNI EPYC its vpdpbusd path was no faster than this one up
+// to 4 rows (SmolLM2's 121 int8 linears at 1 / 2 / 4 / 8 rows: 3.1 / 3.8 / 5.0 / 9.6 ms here, float activations
+// 3.5 / 4.9 / 8.6 / 18.2) at 1% of a row's largest output off, against 0.005% here. The float loop below ran
+// SmolLM2's 120 int8 linears at 27 ms for 4 rows on an AVX2-only EPYC.
 inline __m256i dot16(const int16_t* x, const int8_t* w) {  // 16 products, as 8 int32 pair sums
   const __m256i wi = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w)));
   return _mm256_madd_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x)), wi);
 }
 
-void int8_matmul_avx2(const float* xf, int rows, const int8_t* w, const float* scale, float* y, int64_t ys, int N,
-                      int K, int th) {
+void int8_matmul_i16(const float* xf, int rows, const int8_t* w, const float* scale, float* y, int64_t ys, int N,
+                     int K, int th) {
   const int nb = K / kBlock;
   alignas(64) static thread_local int16_t xq[kMaxRows][kMaxK];
   static thread_local float xs[kMaxRows][kMaxK / kBlock];
@@ -155,6 +118,24 @@ void int8_matmul_avx2(const float* xf, int rows, const int8_t* w, const float* s
   for (int n = 0; n < N; ++n) {
     const int8_t* wn = w + static_cast<int64_t>(n) * K;
     for (int r = 0; r < rows; ++r) {
+#if defined(__AVX512BW__)
+      __m512 acc = _mm512_setzero_ps();
+      for (int b = 0; b < nb; ++b) {  // a block's sum: at most 64 * 127 * 32767 < 2^31
+        const int16_t* xb = xqp[r] + b * kBlock;
+        const int8_t* wb = wn + b * kBlock;
+        const __m512i w0 = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb)));
+        const __m512i w1 = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 32)));
+#if defined(__AVX512VNNI__)
+        const __m512i d = _mm512_dpwssd_epi32(_mm512_dpwssd_epi32(_mm512_setzero_si512(), _mm512_load_si512(xb), w0),
+                                              _mm512_load_si512(xb + 32), w1);
+#else
+        const __m512i d = _mm512_add_epi32(_mm512_madd_epi16(_mm512_load_si512(xb), w0),
+                                           _mm512_madd_epi16(_mm512_load_si512(xb + 32), w1));
+#endif
+        acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), _mm512_set1_ps(xsp[r][b]), acc);
+      }
+      y[r * ys + n] = _mm512_reduce_add_ps(acc) * scale[n];
+#else
       __m256 acc = _mm256_setzero_ps();
       for (int b = 0; b < nb; ++b) {  // a block's sum: at most 64 * 127 * 32767 < 2^31
         const int16_t* xb = xqp[r] + b * kBlock;
@@ -167,25 +148,21 @@ void int8_matmul_avx2(const float* xf, int rows, const int8_t* w, const float* s
       s4 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
       s4 = _mm_add_ss(s4, _mm_movehdup_ps(s4));
       y[r * ys + n] = _mm_cvtss_f32(s4) * scale[n];
+#endif
     }
   }
 }
 #endif
 
 template <typename T>
-void int8_matmul(const T* x, int64_t xs, int rows, const int8_t* w, const int32_t* wsum, const float* scale,
-                 float* y, int64_t ys, int N, int K, int th) {
+void int8_matmul(const T* x, int64_t xs, int rows, const int8_t* w, const float* scale, float* y, int64_t ys, int N,
+                 int K, int th) {
   static thread_local float xf[kMaxRows][kMaxK];
   for (int r = 0; r < rows; ++r)
     for (int k = 0; k < K; ++k) xf[r][k] = load(x[r * xs + k]);
-#if defined(__AVX512VNNI__) && defined(__AVX512F__)
-  if (wsum != nullptr && K % kBlock == 0) {
-    int8_matmul_vnni(&xf[0][0], rows, w, wsum, scale, y, ys, N, K, th);
-    return;
-  }
-#elif defined(__AVX2__)
-  if (wsum != nullptr && K % kBlock == 0) {  // wsum marks a K the blocks divide (the AVX2 path needs no sums)
-    int8_matmul_avx2(&xf[0][0], rows, w, scale, y, ys, N, K, th);
+#if defined(__AVX2__)
+  if (K % kBlock == 0) {
+    int8_matmul_i16(&xf[0][0], rows, w, scale, y, ys, N, K, th);
     return;
   }
 #endif
@@ -207,16 +184,16 @@ void int8_matmul(const T* x, int64_t xs, int rows, const int8_t* w, const int32_
 
 extern "C" {
 
-// rows <= 8 and K <= 8192 (the caller checks): float32 results. wsum: [N, K/64] int32 block sums of w
-// (or NULL: no VNNI path); returns 1 when the activations were quantized (the VNNI path), else 0.
-int llmserve_int8_matmul(const void* x, int64_t xs, int rows, const int8_t* w, const int32_t* wsum,
-                         const float* scale, float* y, int64_t ys, int N, int K, int elem_size, int th) {
+// rows <= 8 and K <= 8192 (the caller checks): float32 results; returns 1 when the activations were rounded to int16
+// (AVX2 and K a multiple of 64), 0 when they stayed float.
+int llmserve_int8_matmul(const void* x, int64_t xs, int rows, const int8_t* w, const float* scale, float* y,
+                         int64_t ys, int N, int K, int elem_size, int th) {
   if (elem_size == 4)
-    int8_matmul<float>(static_cast<const float*>(x), xs, rows, w, wsum, scale, y, ys, N, K, th);
+    int8_matmul<float>(static_cast<const float*>(x), xs, rows, w, scale, y, ys, N, K, th);
   else
-    int8_matmul<uint16_t>(static_cast<const uint16_t*>(x), xs, rows, w, wsum, scale, y, ys, N, K, th);
-#if (defined(__AVX512VNNI__) && defined(__AVX512F__)) || defined(__AVX2__)
-  return wsum != nullptr && K % kBlock == 0;
+    int8_matmul<uint16_t>(static_cast<const uint16_t*>(x), xs, rows, w, scale, y, ys, N, K, th);
+#if defined(__AVX2__)
+  return K % kBlock == 0;
 #else
   return 0;
 #endif

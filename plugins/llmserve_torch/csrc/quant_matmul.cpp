@@ -165,7 +165,8 @@ constexpr int kRowBlock = 8;  // rows that share one unpacking of a weight row's
 
 // One weight row against every row of x: each 8 groups are unpacked once into registers and meet all rows of a
 // block, so at 64 rows the unpacking is not repeated 64 times (the AVX2 path below does repeat it).
-inline void row_all(const uint8_t* w, const float* scale, const float* zero, const Acts& a, int rows, int K, float* y,
+template <typename T>
+inline void row_all(const uint8_t* w, const float* scale, const float* zero, const Acts& a, int rows, int K, T* y,
                     int64_t ys) {
   const int ng = K / kG4;
   for (int r0 = 0; r0 < rows; r0 += kRowBlock) {
@@ -211,7 +212,7 @@ inline void row_all(const uint8_t* w, const float* scale, const float* zero, con
         tail[r] += static_cast<float>(s) * scale[g] * a.d[row * ng + g] + zero[g] * a.xsum[row * ng + g];
       }
     }
-    for (int r = 0; r < rb; ++r) y[(r0 + r) * ys] = hsum(acc[r]) + tail[r];
+    for (int r = 0; r < rb; ++r) store(y + (r0 + r) * ys, hsum(acc[r]) + tail[r]);
   }
 }
 #endif
@@ -219,7 +220,7 @@ inline void row_all(const uint8_t* w, const float* scale, const float* zero, con
 // w[n, 32g + j] = (q - 8) * scale[n, g] + zero[n, g], q in 0..15 packed two per byte, byte j of a group holding
 // j (low nibble) and j + 16 (high nibble). Each weight row is read from memory once for all rows of x.
 template <typename T>
-void int4_matmul(const T* x, int64_t xs, int rows, const uint8_t* w, const float* scale, const float* zero, float* y,
+void int4_matmul(const T* x, int64_t xs, int rows, const uint8_t* w, const float* scale, const float* zero, T* y,
                  int64_t ys, int N, int K, int th) {
   const int ng = K / kG4;
 #if defined(__AVX512BW__)
@@ -240,8 +241,8 @@ void int4_matmul(const T* x, int64_t xs, int rows, const uint8_t* w, const float
     }
 #endif
     for (int r = 0; r < rows; ++r)
-      y[r * ys + n] = row_dot(w + off * 16, scale + off, zero + off, a.q.data() + static_cast<int64_t>(r) * K,
-                              a.d.data() + r * ng, a.qsum.data() + r * ng, a.xsum.data() + r * ng, ng);
+      store(y + r * ys + n, row_dot(w + off * 16, scale + off, zero + off, a.q.data() + static_cast<int64_t>(r) * K,
+                                    a.d.data() + r * ng, a.qsum.data() + r * ng, a.xsum.data() + r * ng, ng));
   }
 }
 
@@ -264,13 +265,15 @@ const char* llmserve_quant_isa() {
 }
 
 // x: [rows, K] float32 (elem_size 4) or bf16 (2), row stride xs; K a multiple of 32; scale, zero: [N, K/32]
-// float32; y: [rows, N] float32.
+// float32; y: [rows, N] in x's dtype (a bf16 model's linears then need no cast after each call).
 void llmserve_int4_matmul(const void* x, int64_t xs, int rows, const uint8_t* w, const float* scale,
-                          const float* zero, float* y, int64_t ys, int N, int K, int elem_size, int th) {
+                          const float* zero, void* y, int64_t ys, int N, int K, int elem_size, int th) {
   if (elem_size == 4)
-    int4_matmul<float>(static_cast<const float*>(x), xs, rows, w, scale, zero, y, ys, N, K, th);
+    int4_matmul<float>(static_cast<const float*>(x), xs, rows, w, scale, zero, static_cast<float*>(y), ys, N, K,
+                       th);
   else
-    int4_matmul<uint16_t>(static_cast<const uint16_t*>(x), xs, rows, w, scale, zero, y, ys, N, K, th);
+    int4_matmul<uint16_t>(static_cast<const uint16_t*>(x), xs, rows, w, scale, zero, static_cast<uint16_t*>(y), ys,
+                          N, K, th);
 }
 
 }  // extern "C"
