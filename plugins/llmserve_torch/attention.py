@@ -205,7 +205,7 @@ def build_kernel() -> ctypes.CDLL:
             lib.llmserve_silu_mul.restype = None
             lib.llmserve_silu_mul.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
                                               ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int]
-            lib.llmserve_int8_matmul.restype = ctypes.c_int
+            lib.llmserve_int8_matmul.restype = None
             lib.llmserve_int8_matmul.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_void_p,
                                                  ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int,
                                                  ctypes.c_int, ctypes.c_int, ctypes.c_int]

@@ -195,7 +195,7 @@ class QuantLinear:
         return s
 
     def quantized(self, x: torch.Tensor, act: torch.dtype) -> torch.Tensor:
-        """The quantized kernel with activations in act (result in act; ours: float32 from int8, x's dtype from int4)."""
+        """The quantized kernel with activations in act (result in act; ours: int8 gives float32, int4 x's dtype)."""
         if self.kind == "int8":
             own = _own_int8_kernel()
             rows = x.shape[0]

@@ -184,19 +184,13 @@ void int8_matmul(const T* x, int64_t xs, int rows, const int8_t* w, const float*
 
 extern "C" {
 
-// rows <= 8 and K <= 8192 (the caller checks): float32 results; returns 1 when the activations were rounded to int16
-// (AVX2 and K a multiple of 64), 0 when they stayed float.
-int llmserve_int8_matmul(const void* x, int64_t xs, int rows, const int8_t* w, const float* scale, float* y,
-                         int64_t ys, int N, int K, int elem_size, int th) {
+// rows <= 8 and K <= 8192 (the caller checks): float32 results.
+void llmserve_int8_matmul(const void* x, int64_t xs, int rows, const int8_t* w, const float* scale, float* y,
+                          int64_t ys, int N, int K, int elem_size, int th) {
   if (elem_size == 4)
     int8_matmul<float>(static_cast<const float*>(x), xs, rows, w, scale, y, ys, N, K, th);
   else
     int8_matmul<uint16_t>(static_cast<const uint16_t*>(x), xs, rows, w, scale, y, ys, N, K, th);
-#if defined(__AVX2__)
-  return K % kBlock == 0;
-#else
-  return 0;
-#endif
 }
 
 void llmserve_add_rms_norm(void* x, int64_t xs, const void* delta, int64_t ds, const void* w, void* out, int64_t os,

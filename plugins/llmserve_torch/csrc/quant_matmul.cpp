@@ -68,6 +68,10 @@ Acts quantize_rows(const T* x, int64_t xs, int rows, int K, bool paired) {
   return a;
 }
 
+// One group's term of an output: s = sum((q - 8) * xq) in integers, rescaled by the weight scale and the activation
+// step d, plus the zero point times the exact sum of the group's activations
+inline float group_term(int s, float scale, float d, float zero, float xsum) { return s * scale * d + zero * xsum; }
+
 #if defined(__AVX2__)
 inline float hsum(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -121,8 +125,7 @@ inline float row_dot(const uint8_t* w, const float* scale, const float* zero, co
     acc = _mm256_fmadd_ps(_mm256_loadu_ps(zero + g), _mm256_loadu_ps(xsum + g), acc);
   }
   for (; g < ng; ++g) {  // the groups left over (576 inputs are 18 groups): one at a time, still in SIMD
-    const int s = hsum_i32(group_dot(w + g * 16, x + g * kG4)) - 8 * qsum[g];
-    tail += static_cast<float>(s) * scale[g] * d[g] + zero[g] * xsum[g];
+    tail += group_term(hsum_i32(group_dot(w + g * 16, x + g * kG4)) - 8 * qsum[g], scale[g], d[g], zero[g], xsum[g]);
   }
   tail += hsum(acc);
 #endif
@@ -131,7 +134,7 @@ inline float row_dot(const uint8_t* w, const float* scale, const float* zero, co
     const int16_t* xg = x + g * kG4;
     int s = 0;
     for (int j = 0; j < 16; ++j) s += (p[j] & 15) * xg[j] + (p[j] >> 4) * xg[j + 16];
-    tail += static_cast<float>(s - 8 * qsum[g]) * scale[g] * d[g] + zero[g] * xsum[g];
+    tail += group_term(s - 8 * qsum[g], scale[g], d[g], zero[g], xsum[g]);
   }
   return tail;
 }
@@ -147,7 +150,7 @@ inline void unpack_pair(const uint8_t* p32, __m512i* lo, __m512i* hi) {
   *hi = _mm512_sub_epi16(_mm512_cvtepu8_epi16(_mm256_and_si256(_mm256_srli_epi16(p, 4), m4)), eight);
 }
 
-inline __m512i dot16(__m512i acc, __m512i w, const int16_t* x) {
+inline __m512i madd_acc(__m512i acc, __m512i w, const int16_t* x) {  // acc + pair sums of w * x
 #if defined(__AVX512VNNI__)
   return _mm512_dpwssd_epi32(acc, w, _mm512_loadu_si512(x));
 #else
@@ -158,7 +161,7 @@ inline __m512i dot16(__m512i acc, __m512i w, const int16_t* x) {
 // one pair of groups against its 64 activations: lanes 0..7 sum the first group, 8..15 the second (|q - 8| <= 8,
 // so a group's whole sum stays below 2^23: exact in int32 and in float)
 inline __m512i pair_dot(__m512i lo, __m512i hi, const int16_t* x64) {
-  return dot16(dot16(_mm512_setzero_si512(), lo, x64), hi, x64 + 32);
+  return madd_acc(madd_acc(_mm512_setzero_si512(), lo, x64), hi, x64 + 32);
 }
 
 constexpr int kRowBlock = 8;  // rows that share one unpacking of a weight row's groups (their sums stay in registers)
@@ -201,15 +204,17 @@ inline void row_all(const uint8_t* w, const float* scale, const float* zero, con
         const __m512i v = pair_dot(lo, hi, a.q.data() + row * K + g * kG4);
         for (int j = 0; j < 2; ++j) {
           const int s = hsum_i32(j ? _mm512_extracti64x4_epi64(v, 1) : _mm512_castsi512_si256(v));
-          tail[r] += static_cast<float>(s) * scale[g + j] * a.d[row * ng + g + j] + zero[g + j] * a.xsum[row * ng + g + j];
+          const int64_t at = row * ng + g + j;
+          tail[r] += group_term(s, scale[g + j], a.d[at], zero[g + j], a.xsum[at]);
         }
       }
     }
     if (g < ng) {  // an odd last group, in its natural order: the AVX2 group dot, centred through qsum
       for (int r = 0; r < rb; ++r) {
         const int64_t row = r0 + r;
-        const int s = hsum_i32(group_dot(w + g * 16, a.q.data() + row * K + g * kG4)) - 8 * a.qsum[row * ng + g];
-        tail[r] += static_cast<float>(s) * scale[g] * a.d[row * ng + g] + zero[g] * a.xsum[row * ng + g];
+        const int64_t at = row * ng + g;
+        const int s = hsum_i32(group_dot(w + g * 16, a.q.data() + row * K + g * kG4)) - 8 * a.qsum[at];
+        tail[r] += group_term(s, scale[g], a.d[at], zero[g], a.xsum[at]);
       }
     }
     for (int r = 0; r < rb; ++r) store(y + (r0 + r) * ys, hsum(acc[r]) + tail[r]);
@@ -250,8 +255,8 @@ void int4_matmul(const T* x, int64_t xs, int rows, const uint8_t* w, const float
 
 extern "C" {
 
-// The integer SIMD this build's quantized kernels run on (for /stats and the start-up log): the int8 kernel's
-// VNNI path needs AVX512-VNNI (decoder_ops.cpp); both kernels have AVX2 paths.
+// The integer SIMD this build's quantized kernels run on (for /stats and the start-up log): both kernels multiply
+// int16 activations with vpdpwssd where AVX512-VNNI exists, vpmaddwd with AVX2 or AVX512BW, scalar code elsewhere.
 const char* llmserve_quant_isa() {
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
   return "avx512-vnni";
