@@ -4,8 +4,9 @@ Kernels:
   reference  pure torch, any device: gathers each request's K/V by slot and runs SDPA per request.
   cpu        a C++ kernel (built once with the system compiler, loaded with ctypes) that reads
              every K/V block in place through the block tables; float32 and bfloat16.
-  auto       cpu where it builds and supports the shapes, else reference.
-A GPU kernel slots in as one more class with begin_step/forward.
+  triton     Triton kernels (triton_kernels.py) for the GPU: one launch stores the step's K/V, one attends for
+             every token of the step (prompt chunks and decodes alike) reading K/V in place; graph-capturable.
+  auto       triton on CUDA (where Triton imports), cpu on a CPU where it builds, else reference.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -32,7 +34,7 @@ from llmserve_torch.kv_cache import KVCache
 
 log = logging.getLogger("llmserve.torch")
 
-KERNELS = ("auto", "reference", "cpu")
+KERNELS = ("auto", "reference", "cpu", "triton")
 _CSRC = Path(__file__).with_name("csrc")
 _SOURCES = ("paged_attention.cpp", "decoder_ops.cpp", "quant_matmul.cpp")  # one library; bf16.h is shared
 
@@ -107,6 +109,58 @@ class ReferenceAttention(PagedAttention):
             o = F.scaled_dot_product_attention(qr, kr, vr, attn_mask=self._masks[r], scale=self.scale)
             out[qs:qs + ql] = o.transpose(0, 1).reshape(ql, a.q_size)
         return out
+
+
+class TritonPagedAttention(PagedAttention):
+    """Triton kernels on the paged cache: a decode-only step runs one program per (token, KV head) and needs
+    nothing from the host but the step's tensors (so it can be replayed from a CUDA graph); a step with prompt
+    tokens splits each request's tokens into tiles, built here with numpy and copied once per step."""
+
+    name = "triton"
+
+    def __init__(self, arch: ArchConfig, kv: KVCache):
+        super().__init__(arch, kv)
+        from llmserve_torch import triton_kernels  # only where Triton is installed
+
+        self._kernels = triton_kernels
+        self._group = arch.num_heads // arch.num_kv_heads
+
+    def begin_step(self, meta: StepMetadata) -> None:
+        super().begin_step(meta)
+        self._tiles = None
+        self._num_tiles = meta.num_tokens
+        if meta.num_tokens != len(meta.q_lens):  # some request computes several tokens: tile them
+            tt = self._kernels.attention_tile_tokens(self._group, decode=False)
+            ql = np.asarray(meta.q_lens, dtype=np.int64)
+            per_req = -(-ql // tt)
+            first = np.repeat(np.cumsum(per_req) - per_req, per_req)
+            req = np.repeat(np.arange(len(ql)), per_req)
+            j = (np.arange(int(per_req.sum())) - first) * tt
+            tiles = np.stack([np.asarray(meta.q_starts, dtype=np.int64)[req] + j, np.minimum(tt, ql[req] - j)])
+            self._tiles = torch.from_numpy(tiles.astype(np.int32)).to(self.kv.k.device, non_blocking=True)
+            self._num_tiles = tiles.shape[1]
+
+    def forward(self, layer, q, k, v):
+        a, m, kern = self.arch, self.meta, self._kernels
+        kf, vf = self.kv.k_flat[layer], self.kv.v_flat[layer]
+        kern.write_kv(k, v, kf, vf, m.slots)
+        out = torch.empty((m.num_tokens, a.q_size), dtype=q.dtype, device=q.device)
+        tiles = self._tiles
+        kern.paged_attention(q, kf, vf, out, m.block_tables, m.tok_req, m.tok_pos,
+                             None if tiles is None else tiles[0], None if tiles is None else tiles[1],
+                             self._num_tiles, a.num_heads, a.num_kv_heads, a.head_dim, self.kv.block_size, self.scale)
+        return out
+
+
+def triton_unavailable_on(dev: torch.device) -> str | None:
+    """Why the Triton kernels cannot run on this device (None when they can)."""
+    if dev.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        return "Triton runs on a GPU (or on the CPU under TRITON_INTERPRET=1, for tests)"
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return "Triton is not installed"
+    return None
 
 
 # --- the C++ CPU kernel --------------------------------------------------------------------------
@@ -301,6 +355,14 @@ def make_attention(name: str, arch: ArchConfig, kv: KVCache) -> PagedAttention:
     if name not in KERNELS:
         raise ConfigError(f"backend.options.attention: must be one of {', '.join(KERNELS)}, got {name!r}")
     if name == "reference":
+        return ReferenceAttention(arch, kv)
+    if name == "triton" or (name == "auto" and kv.k.device.type == "cuda"):
+        why = triton_unavailable_on(kv.k.device)
+        if why is None:
+            return TritonPagedAttention(arch, kv)
+        if name == "triton":
+            raise ConfigError(f"backend.options.attention: the triton kernels cannot be used: {why}")
+        log.info("attention: using the reference kernel (%s)", why)
         return ReferenceAttention(arch, kv)
     why = cpu_kernel_unsupported(arch, kv)
     if why is None:

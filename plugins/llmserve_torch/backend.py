@@ -12,6 +12,7 @@ from llmserve.config import EngineConfig, check_options
 from llmserve.errors import ConfigError
 from llmserve.interfaces import ModelBackend
 from llmserve_torch.attention import KERNELS, StepMetadata, cpu_argmax, make_attention
+from llmserve_torch.cuda_graphs import DecodeGraphs, table_width
 from llmserve_torch.footprint import footprint
 from llmserve_torch.fused import DECODER_OPS
 from llmserve_torch.kv_cache import KVCache, budget_bytes, bytes_per_block
@@ -30,8 +31,11 @@ OPTIONS = {
     # quantized linears: auto (measure at load where a dense copy starts to win) or the most rows a
     # quantized kernel runs (0: always the dense copy; a large number: never, and no dense copy is kept)
     "quant_rows": "auto",
-    # the elementwise steps of Llama-style layers: auto (fused C kernels on CPU) | torch | cpu
+    # the elementwise steps of Llama-style layers: auto (fused C kernels on CPU, Triton on CUDA) | torch | cpu | triton
     "decoder_ops": "auto",
+    # decode steps replayed from CUDA graphs: auto (on CUDA with the triton attention, batches up to
+    # max_num_seqs) | off | the largest batch captured (off CUDA the padded step runs uncaptured: for tests)
+    "cuda_graphs": "auto",
 }
 
 
@@ -51,6 +55,10 @@ class TorchBackend(ModelBackend):
         quant_rows = self.options["quant_rows"]
         if quant_rows != "auto" and (isinstance(quant_rows, bool) or not isinstance(quant_rows, int) or quant_rows < 0):
             raise ConfigError(f"backend.options.quant_rows: must be auto or a number of rows >= 0, got {quant_rows!r}")
+        graphs = self.options["cuda_graphs"]
+        if graphs not in ("auto", "off") and (isinstance(graphs, bool) or not isinstance(graphs, int) or graphs < 1):
+            raise ConfigError(f"backend.options.cuda_graphs: must be auto, off or the largest batch to capture "
+                              f"(>= 1), got {graphs!r}")
         sc = config.scheduler
         loaded = load_model(mc, linear=self.options["linear"], batch_hint=sc.max_num_seqs,
                             max_batch_rows=max(sc.max_num_batched_tokens, sc.max_num_seqs), quant_rows=quant_rows,
@@ -81,6 +89,7 @@ class TorchBackend(ModelBackend):
         self.sampler = Sampler(self.device, seed=mc.seed, eos_token_ids=self.eos_token_ids)
         self.kv: KVCache | None = None
         self.attention = None
+        self.graphs: DecodeGraphs | None = None
         self._kv_peak = {"reserved_slots": 0, "used_slots": 0}
         self._steps = 0
 
@@ -89,7 +98,7 @@ class TorchBackend(ModelBackend):
     def num_kv_blocks(self, block_size: int) -> int:
         """Blocks the kv_cache_memory budget holds, capped at what max_num_seqs full sequences can use."""
         per_block = bytes_per_block(self.arch, block_size, self.dtype)
-        budget = budget_bytes(self.config.backend.kv_cache_memory, self.device)
+        budget = budget_bytes(self.config.backend.kv_cache_memory, self.device, self._forward_peak_bytes())
         n = budget // per_block
         if self.options["cap_kv_blocks"]:
             per_seq = -(-self.max_model_len // block_size)
@@ -99,14 +108,63 @@ class TorchBackend(ModelBackend):
                               f"(one block of {block_size} tokens takes {per_block} bytes)")
         return int(n)
 
+    def _forward_peak_bytes(self) -> int:
+        """On CUDA, what the largest step's forward allocates beyond the weights, measured by running one of
+        max_num_batched_tokens prompt tokens on a cache of its own (vLLM's profiling run); elsewhere 0."""
+        if self.device.type != "cuda":
+            return 0
+        sc, bs = self.config.scheduler, 16
+        T = max(1, min(sc.max_num_batched_tokens, self.max_model_len))
+        nb = -(-T // bs)
+        kv = KVCache(self.arch, nb, bs, self.dtype, self.device)
+        attention = make_attention(self.options["attention"], self.arch, kv)
+        dev = self.device
+        torch.cuda.synchronize(dev)
+        torch.cuda.reset_peak_memory_stats(dev)
+        base = torch.cuda.memory_allocated(dev)
+        with torch.inference_mode():
+            pos = torch.arange(T, dtype=torch.int32, device=dev)
+            meta = StepMetadata(slots=pos.long(), tok_req=torch.zeros(T, dtype=torch.int32, device=dev), tok_pos=pos,
+                                block_tables=torch.arange(nb, dtype=torch.int32, device=dev).view(1, nb),
+                                q_starts=[0], q_lens=[T], ctx_lens=[T], num_tokens=T)
+            attention.begin_step(meta)
+            hidden = self.model.forward(torch.zeros(T, dtype=torch.long, device=dev),
+                                        self.model.prepare_step(pos.long()), attention)
+            self.model.logits(hidden[-min(T, sc.max_num_seqs):])
+        torch.cuda.synchronize(dev)
+        peak = torch.cuda.max_memory_allocated(dev) - base
+        del kv, attention, hidden, meta
+        torch.cuda.empty_cache()
+        log.info("profiling forward of %d tokens: %.0f MiB of activations", T, peak / 2**20)
+        return peak
+
+    def _graphs_wanted(self) -> int:
+        """The largest decode batch to replay from a CUDA graph (0: none)."""
+        opt = self.options["cuda_graphs"]
+        if opt == "off":
+            return 0
+        if opt == "auto":
+            return self.config.scheduler.max_num_seqs if self.device.type == "cuda" else 0
+        return opt
+
     def init_kv_cache(self, num_blocks: int, block_size: int) -> None:
-        """Allocate the K/V tensors and pick the attention kernel for them."""
-        self.kv = KVCache(self.arch, num_blocks, block_size, self.dtype, self.device)
+        """Allocate the K/V tensors, pick the attention kernel for them, capture the decode graphs (CUDA)."""
+        max_graph_batch = self._graphs_wanted()
+        self.kv = KVCache(self.arch, num_blocks, block_size, self.dtype, self.device, scratch=max_graph_batch > 0)
         self.attention = make_attention(self.options["attention"], self.arch, self.kv)
         if self.attention.name == "cpu":
             self.sampler.fast_argmax = cpu_argmax()
         log.info("KV cache: %d blocks of %d tokens (%.1f MiB), attention kernel %s", num_blocks, block_size,
                  self.kv.nbytes / 2**20, self.attention.name)
+        if max_graph_batch:
+            if self.attention.name != "triton":  # the graphs read every step input from device buffers
+                if self.options["cuda_graphs"] != "auto":
+                    raise ConfigError("backend.options.cuda_graphs: needs the triton attention kernel, not "
+                                      f"{self.attention.name}")
+                return
+            self.graphs = DecodeGraphs(self.model, self.attention, max_graph_batch,
+                                       table_width(self.max_model_len, block_size), self.kv.scratch_slot, self.device)
+            self.graphs.capture()
 
     # --- one step -------------------------------------------------------------------------------
 
@@ -145,8 +203,7 @@ class TorchBackend(ModelBackend):
                 sample_rows.append(len(ids) - 1)
             reserved += len(bt) * bs
             used += ctx
-        if reserved > self._kv_peak["reserved_slots"]:
-            self._kv_peak = {"reserved_slots": reserved, "used_slots": used}
+        self._note_kv_use(reserved, used)
         maxb = max(len(t) for t in tables)
         flat: list[int] = []
         for t in tables:
@@ -162,12 +219,32 @@ class TorchBackend(ModelBackend):
         )
         return torch.tensor(ids, dtype=torch.long, device=dev), meta, sample_rows
 
+    def _note_kv_use(self, reserved: int, used: int) -> None:
+        """Remember the step that reserved the most KV slots (kv_peak)."""
+        if reserved > self._kv_peak["reserved_slots"]:
+            self._kv_peak = {"reserved_slots": reserved, "used_slots": used}
+
     def _forward(self, batch: SchedulerOutput):
         """Metadata once per step, then the model over every flattened token: hidden [T, hidden]."""
         ids, meta, sample_rows = self._metadata(batch)
         step = self.model.prepare_step(meta.tok_pos.long())
         self.attention.begin_step(meta)
         return self.model.forward(ids, step, self.attention), meta, sample_rows
+
+    def _graph_step(self, batch: SchedulerOutput) -> torch.Tensor | None:
+        """Logits of every request of a decode-only step replayed from a CUDA graph, or None where the step runs
+        eagerly (prompt tokens, prompt logprobs asked for, a batch past the largest graph, no graphs)."""
+        g = self.graphs
+        reqs = batch.requests
+        if g is None or not g.fits(len(reqs)) or any(r.num_new_tokens != 1 or r.sampling.prompt_logprobs is not None
+                                                      for r in reqs):
+            return None
+        bs = self.kv.block_size
+        pos = [r.num_computed_tokens for r in reqs]
+        tables = [r.block_table[:p // bs + 1] for r, p in zip(reqs, pos)]
+        slots = [t[-1] * bs + p % bs for t, p in zip(tables, pos)]
+        self._note_kv_use(bs * sum(len(r.block_table) for r in reqs), sum(pos) + len(reqs))
+        return g.run([r.token_ids[p] for r, p in zip(reqs, pos)], pos, slots, tables)
 
     def compute_logits(self, batch: SchedulerOutput) -> torch.Tensor:
         """Float32 logits of every token the batch computes, [T, vocab] (for tests and debugging; writes K/V)."""
@@ -185,13 +262,19 @@ class TorchBackend(ModelBackend):
         if not reqs:
             return ModelOutput(sampled_token_ids=[])
         with torch.inference_mode():
-            hidden, meta, sample_rows = self._forward(batch)
+            graphed = self._graph_step(batch)
+            if graphed is None:
+                hidden, meta, sample_rows = self._forward(batch)
             sampled: list[int | None] = [None] * len(reqs)
             logprobs = None
             sample_reqs = [r for r in reqs if r.do_sample]
             if sample_reqs:
-                rows = torch.tensor(sample_rows, dtype=torch.long, device=self.device)
-                logits = self.model.logits(hidden.index_select(0, rows))
+                if graphed is not None:  # logits of every row; a one-token prompt chunk may not sample
+                    logits = graphed if len(sample_reqs) == len(reqs) else graphed[
+                        torch.tensor([i for i, r in enumerate(reqs) if r.do_sample], device=self.device)]
+                else:
+                    rows = torch.tensor(sample_rows, dtype=torch.long, device=self.device)
+                    logits = self.model.logits(hidden.index_select(0, rows))
                 mask_rows = ()
                 if batch.token_bitmask is not None:  # the mask's rows index reqs; the sampler's, sample_reqs
                     pos = {i: j for j, i in enumerate(i for i, r in enumerate(reqs) if r.do_sample)}
@@ -253,6 +336,7 @@ class TorchBackend(ModelBackend):
             **self.footprint,
         }
         if self.kv is not None:
+            d["cuda_graphs"] = self.graphs.buckets if self.graphs is not None else "off"
             d.update({"attention": self.attention.name, "kv_blocks": self.kv.num_blocks,
                       "kv_block_size": self.kv.block_size, "kv_bytes": self.kv.nbytes, "kv_peak": self.kv_peak()})
         return d
@@ -272,4 +356,5 @@ class TorchBackend(ModelBackend):
         """Drop the weights and the KV tensors."""
         self.kv = None
         self.attention = None
+        self.graphs = None
         self.model = None

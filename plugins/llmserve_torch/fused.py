@@ -1,4 +1,5 @@
-"""The elementwise steps of a Llama-style layer: fused C kernels on CPU (csrc/decoder_ops.cpp), torch elsewhere.
+"""The elementwise steps of a Llama-style layer: fused C kernels on CPU (csrc/decoder_ops.cpp), Triton kernels on a
+GPU (triton_kernels.py), torch elsewhere.
 
 At one sequence a SmolLM2 decode step ran ~40 small torch ops a layer (RMSNorm alone is six), which
 cost more in dispatch than the quantized matmuls cost in arithmetic; each step below is one call.
@@ -14,7 +15,7 @@ import torch.nn.functional as F
 
 log = logging.getLogger("llmserve.torch")
 
-DECODER_OPS = ("auto", "torch", "cpu")
+DECODER_OPS = ("auto", "torch", "cpu", "triton")
 
 
 class TorchOps:
@@ -77,8 +78,36 @@ class CpuOps(TorchOps):
         return out
 
 
+class TritonOps(TorchOps):
+    """One launch per step on a GPU (each of torch's would be several: RMSNorm alone is six)."""
+
+    name = "triton"
+
+    def __init__(self):
+        from llmserve_torch import triton_kernels
+
+        self.add_rms, self.rope, self.silu_mul = (triton_kernels.add_rms, triton_kernels.rope,
+                                                  triton_kernels.silu_mul)
+
+
+def _triton_ops(device: torch.device, kind: str) -> TorchOps:
+    """Triton's ops where Triton runs on this device; torch's otherwise (an error if triton was asked for)."""
+    from llmserve_torch.attention import triton_unavailable_on
+
+    why = triton_unavailable_on(device)
+    if why is None:
+        return TritonOps()
+    if kind == "triton":
+        raise ValueError(f"backend.options.decoder_ops: triton cannot be used: {why}")
+    log.info("decoder ops: torch (%s)", why)
+    return TorchOps()
+
+
 def decoder_ops(device: torch.device, dtype: torch.dtype, kind: str = "auto") -> TorchOps:
-    """kind auto: the C kernels where they run (CPU, float32/bfloat16, a compiler), else torch; or torch | cpu."""
+    """kind auto: the C kernels on a CPU (float32/bfloat16, a compiler), Triton's on CUDA, else torch; or
+    torch | cpu | triton."""
+    if kind == "triton" or (kind == "auto" and device.type == "cuda"):
+        return _triton_ops(device, kind)
     if kind == "torch" or device.type != "cpu" or dtype not in (torch.float32, torch.bfloat16):
         if kind == "cpu":
             raise ValueError(f"the fused CPU ops need a CPU and float32/bfloat16, not {device} {dtype}")

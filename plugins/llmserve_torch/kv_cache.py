@@ -43,8 +43,9 @@ def parse_bytes(value: str | int | float, key: str = "value") -> int:
         raise ConfigError(f"{key}: expected bytes such as '512MiB' or a fraction such as 0.2, got {value!r}") from None
 
 
-def budget_bytes(value: str | float | int, device: torch.device) -> int:
-    """kv_cache_memory → bytes: a number in (0, 1] is a fraction of free memory, else bytes ('512MiB')."""
+def budget_bytes(value: str | float | int, device: torch.device, reserve: int = 0) -> int:
+    """kv_cache_memory → bytes: a number in (0, 1] is a fraction of free memory (less `reserve`, what the forward
+    passes will take), else bytes ('512MiB')."""
     key = "backend.kv_cache_memory"
     frac = None
     if isinstance(value, float) and not isinstance(value, bool):
@@ -61,7 +62,7 @@ def budget_bytes(value: str | float | int, device: torch.device) -> int:
     if frac is not None:
         if not 0.0 < frac <= 1.0:
             raise ConfigError(f"{key}: a fraction of free memory must be in (0, 1], got {value!r}")
-        return int(frac * free_memory_bytes(device))
+        return int(frac * max(free_memory_bytes(device) - reserve, 0))
     n = parse_bytes(value, key)
     if n <= 0:
         raise ConfigError(f"{key}: must be positive, got {value!r}")
@@ -77,14 +78,17 @@ def bytes_per_block(arch: ArchConfig, block_size: int, dtype: torch.dtype) -> in
 class KVCache:
     """K and V as [layers, blocks, block_size, kv_heads, head_dim]; a slot is block * block_size + offset."""
 
-    def __init__(self, arch: ArchConfig, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device):
-        self.num_blocks = num_blocks
+    def __init__(self, arch: ArchConfig, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device,
+                 scratch: bool = False):
+        self.num_blocks = num_blocks  # what the allocator hands out
         self.block_size = block_size
-        shape = (arch.num_layers, num_blocks, block_size, arch.num_kv_heads, arch.head_dim)
+        # scratch: one more block that no request owns, where the padding rows of a CUDA-graph batch write
+        self.scratch_slot = num_blocks * block_size if scratch else None
+        shape = (arch.num_layers, num_blocks + scratch, block_size, arch.num_kv_heads, arch.head_dim)
         # empty, not zeros: only slots written this run are ever read, and untouched pages stay unbacked
         self.k = torch.empty(shape, dtype=dtype, device=device)
         self.v = torch.empty(shape, dtype=dtype, device=device)
-        flat = (arch.num_layers, num_blocks * block_size, arch.num_kv_heads * arch.head_dim)
+        flat = (arch.num_layers, (num_blocks + scratch) * block_size, arch.num_kv_heads * arch.head_dim)
         self.k_flat = self.k.view(flat)
         self.v_flat = self.v.view(flat)
 

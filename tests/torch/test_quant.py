@@ -229,7 +229,7 @@ def test_bad_settings_are_config_errors(qwen2_dir):
         make_backend(str(qwen2_dir[0]), quantization="int3")
     with pytest.raises(ConfigError, match="quant_rows"):
         make_backend(str(qwen2_dir[0]), options={"quant_rows": -1})
-    with pytest.raises(ConfigError, match="decoder_ops: must be one of auto, torch, cpu, got 'gpu'"):
+    with pytest.raises(ConfigError, match="decoder_ops: must be one of auto, torch, cpu, triton, got 'gpu'"):
         make_backend("embedded", options={"decoder_ops": "gpu"})
 
 
