@@ -69,10 +69,18 @@ def apply_logit_processors(logits: torch.Tensor, reqs: Sequence[ScheduledRequest
                 row[torch.tensor(stops, dtype=torch.long, device=dev)] = _MASK
 
 
-def filter_logits(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
-    """Mask (to -inf) what top-k, top-p and min-p exclude; x is [R, V] after temperature; returns x."""
+def filter_logits(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor,
+                  need_sort: bool | None = None, need_min_p: bool | None = None) -> torch.Tensor:
+    """Mask (to -inf) what top-k, top-p and min-p exclude; x is [R, V] after temperature; returns x.
+
+    need_sort / need_min_p: whether any row filters by rank / by min-p, when the caller knows it without asking
+    the device (each question is a sync with the GPU).
+    """
     V = x.shape[1]
-    need_sort = bool(((top_k > 0) & (top_k < V)).any()) or bool((top_p < 1.0).any())
+    if need_sort is None:
+        need_sort = bool(((top_k > 0) & (top_k < V)).any()) or bool((top_p < 1.0).any())
+    if need_min_p is None:
+        need_min_p = bool((min_p > 0).any())
     if need_sort:
         sorted_x, order = x.sort(dim=-1, descending=True)
         rank = torch.arange(V, device=x.device).unsqueeze(0)
@@ -84,7 +92,7 @@ def filter_logits(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min
         # drop a token when the tokens ranked above it already reach top_p (the first always stays)
         drop |= (cum - probs) >= top_p.unsqueeze(1)
         x = x.scatter(1, order, sorted_x.masked_fill(drop, _MASK))
-    if bool((min_p > 0).any()):
+    if need_min_p:
         probs = x.softmax(dim=-1)
         x = x.masked_fill(probs < min_p.unsqueeze(1) * probs.max(dim=-1, keepdim=True).values, _MASK)
     return x
@@ -160,20 +168,24 @@ class Sampler:
             gi = torch.tensor(g_rows, device=logits.device)
             tokens[gi] = logits.index_select(0, gi).argmax(dim=-1)
         if s_rows:
-            si = torch.tensor(s_rows, device=logits.device)
             sub = [reqs[i].sampling for i in s_rows]
-            temp = torch.tensor([sp.temperature for sp in sub], device=logits.device).unsqueeze(1)
-            x = logits.index_select(0, si) / temp
-            x = filter_logits(
-                x,
-                torch.tensor([max(sp.top_k, 0) for sp in sub], device=logits.device),
-                torch.tensor([sp.top_p for sp in sub], device=logits.device),
-                torch.tensor([sp.min_p for sp in sub], device=logits.device),
-            )
+            V = logits.shape[1]
+            # the rows' parameters go to the device in one copy; what they ask for is known here, without a sync
+            params = torch.tensor([s_rows, [sp.temperature for sp in sub], [max(sp.top_k, 0) for sp in sub],
+                                   [sp.top_p for sp in sub], [sp.min_p for sp in sub]], dtype=torch.float64)
+            si, temp, top_k, top_p, min_p = params.to(logits.device, non_blocking=True)
+            x = logits.index_select(0, si.long()) / temp.float().unsqueeze(1)
+            x = filter_logits(x, top_k.long(), top_p.float(), min_p.float(),
+                              need_sort=any(0 < sp.top_k < V or sp.top_p < 1.0 for sp in sub),
+                              need_min_p=any(sp.min_p > 0 for sp in sub))
+            si = si.long()
             probs = x.softmax(dim=-1)
-            noise = torch.empty_like(probs)
             unseeded = [j for j, sp in enumerate(sub) if sp.seed is None]
-            if unseeded:
+            if len(unseeded) == len(sub):  # the common case: one draw for every row, no index to copy over
+                noise = _exp_noise(probs.shape, self.generator, logits.device)
+            else:
+                noise = torch.empty_like(probs)
+            if unseeded and len(unseeded) < len(sub):
                 noise[torch.tensor(unseeded, device=logits.device)] = _exp_noise(
                     (len(unseeded), probs.shape[1]), self.generator, logits.device)
             for j, sp in enumerate(sub):
