@@ -41,20 +41,55 @@ def _best_seconds(fn: Callable[[], Any], reps: int, budget: float = 0.2) -> floa
     return best
 
 
-def measure_bandwidth(nbytes: int = 256 * 2**20, reps: int = 5) -> float:
-    """Memory read bandwidth in bytes/s: the best of `reps` sums over a float32 buffer far larger than any L3."""
+def _best_cuda_seconds(fn: Callable[[], Any], reps: int) -> float:
+    """The fastest of `reps` calls after one untimed warm-up, each timed by CUDA events on the current stream
+    (the host clock would time the launch, not the kernel)."""
     import torch
 
+    fn()
+    best = float("inf")
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        best = min(best, start.elapsed_time(end) / 1e3)
+    return best
+
+
+def _is_cuda(device: str) -> bool:
+    return device.startswith("cuda")
+
+
+def measure_bandwidth(nbytes: int = 256 * 2**20, reps: int = 5, device: str = "cpu") -> float:
+    """Memory read bandwidth in bytes/s: the best of `reps` sums over a float32 buffer far larger than any L3.
+
+    On a CUDA device: bytes read + written by a device-to-device copy of a buffer far larger than the L2,
+    the best of 20 or more timed by CUDA events (a decode step's reads stream the same way).
+    """
+    import torch
+
+    if _is_cuda(device):
+        src = torch.ones(nbytes // 4, device=device)
+        dst = torch.empty_like(src)
+        return 2 * src.nbytes / _best_cuda_seconds(lambda: dst.copy_(src), max(reps, 20))
     x = torch.ones(nbytes // 4)
     return x.nbytes / _best_seconds(x.sum, reps)
 
 
-def measure_gemm_rate(rows: int, k: int, n: int, dtype: str, reps: int = 10) -> float:
-    """FLOP/s of [rows, k] × [k, n] at dtype: the better of F.linear and oneDNN's pre-packed linear (the engine's)."""
+def measure_gemm_rate(rows: int, k: int, n: int, dtype: str, reps: int = 10, device: str = "cpu") -> float:
+    """FLOP/s of [rows, k] × [k, n] at dtype: the better of F.linear and oneDNN's pre-packed linear (the engine's);
+    on a CUDA device F.linear, timed by CUDA events."""
     import torch
     import torch.nn.functional as F
 
     dt = getattr(torch, dtype)
+    if _is_cuda(device):
+        g = torch.Generator(device=device).manual_seed(0)
+        x = torch.randn(rows, k, generator=g, device=device).to(dt)
+        w = torch.randn(n, k, generator=g, device=device).to(dt)
+        return 2 * rows * k * n / _best_cuda_seconds(lambda: F.linear(x, w), max(reps, 20))
     g = torch.Generator().manual_seed(0)
     x = torch.randn(rows, k, generator=g).to(dt)
     w = torch.randn(n, k, generator=g).to(dt)
@@ -79,6 +114,7 @@ class Probe:
     dtype: str
     threads: int
     seconds: float  # what the probes took
+    device: str = "cpu"  # where they ran: a CUDA run's bound is its GPU's, not the host's
 
     @property
     def bandwidth(self) -> float:
@@ -89,7 +125,7 @@ class Probe:
         return max(self.gemm_readings)
 
 
-def probe(dtype: str, hidden: int, batch: int, earlier: Probe | None = None) -> Probe:
+def probe(dtype: str, hidden: int, batch: int, earlier: Probe | None = None, device: str = "cpu") -> Probe:
     """Read bandwidth and the GEMM rate of max(batch, 64) rows through a hidden → 4·hidden linear, added to
     `earlier` readings (whose shape it keeps).
 
@@ -101,11 +137,12 @@ def probe(dtype: str, hidden: int, batch: int, earlier: Probe | None = None) -> 
 
     t0 = time.perf_counter()
     rows = earlier.gemm_shape[0] if earlier else max(batch, 64)
-    bw = measure_bandwidth()
-    rate = measure_gemm_rate(rows, hidden, 4 * hidden, dtype)
-    before = earlier or Probe([], [], (rows, hidden, 4 * hidden), dtype, torch.get_num_threads(), 0.0)
+    device = earlier.device if earlier else device
+    bw = measure_bandwidth(device=device)
+    rate = measure_gemm_rate(rows, hidden, 4 * hidden, dtype, device=device)
+    before = earlier or Probe([], [], (rows, hidden, 4 * hidden), dtype, torch.get_num_threads(), 0.0, device)
     return Probe([*before.bandwidth_readings, bw], [*before.gemm_readings, rate], before.gemm_shape, dtype,
-                 torch.get_num_threads(), before.seconds + time.perf_counter() - t0)
+                 torch.get_num_threads(), before.seconds + time.perf_counter() - t0, device)
 
 
 def step_bound(weight_bytes: int, kv_bytes_per_token: int, matmul_params: int, batch: int, context_tokens: int,
@@ -161,7 +198,9 @@ def wants_bound(describe: dict[str, Any], skip: bool = False) -> str | None:
 
 def probe_before(describe: dict[str, Any], max_batch: int, skip: bool = False) -> Probe | None:
     """The first readings, before the run (None when there will be no bound)."""
-    return None if wants_bound(describe, skip) else probe(describe["dtype"], describe["hidden_size"], max_batch)
+    if wants_bound(describe, skip):
+        return None
+    return probe(describe["dtype"], describe["hidden_size"], max_batch, device=describe.get("device", "cpu"))
 
 
 def bound_report(steps: list[tuple[int, int, float]], describe: dict[str, Any], skip: bool = False,
@@ -170,7 +209,8 @@ def bound_report(steps: list[tuple[int, int, float]], describe: dict[str, Any], 
     why = wants_bound(describe, skip) or (None if steps else "no decode-only steps")
     if why:
         return {"skipped": why}
-    p = probe(describe["dtype"], describe["hidden_size"], max(b for b, _, _ in steps), before)
+    p = probe(describe["dtype"], describe["hidden_size"], max(b for b, _, _ in steps), before,
+              device=describe.get("device", "cpu"))
     return decode_bound(steps, describe, p)
 
 
@@ -184,7 +224,8 @@ def print_decode_bound(r: dict[str, Any], max_rows: int = 8) -> None:
     rates = ", ".join(f"{x:.0f}" for x in p["gemm_readings_gflops"])
     print(f"decode step vs bound: read bandwidth {p['bandwidth_gbs']:.1f} GB/s (best of {bws}), GEMM "
           f"{p['gemm_gflops']:.0f} GFLOP/s (best of {rates}; {p['dtype']}, {'×'.join(map(str, p['gemm_shape']))}, "
-          f"{p['threads']} threads; probes {p['seconds']:.2f} s); "
+          f"{p['threads']} threads{'' if p.get('device', 'cpu') == 'cpu' else ', on ' + p['device']}; "
+          f"probes {p['seconds']:.2f} s); "
           f"weights {f['weight_bytes'] / 1e6:.1f} MB, {f['matmul_params'] / 1e6:.1f} M matmul params, "
           f"KV {f['kv_bytes_per_token'] / 1024:.1f} KiB/token")
     rows = sorted(sorted(r["by_batch"], key=lambda x: -x["steps"])[:max_rows], key=lambda x: x["batch"])
