@@ -30,7 +30,9 @@ def _pow2(n: int) -> int:
     return triton.next_power_of_2(max(int(n), 1))
 
 
-@triton.jit
+# the block-table width changes from step to step: specializing on it (== 1, divisible by 16) would compile the
+# kernel again in the middle of serving, about a second each time (seen on an H200 as 600 ms steps)
+@triton.jit(do_not_specialize=["bt_stride"])
 def _paged_attention_kernel(
         q_ptr, q_stride, k_ptr, v_ptr, kv_stride, out_ptr, out_stride,
         block_tables, bt_stride, tok_req, tok_pos, tile_start, tile_len, qk_scale,

@@ -118,9 +118,9 @@ def test_paged_attention_matches_reference(dtype, step, heads, kv_heads, head_di
 def test_elementwise_kernels_round_as_torch(dtype):
     g = torch.Generator().manual_seed(3)
     ref, tri = TorchOps(), TritonOps()
-    x = torch.randn(5, 96, generator=g).to(dtype)
-    delta = torch.randn(5, 96, generator=g).to(dtype)
-    w = (1 + 0.1 * torch.randn(96, generator=g)).to(dtype)
+    x = torch.randn(5, 96, generator=g).to(dtype).to(DEVICE)
+    delta = torch.randn(5, 96, generator=g).to(dtype).to(DEVICE)
+    w = (1 + 0.1 * torch.randn(96, generator=g)).to(dtype).to(DEVICE)
     xr, xt = x.clone(), x.clone()
     want, got = ref.add_rms(xr, delta, w, 1e-6), tri.add_rms(xt, delta, w, 1e-6)
     _same_rounding(xt, xr, dtype)  # the residual add rounds as torch's
@@ -128,8 +128,8 @@ def test_elementwise_kernels_round_as_torch(dtype):
     _close(tri.add_rms(x.clone(), None, w, 1e-6), ref.add_rms(x.clone(), None, w, 1e-6), dtype)
 
     heads, kv_heads, d = 4, 2, 16
-    qkv = torch.randn(6, (heads + 2 * kv_heads) * d, generator=g).to(dtype)
-    ang = torch.rand(6, d // 2, generator=g) * 6
+    qkv = torch.randn(6, (heads + 2 * kv_heads) * d, generator=g).to(dtype).to(DEVICE)
+    ang = torch.rand(6, d // 2, generator=g).to(DEVICE) * 6
     cos, sin = ref.tables(ang.cos(), ang.sin(), dtype)
     a, b = qkv.clone(), qkv.clone()
     ref.rope(a, heads + kv_heads, d, cos, sin)
@@ -137,7 +137,7 @@ def test_elementwise_kernels_round_as_torch(dtype):
     assert torch.equal(a[:, (heads + kv_heads) * d:], qkv[:, (heads + kv_heads) * d:])  # V untouched
     _close(b, a, dtype)
 
-    gu = torch.randn(5, 2 * 40, generator=g).to(dtype)
+    gu = torch.randn(5, 2 * 40, generator=g).to(dtype).to(DEVICE)
     _close(tri.silu_mul(gu, 40), ref.silu_mul(gu, 40), dtype)
 
 
