@@ -154,6 +154,10 @@ class TorchBackend(ModelBackend):
         self.attention = make_attention(self.options["attention"], self.arch, self.kv)
         if self.attention.name == "cpu":
             self.sampler.fast_argmax = cpu_argmax()
+        if self.attention.name == "triton":  # Triton runs here: sample in one pass over the logits too
+            from llmserve_torch.triton_kernels import race_argmax
+
+            self.sampler.fast_race = race_argmax
         log.info("KV cache: %d blocks of %d tokens (%.1f MiB), attention kernel %s", num_blocks, block_size,
                  self.kv.nbytes / 2**20, self.attention.name)
         if max_graph_batch:

@@ -98,9 +98,13 @@ def filter_logits(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min
     return x
 
 
-def _exp_noise(shape: tuple[int, ...], gen: torch.Generator, device: torch.device) -> torch.Tensor:
-    u = torch.rand(shape, generator=gen, device=device, dtype=torch.float32)
-    # Exp(1); log1p(-u) is finite since u < 1. u == 0 (one draw in 2^24) would give 0 noise, and a masked
+def _uniform(shape: tuple[int, ...], gen: torch.Generator, device: torch.device) -> torch.Tensor:
+    return torch.rand(shape, generator=gen, device=device, dtype=torch.float32)
+
+
+def _exp_noise(u: torch.Tensor) -> torch.Tensor:
+    """Exp(1) draws from uniform ones."""
+    # log1p(-u) is finite since u < 1. u == 0 (one draw in 2^24) would give 0 noise, and a masked
     # token's 0 / 0 = NaN, which argmax picks: the floor keeps a masked token at 0
     return (-torch.log1p(-u)).clamp_min_(torch.finfo(torch.float32).tiny)
 
@@ -131,6 +135,25 @@ class Sampler:
         self._seeded = torch.Generator(device=device)
         # a faster row argmax for raw float32 CPU logits (set by the backend when its kernel library builds)
         self.fast_argmax = None
+        # the exponential race in one pass, race(logits, uniforms, temperature) → tokens (set by the backend on a
+        # GPU with Triton); used where no row filters by rank or min-p
+        self.fast_race = None
+
+    def _uniforms(self, sub: list[SamplingParams], reqs: Sequence[ScheduledRequest], s_rows: list[int], V: int,
+                  device: torch.device) -> torch.Tensor:
+        """One uniform draw per vocabulary entry of each sampled row: seeded rows from (seed, output index), the
+        rest from the backend's generator in one call."""
+        unseeded = [j for j, sp in enumerate(sub) if sp.seed is None]
+        if len(unseeded) == len(sub):  # the common case: no index to copy over
+            return _uniform((len(sub), V), self.generator, device)
+        u = torch.empty((len(sub), V), dtype=torch.float32, device=device)
+        if unseeded:
+            u[torch.tensor(unseeded, device=device)] = _uniform((len(unseeded), V), self.generator, device)
+        for j, sp in enumerate(sub):
+            if sp.seed is not None:
+                self._seeded.manual_seed(step_seed(sp.seed, reqs[s_rows[j]].num_output_tokens))
+                u[j] = _uniform((V,), self._seeded, device)
+        return u
 
     def sample(self, logits: torch.Tensor, reqs: Sequence[ScheduledRequest], bitmask: torch.Tensor | None = None,
                bitmask_rows: Sequence[int] = ()) -> tuple[list[int], list[Logprob | None]]:
@@ -174,25 +197,17 @@ class Sampler:
             params = torch.tensor([s_rows, [sp.temperature for sp in sub], [max(sp.top_k, 0) for sp in sub],
                                    [sp.top_p for sp in sub], [sp.min_p for sp in sub]], dtype=torch.float64)
             si, temp, top_k, top_p, min_p = params.to(logits.device, non_blocking=True)
-            x = logits.index_select(0, si.long()) / temp.float().unsqueeze(1)
-            x = filter_logits(x, top_k.long(), top_p.float(), min_p.float(),
-                              need_sort=any(0 < sp.top_k < V or sp.top_p < 1.0 for sp in sub),
-                              need_min_p=any(sp.min_p > 0 for sp in sub))
+            need_sort = any(0 < sp.top_k < V or sp.top_p < 1.0 for sp in sub)
+            need_min_p = any(sp.min_p > 0 for sp in sub)
             si = si.long()
-            probs = x.softmax(dim=-1)
-            unseeded = [j for j, sp in enumerate(sub) if sp.seed is None]
-            if len(unseeded) == len(sub):  # the common case: one draw for every row, no index to copy over
-                noise = _exp_noise(probs.shape, self.generator, logits.device)
+            u = self._uniforms(sub, reqs, s_rows, V, logits.device)
+            if self.fast_race is not None and not need_sort and not need_min_p:
+                rows = logits if len(s_rows) == R else logits.index_select(0, si)
+                tokens[si] = self.fast_race(rows, u, temp.float())
             else:
-                noise = torch.empty_like(probs)
-            if unseeded and len(unseeded) < len(sub):
-                noise[torch.tensor(unseeded, device=logits.device)] = _exp_noise(
-                    (len(unseeded), probs.shape[1]), self.generator, logits.device)
-            for j, sp in enumerate(sub):
-                if sp.seed is not None:
-                    self._seeded.manual_seed(step_seed(sp.seed, reqs[s_rows[j]].num_output_tokens))
-                    noise[j] = _exp_noise((probs.shape[1],), self._seeded, logits.device)
-            tokens[si] = (probs / noise).argmax(dim=-1)
+                x = filter_logits(logits.index_select(0, si) / temp.float().unsqueeze(1), top_k.long(), top_p.float(),
+                                  min_p.float(), need_sort=need_sort, need_min_p=need_min_p)
+                tokens[si] = (x.softmax(dim=-1) / _exp_noise(u)).argmax(dim=-1)
         token_list = tokens.tolist()
         lps: list[Logprob | None] = [None] * R
         if raw_lp is not None:

@@ -230,3 +230,49 @@ def silu_mul(gu: torch.Tensor, inter: int) -> torch.Tensor:
         _silu_mul_kernel[(T, triton.cdiv(inter, block))](gu, gu.stride(0), out, out.stride(0), INTER=inter,
                                                          BLOCK=block)
     return out
+
+
+# vocabulary entries per program of the sampling race (a row is split over several programs, then reduced)
+RACE_CHUNK = 8192
+
+
+@triton.jit
+def _race_kernel(logits_ptr, l_stride, u_ptr, u_stride, temp_ptr, best_ptr, idx_ptr, V, n_chunks,
+                 CHUNK: tl.constexpr, BLOCK: tl.constexpr):
+    r = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1)
+    t = tl.load(temp_ptr + r)
+    best = tl.full([BLOCK], float("-inf"), tl.float32)
+    best_i = tl.zeros([BLOCK], tl.int32)
+    for off in range(0, CHUNK, BLOCK):
+        i = c * CHUNK + off + tl.arange(0, BLOCK)
+        m = i < V
+        x = tl.load(logits_ptr + r * l_stride + i, mask=m, other=float("-inf"))
+        u = tl.load(u_ptr + r * u_stride + i, mask=m, other=0.5)
+        # E = -log1p(-u) ~ Exp(1), floored as the torch path floors it; the series keeps small u exact where
+        # 1 - u would round to 1 (and give a masked token's E of 0 an enormous score)
+        e = tl.where(u < 1e-4, u + 0.5 * u * u, -tl.log(1.0 - u))
+        e = tl.maximum(e, 1.1754943508222875e-38)
+        # argmax(softmax(x / t) / E) = argmax(x / t - log E): no softmax pass
+        score = x / t - tl.log(e)
+        take = score > best  # strictly: each lane keeps its first maximum, as argmax does
+        best = tl.where(take, score, best)
+        best_i = tl.where(take, i, best_i)
+    v = tl.max(best, 0)
+    first = tl.min(tl.where(best == v, best_i, 2147483647), 0)
+    tl.store(best_ptr + r * n_chunks + c, v)
+    tl.store(idx_ptr + r * n_chunks + c, first)
+
+
+def race_argmax(logits: torch.Tensor, uniforms: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
+    """The sampled token of each row: argmax(softmax(logits / t) / E) with E = -log1p(-u) (the exponential race),
+    in one read of the logits and the uniforms; logits/uniforms float32 [R, V], temperature float32 [R] → int64 [R].
+    """
+    R, V = logits.shape
+    n_chunks = triton.cdiv(V, RACE_CHUNK)
+    best = torch.empty((R, n_chunks), dtype=torch.float32, device=logits.device)
+    idx = torch.empty((R, n_chunks), dtype=torch.int32, device=logits.device)
+    _race_kernel[(R, n_chunks)](logits, logits.stride(0), uniforms, uniforms.stride(0), temperature, best, idx, V,
+                                n_chunks, CHUNK=RACE_CHUNK, BLOCK=1024)
+    # the first chunk holding the row's maximum, as argmax picks the first
+    return idx.gather(1, best.argmax(dim=1, keepdim=True)).squeeze(1).long()

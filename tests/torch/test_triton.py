@@ -181,3 +181,37 @@ def test_backend_on_triton_kernels_matches_hf_greedy(request, model):
     got = _generate(engine, ps, GREEDY)
     assert got == [hf_greedy(hf, p) for p in ps]
     assert 6 in replayed and set(replayed) - {1, 2, 4, 8}  # padded batches took the graph path
+
+
+def test_sampling_race_kernel_picks_the_torch_paths_token():
+    """argmax(softmax(x/t) / E) in one pass: the same token as the torch expression on the same uniform draws,
+    with masked (-inf) entries, a zero draw and rows split over several programs."""
+    g = torch.Generator().manual_seed(11)
+    R, V = 6, 3 * triton_kernels.RACE_CHUNK + 77
+    x = (torch.randn(R, V, generator=g) * 3).to(DEVICE)
+    x[1, ::3] = float("-inf")  # a grammar mask
+    u = torch.rand(R, V, generator=g).to(DEVICE)
+    u[2, 5] = 0.0  # the floor: never NaN, never a masked token
+    u[3, :100] = 1e-7  # where 1 - u rounds to 1: the series keeps E exact
+    t = torch.tensor([0.6, 1.0, 0.3, 1.5, 0.8, 2.0], device=DEVICE)
+    e = (-torch.log1p(-u)).clamp_min(torch.finfo(torch.float32).tiny)
+    want = ((x / t[:, None]).softmax(-1) / e).argmax(-1)
+    got = triton_kernels.race_argmax(x, u, t)
+    assert got.tolist() == want.tolist()
+
+
+def test_sampler_with_the_race_kernel_draws_the_same_tokens():
+    """The backend's fast path changes no token: seeded and unseeded rows, through Sampler.sample."""
+    from llmserve.batch import ScheduledRequest
+    from llmserve.request import SamplingParams
+    from llmserve_torch.sampling import Sampler
+
+    g = torch.Generator().manual_seed(5)
+    logits = torch.randn(4, 500, generator=g).to(DEVICE) * 2
+    sps = [SamplingParams(temperature=0.7, seed=3), SamplingParams(temperature=1.2), SamplingParams(temperature=0.0),
+           SamplingParams(temperature=0.5, seed=9)]
+    reqs = [ScheduledRequest(f"r{i}", [1, 2, 3], 3, 1, [0], sp, True, 3, 0) for i, sp in enumerate(sps)]
+    plain, fast = Sampler(DEVICE, seed=1), Sampler(DEVICE, seed=1)
+    fast.fast_race = triton_kernels.race_argmax
+    for _ in range(3):
+        assert fast.sample(logits, reqs)[0] == plain.sample(logits, reqs)[0]
