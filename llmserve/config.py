@@ -116,9 +116,6 @@ class ServerConfig:
     tool_parser: str = "auto"  # reads tool_choice auto's calls: auto (from the chat template) | none | hermes | …
     reasoning_parser: str = "none"  # none | think (<think>…</think> → reasoning_content)
     ui: bool = True  # GET / (playground and live dashboard) and /stats/stream, from plugin llmserve_ui
-    # the interpreter's GIL switch interval while serving, in ms: the longest the engine thread waits for the event
-    # loop (busy with many streams) to hand the GIL back after each wait on the device; None keeps Python's 5 ms
-    switch_interval_ms: float | None = None
 
 
 @dataclass(slots=True)
@@ -183,8 +180,6 @@ class EngineConfig:
         need(1 <= self.server.max_sequences_per_request, "server.max_sequences_per_request", "must be >= 1")
         need(self.server.max_header_bytes >= 1024, "server.max_header_bytes", "must be >= 1024")
         need(self.server.max_connections >= 1, "server.max_connections", "must be >= 1")
-        need(self.server.switch_interval_ms is None or 0 < self.server.switch_interval_ms <= 1000,
-             "server.switch_interval_ms", "must be a number of milliseconds in (0, 1000]")
         for key in ("request_read_timeout", "keep_alive_timeout", "drain_timeout"):
             need(0 < getattr(self.server, key) < float("inf"), f"server.{key}", "must be a positive number of seconds")
         d = self.distributed

@@ -6,7 +6,6 @@ import asyncio
 import gc
 import logging
 import signal
-import sys
 
 log = logging.getLogger("llmserve.server")
 
@@ -53,8 +52,6 @@ def serve(config) -> int:
     # what start-up made (torch, the model, the plugins) lives until exit: keep it out of every
     # collection, which shortens GC pauses while serving and the interpreter's teardown after the drain
     gc.freeze()
-    if sc.switch_interval_ms is not None:
-        sys.setswitchinterval(sc.switch_interval_ms / 1000)
     log.info("serving %s on http://%s:%d", config.served_model_name, sc.host, sc.port)
     server.run()
     return 0
