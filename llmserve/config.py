@@ -28,7 +28,7 @@ class ModelConfig:
     tokenizer: str | None = None  # defaults to the model's
     served_model_name: str | None = None  # the name clients send; defaults to `model`
     chat_template: str | None = None  # a Jinja file (or the template's text) that replaces the tokenizer's
-    dtype: str = "float32"  # float32 | bfloat16 | float16 | auto
+    dtype: str | None = None  # float32 | bfloat16 | float16 | auto; None: float32 on a CPU, auto (bf16) on a GPU
     # weight-only quantized linears: auto (a GGUF's quantized tensors stay quantized, float weights
     # stay float) | none (everything dequantized to dtype) | int8 | int4 (round-to-nearest at load)
     quantization: str = "auto"
@@ -165,7 +165,7 @@ class EngineConfig:
         need(c.block_size >= 1 and (c.block_size & (c.block_size - 1)) == 0, "cache.block_size",
              f"must be a power of two, got {c.block_size}")
         need(c.num_blocks is None or c.num_blocks >= 1, "cache.num_blocks", f"must be >= 1, got {c.num_blocks}")
-        need(self.model.dtype in ("float32", "bfloat16", "float16", "auto"), "model.dtype",
+        need(self.model.dtype in (None, "float32", "bfloat16", "float16", "auto"), "model.dtype",
              f"must be float32, bfloat16, float16 or auto, got {self.model.dtype!r}")
         need(self.model.device in ("cpu", "cuda", "auto") or self.model.device.startswith("cuda:"),
              "model.device", f"must be cpu, cuda or auto, got {self.model.device!r}")

@@ -53,8 +53,14 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def resolve_dtype(name: str, device: torch.device) -> tuple[torch.dtype, str]:
-    """float32 | bfloat16 | float16 | auto (what the hardware runs fast), and the reason for the choice."""
+def resolve_dtype(name: str | None, device: torch.device) -> tuple[torch.dtype, str]:
+    """float32 | bfloat16 | float16 | auto (what the hardware runs fast) | None (float32 on a CPU, where results
+    stay comparable with HF's defaults; auto on a GPU, where float32 would waste its matrix units), and why."""
+    if name is None:
+        if device.type != "cuda":
+            return torch.float32, "the default on a CPU"
+        name, why = auto_dtype(device)
+        return _DTYPES[name], f"the default on a GPU: {why}"
     if name == "auto":
         name, why = auto_dtype(device)
         return _DTYPES[name], f"auto: {why}"

@@ -89,6 +89,15 @@ def test_bf16_serves_with_graphs_and_seeded_sampling(qwen2_dir):
     assert first == again and all(len(t) == 24 and max(t) < hf.config.vocab_size for t in first)
 
 
+def test_unset_dtype_is_bf16_on_the_gpu(qwen2_dir):
+    path, _ = qwen2_dir
+    engine = Engine.from_config(config_from_dict({
+        "model": {"model": str(path), "device": "cuda"}, "tokenizer": {"name": "none"},
+        "backend": {"name": "torch", "kv_cache_memory": "64MiB"}}))
+    d = engine.backend.describe()
+    assert d["dtype"] == "bfloat16" and d["dtype_reason"].startswith("the default on a GPU"), d
+
+
 def test_kv_budget_is_a_fraction_of_memory_left_after_the_profiled_forward(qwen2_dir):
     path, _ = qwen2_dir
     engine = cuda_engine(path)

@@ -86,6 +86,13 @@ def test_dtypes(qwen2_dir, dtype, want):
     assert (got - ref).abs().max() < tol * max(1.0, ref.abs().max().item())
 
 
+def test_unset_dtype_is_float32_on_a_cpu_whatever_the_cpu_has(monkeypatch):
+    from llmserve_torch.loader import resolve_dtype
+
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: True)
+    assert resolve_dtype(None, torch.device("cpu")) == (torch.float32, "the default on a CPU")
+
+
 @pytest.mark.parametrize("bf16, amx, want, words", [
     (True, False, torch.bfloat16, "AVX512_BF16"),
     (False, True, torch.bfloat16, "AMX"),
