@@ -36,7 +36,8 @@ log = logging.getLogger("llmserve.torch")
 
 KERNELS = ("auto", "reference", "cpu", "triton")
 _CSRC = Path(__file__).with_name("csrc")
-_SOURCES = ("paged_attention.cpp", "decoder_ops.cpp", "quant_matmul.cpp")  # one library; bf16.h is shared
+# one library; bf16.h is shared
+_SOURCES = ("paged_attention.cpp", "decoder_ops.cpp", "quant_matmul.cpp", "decode_layers.cpp")
 
 
 @dataclass(slots=True)
@@ -267,6 +268,8 @@ def build_kernel() -> ctypes.CDLL:
             lib.llmserve_int4_matmul.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_void_p,
                                                  ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
                                                  ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int]
+            lib.llmserve_decode_layers.restype = None
+            lib.llmserve_decode_layers.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
             lib.llmserve_quant_isa.restype = ctypes.c_char_p
             lib.llmserve_quant_isa.argtypes = []
             _lib = lib

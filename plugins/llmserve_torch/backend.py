@@ -12,10 +12,11 @@ from llmserve.batch import ModelOutput, SchedulerOutput
 from llmserve.config import EngineConfig, check_options
 from llmserve.errors import ConfigError
 from llmserve.interfaces import ModelBackend
-from llmserve_torch.attention import KERNELS, StepMetadata, cpu_argmax, make_attention
+from llmserve_torch.attention import KERNELS, StepMetadata, build_kernel, cpu_argmax, make_attention
 from llmserve_torch.cuda_graphs import DecodeGraphs, table_width
 from llmserve_torch.footprint import footprint
 from llmserve_torch.fused import DECODER_OPS
+from llmserve_torch.fused_stack import FUSE_LAYERS, FusedStack, build_stack
 from llmserve_torch.kv_cache import KVCache, budget_bytes, bytes_per_block
 from llmserve_torch.loader import load_model
 from llmserve_torch.sampling import Sampler, prompt_logprobs
@@ -34,6 +35,8 @@ OPTIONS = {
     "quant_rows": "auto",
     # the elementwise steps of Llama-style layers: auto (fused C kernels on CPU, Triton on CUDA) | torch | cpu | triton
     "decoder_ops": "auto",
+    # every layer of a quantized Llama-style model in one C call for steps of a few rows (fused_stack.py): auto | off
+    "fuse_layers": "auto",
     # decode steps replayed from CUDA graphs: auto (on CUDA with the triton attention, batches up to
     # max_num_seqs) | off | the largest batch captured (off CUDA the padded step runs uncaptured: for tests)
     "cuda_graphs": "auto",
@@ -56,6 +59,12 @@ class TorchBackend(ModelBackend):
         quant_rows = self.options["quant_rows"]
         if quant_rows != "auto" and (isinstance(quant_rows, bool) or not isinstance(quant_rows, int) or quant_rows < 0):
             raise ConfigError(f"backend.options.quant_rows: must be auto or a number of rows >= 0, got {quant_rows!r}")
+        for key in ("fuse_layers", "cuda_graphs"):  # YAML reads a bare off / on as false / true
+            if isinstance(self.options[key], bool):
+                self.options[key] = "auto" if self.options[key] else "off"
+        if self.options["fuse_layers"] not in FUSE_LAYERS:
+            raise ConfigError(f"backend.options.fuse_layers: must be one of {', '.join(FUSE_LAYERS)}, "
+                              f"got {self.options['fuse_layers']!r}")
         graphs = self.options["cuda_graphs"]
         if graphs not in ("auto", "off") and (isinstance(graphs, bool) or not isinstance(graphs, int) or graphs < 1):
             raise ConfigError(f"backend.options.cuda_graphs: must be auto, off or the largest batch to capture "
@@ -91,6 +100,8 @@ class TorchBackend(ModelBackend):
         self.kv: KVCache | None = None
         self.attention = None
         self.graphs: DecodeGraphs | None = None
+        self.stack: FusedStack | None = None
+        self.stack_note = "no KV cache yet"
         self._kv_peak = {"reserved_slots": 0, "used_slots": 0}
         self._steps = 0
 
@@ -155,6 +166,10 @@ class TorchBackend(ModelBackend):
         self.attention = make_attention(self.options["attention"], self.arch, self.kv)
         if self.attention.name == "cpu":
             self.sampler.fast_argmax = cpu_argmax()
+            self.stack, self.stack_note = build_stack(self.options["fuse_layers"], self.model, self.attention,
+                                                      build_kernel())
+        else:
+            self.stack, self.stack_note = None, "it runs with the cpu attention kernel"
         if self.attention.name == "triton":  # Triton runs here: sample in one pass over the logits too
             from llmserve_torch.triton_kernels import race_argmax
 
@@ -235,6 +250,8 @@ class TorchBackend(ModelBackend):
         """Metadata once per step, then the model over every flattened token: hidden [T, hidden]."""
         ids, meta, sample_rows = self._metadata(batch)
         step = self.model.prepare_step(meta.tok_pos.long())
+        if self.stack is not None and self.stack.covers(meta.num_tokens):
+            return self.stack.forward(ids, step, meta), meta, sample_rows
         self.attention.begin_step(meta)
         return self.model.forward(ids, step, self.attention), meta, sample_rows
 
@@ -344,6 +361,7 @@ class TorchBackend(ModelBackend):
         }
         if self.kv is not None:
             d["cuda_graphs"] = self.graphs.buckets if self.graphs is not None else "off"
+            d["fused_layers"] = self.stack_note
             d.update({"attention": self.attention.name, "kv_blocks": self.kv.num_blocks,
                       "kv_block_size": self.kv.block_size, "kv_bytes": self.kv.nbytes, "kv_peak": self.kv_peak()})
         return d

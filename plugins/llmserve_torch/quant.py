@@ -183,6 +183,26 @@ class QuantLinear:
         """Multiply-accumulates per row of input."""
         return self.out_features * self.in_features
 
+    @property
+    def own_int4(self) -> bool:
+        """int4 packed for llmserve's own kernel."""
+        return self._own4
+
+    @property
+    def own_int8(self) -> bool:
+        """int8 that llmserve's own kernel runs (up to OWN_INT8_MAX_ROWS rows)."""
+        return self.kind == "int8" and _own_int8_kernel() is not None and self.in_features <= 8192
+
+    def max_quantized_rows(self) -> int:
+        """The most rows a call runs in the quantized kernel (more go to the dense copy, where there is one)."""
+        from llmserve_torch.kernel_plan import NEVER
+
+        return self.plan.choice(self.kind)[1] if self.dense is not None else NEVER
+
+    def kernel_tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """What our kernels read: packed values, float32 scales, and (int4) float32 offsets."""
+        return self._w, self._scale, self._zero if self._own4 else None
+
     def scales_for(self, dtype: torch.dtype) -> torch.Tensor:
         """The kernel's scale tensor in the activation dtype (made once per dtype)."""
         s = self._scales.get(dtype)

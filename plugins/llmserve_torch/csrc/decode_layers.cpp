@@ -1,0 +1,136 @@
+// Every layer of a Llama-style model with quantized linears, for one step of a few rows, in one call.
+//
+// At one sequence a SmolLM2 step is ~400 kernel calls: each a few microseconds of work behind a few
+// microseconds of Python, ctypes and torch allocation. This runs the same kernels of this library in the
+// same order on the same values (fused_stack.py builds the tables), so its results equal the Python
+// path's bit for bit; only the dispatch between them is gone. Buffers are the caller's.
+//
+// Per layer: h = rms(x) → qkv = h·Wqkv (+ bias) → RoPE on q, k → K/V stored, paged attention → o =
+// attn·Wo → x += o, h = rms(x) → gate|up = h·Wgu → silu(gate)·up → down → x += down (into the next
+// layer's norm). Linears: kind 4 (int4 groups of 32, our packing) or 8 (int8 per row, float32 out,
+// rounded to the activations' dtype as torch's .to() does).
+
+#include <cstdint>
+
+#include "bf16.h"
+
+extern "C" {
+void llmserve_add_rms_norm(void* x, int64_t xs, const void* delta, int64_t ds, const void* w, void* out, int64_t os,
+                           int rows, int n, float eps, int elem_size, int th);
+void llmserve_rope(void* qk, int64_t stride, int rows, int heads, int D, const float* cos, const float* sin,
+                   int elem_size, int th);
+void llmserve_silu_mul(const void* gu, int64_t gs, void* out, int64_t os, int rows, int inter, int elem_size, int th);
+void llmserve_int8_matmul(const void* x, int64_t xs, int rows, const int8_t* w, const float* scale, float* y,
+                          int64_t ys, int N, int K, int elem_size, int th);
+void llmserve_int4_matmul(const void* x, int64_t xs, int rows, const uint8_t* w, const float* scale,
+                          const float* zero, void* y, int64_t ys, int N, int K, int elem_size, int th);
+void llmserve_write_kv(const void* k, int64_t ks, const void* v, int64_t vs, void* kc, void* vc, const int64_t* slots,
+                       int nt, int64_t row, int elem_size, int th);
+void llmserve_paged_attention_f32(const void* q, int64_t qs, const void* kc, const void* vc, const int32_t* bt,
+                                  int mb, const int32_t* tr, const int32_t* tp, void* out, int64_t os, int nt, int H,
+                                  int KVH, int D, int BS, float sc, int th);
+void llmserve_paged_attention_bf16(const void* q, int64_t qs, const void* kc, const void* vc, const int32_t* bt,
+                                   int mb, const int32_t* tr, const int32_t* tp, void* out, int64_t os, int nt, int H,
+                                   int KVH, int D, int BS, float sc, int th);
+}
+
+namespace {
+
+struct QLinear {  // y[rows, n] = x[rows, k] · W^T (+ bias)
+  int32_t kind, n, k;  // kind 4: int4 (w, scale, zero); 8: int8 per row (w, scale)
+  const void* w;
+  const float* scale;
+  const float* zero;
+  const void* bias;  // in the activations' dtype, or null
+};
+
+struct Layer {
+  QLinear qkv, o, gate_up, down;
+  const void* in_norm;
+  const void* post_norm;
+  void* k_cache;  // this layer's [slots, kv_heads * head_dim]
+  void* v_cache;
+};
+
+struct Model {
+  int32_t layers, hidden, heads, kv_heads, head_dim, inter, block_size, elem_size;
+  float eps, attn_scale;
+  const Layer* layer;
+};
+
+struct Scratch {  // each [max rows, its width], contiguous; f32: [max rows, widest int8 output]
+  void *h, *qkv, *attn, *o, *gu, *act, *down;
+  float* f32;
+};
+
+struct Step {
+  void* x;  // [rows, hidden], the embeddings in, the last layer's output out
+  int32_t rows;
+  const float* cos;  // [rows, head_dim / 2], as CpuOps.tables makes them
+  const float* sin;
+  const int64_t* slots;
+  const int32_t* block_tables;
+  int32_t max_blocks;
+  const int32_t* tok_req;
+  const int32_t* tok_pos;
+  int32_t threads;
+};
+
+template <typename T>
+void linear(const QLinear& L, const void* x, int rows, void* y, float* f32, int th) {
+  const int elem = sizeof(T);
+  T* yt = static_cast<T*>(y);
+  if (L.kind == 4) {
+    llmserve_int4_matmul(x, L.k, rows, static_cast<const uint8_t*>(L.w), L.scale, L.zero, y, L.n, L.n, L.k, elem, th);
+  } else {  // float32 out, then the activations' dtype (torch: y.to(x.dtype))
+    llmserve_int8_matmul(x, L.k, rows, static_cast<const int8_t*>(L.w), L.scale, f32, L.n, L.n, L.k, elem, th);
+    for (int64_t i = 0; i < static_cast<int64_t>(rows) * L.n; ++i) store(yt + i, f32[i]);
+  }
+  if (L.bias != nullptr) {  // y += bias, rounded as the in-place torch add rounds
+    const T* b = static_cast<const T*>(L.bias);
+    for (int r = 0; r < rows; ++r)
+      for (int j = 0; j < L.n; ++j) store(yt + static_cast<int64_t>(r) * L.n + j, load(yt[r * L.n + j]) + load(b[j]));
+  }
+}
+
+template <typename T>
+void run(const Model& m, const Scratch& s, const Step& st) {
+  const int R = st.rows, th = st.threads, E = sizeof(T), H = m.hidden;
+  const int q = m.heads * m.head_dim, kv = m.kv_heads * m.head_dim, qkv_w = q + 2 * kv;
+  T* x = static_cast<T*>(st.x);
+  auto attention = sizeof(T) == 4 ? llmserve_paged_attention_f32 : llmserve_paged_attention_bf16;
+  llmserve_add_rms_norm(x, H, nullptr, 0, m.layer[0].in_norm, s.h, H, R, H, m.eps, E, th);
+  for (int li = 0; li < m.layers; ++li) {
+    const Layer& L = m.layer[li];
+    linear<T>(L.qkv, s.h, R, s.qkv, s.f32, th);
+    llmserve_rope(s.qkv, qkv_w, R, m.heads + m.kv_heads, m.head_dim, st.cos, st.sin, E, th);
+    T* k = static_cast<T*>(s.qkv) + q;
+    llmserve_write_kv(k, qkv_w, k + kv, qkv_w, L.k_cache, L.v_cache, st.slots, R, kv, E, th);
+    attention(s.qkv, qkv_w, L.k_cache, L.v_cache, st.block_tables, st.max_blocks, st.tok_req, st.tok_pos, s.attn, q,
+              R, m.heads, m.kv_heads, m.head_dim, m.block_size, m.attn_scale, th);
+    linear<T>(L.o, s.attn, R, s.o, s.f32, th);
+    llmserve_add_rms_norm(x, H, s.o, H, L.post_norm, s.h, H, R, H, m.eps, E, th);
+    linear<T>(L.gate_up, s.h, R, s.gu, s.f32, th);
+    llmserve_silu_mul(s.gu, 2 * m.inter, s.act, m.inter, R, m.inter, E, th);
+    linear<T>(L.down, s.act, R, s.down, s.f32, th);
+    if (li + 1 < m.layers) {
+      llmserve_add_rms_norm(x, H, s.down, H, m.layer[li + 1].in_norm, s.h, H, R, H, m.eps, E, th);
+    } else {  // x += down
+      const T* d = static_cast<const T*>(s.down);
+      for (int64_t i = 0; i < static_cast<int64_t>(R) * H; ++i) store(x + i, load(x[i]) + load(d[i]));
+    }
+  }
+}
+
+}  // namespace
+
+extern "C" {
+
+void llmserve_decode_layers(const Model* m, const Scratch* s, const Step* st) {
+  if (m->elem_size == 4)
+    run<float>(*m, *s, *st);
+  else
+    run<uint16_t>(*m, *s, *st);
+}
+
+}  // extern "C"

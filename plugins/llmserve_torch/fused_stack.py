@@ -1,0 +1,138 @@
+"""All layers of a quantized Llama-style model in one C call for steps of a few rows (csrc/decode_layers.cpp).
+
+At one sequence a decode step of the default model is ~400 short kernel calls, and the Python, ctypes and
+allocation around each cost about as much as the kernel. The C side runs the same kernels in the same order on
+the same values, so hidden states equal the Python path's exactly (tests/torch/test_fused_stack.py); a step
+it does not cover (more rows than the quantized kernels take, a model or cache it does not fit) runs in Python.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from llmserve_torch.quant import OWN_INT8_MAX_ROWS, QuantLinear
+
+FUSE_LAYERS = ("auto", "off")
+
+
+class _QLinear(ctypes.Structure):
+    _fields_ = [("kind", ctypes.c_int32), ("n", ctypes.c_int32), ("k", ctypes.c_int32), ("w", ctypes.c_void_p),
+                ("scale", ctypes.c_void_p), ("zero", ctypes.c_void_p), ("bias", ctypes.c_void_p)]
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [("qkv", _QLinear), ("o", _QLinear), ("gate_up", _QLinear), ("down", _QLinear),
+                ("in_norm", ctypes.c_void_p), ("post_norm", ctypes.c_void_p), ("k_cache", ctypes.c_void_p),
+                ("v_cache", ctypes.c_void_p)]
+
+
+class _Model(ctypes.Structure):
+    _fields_ = [(f, ctypes.c_int32) for f in ("layers", "hidden", "heads", "kv_heads", "head_dim", "inter",
+                                               "block_size", "elem_size")] + \
+               [("eps", ctypes.c_float), ("attn_scale", ctypes.c_float), ("layer", ctypes.POINTER(_Layer))]
+
+
+class _Scratch(ctypes.Structure):
+    _fields_ = [(f, ctypes.c_void_p) for f in ("h", "qkv", "attn", "o", "gu", "act", "down", "f32")]
+
+
+class _Step(ctypes.Structure):
+    _fields_ = [("x", ctypes.c_void_p), ("rows", ctypes.c_int32), ("cos", ctypes.c_void_p), ("sin", ctypes.c_void_p),
+                ("slots", ctypes.c_void_p), ("block_tables", ctypes.c_void_p), ("max_blocks", ctypes.c_int32),
+                ("tok_req", ctypes.c_void_p), ("tok_pos", ctypes.c_void_p), ("threads", ctypes.c_int32)]
+
+
+def _why_not(model, attention, lib) -> str | None:
+    """Why the fused stack cannot run this model on this cache (None when it can)."""
+    from llmserve_torch.fused import CpuOps
+    from llmserve_torch.models.qwen2 import Qwen2Model
+
+    if lib is None:
+        return "the kernel library did not build"
+    if not isinstance(model, Qwen2Model) or model.arch.qk_norm:
+        return "it runs Llama-style layers without per-head q/k norms"
+    if not isinstance(model.ops, CpuOps) or attention.name != "cpu":
+        return "it needs the cpu decoder ops and the cpu attention kernel"
+    if model.dtype not in (torch.float32, torch.bfloat16):
+        return f"it runs float32 and bfloat16, not {model.dtype}"
+    for lin in (L[k] for L in model.layers for k in ("qkv", "o", "gate_up", "down")):
+        if not isinstance(lin, QuantLinear) or not (lin.own_int4 or (lin.kind == "int8" and lin.own_int8)):
+            return "every linear of the layers must be quantized for llmserve's int4 or int8 kernels"
+    return None
+
+
+class FusedStack:
+    """The C tables of one model on one KV cache, grow-only scratch buffers, and the call for a step."""
+
+    def __init__(self, model, attention, lib):
+        self.model, self.attention = model, attention
+        a = model.arch
+        self._fn = lib.llmserve_decode_layers
+        self._keep = []  # tensors the tables point into (bias copies)
+        linears = [L[k] for L in model.layers for k in ("qkv", "o", "gate_up", "down")]
+        kinds = {lin.kind for lin in linears}
+        # the most rows every quantized kernel takes before the plan hands them to the dense copy (if any)
+        limits = [lin.max_quantized_rows() for lin in linears]
+        self.max_rows = min(limits + ([OWN_INT8_MAX_ROWS] if "int8" in kinds else []))
+        kv = attention.kv
+        layers = (_Layer * a.num_layers)()
+        for i, L in enumerate(model.layers):
+            layers[i] = _Layer(self._linear(L["qkv"]), self._linear(L["o"]), self._linear(L["gate_up"]),
+                               self._linear(L["down"]), L["in_norm"].data_ptr(), L["post_norm"].data_ptr(),
+                               kv.k[i].data_ptr(), kv.v[i].data_ptr())
+        self._layers = layers
+        self._model = _Model(a.num_layers, a.hidden_size, a.num_heads, a.num_kv_heads, a.head_dim,
+                             a.intermediate_size, kv.block_size, model.dtype.itemsize, a.norm_eps, attention.scale,
+                             layers)
+        self._widest_int8 = max((lin.out_features for lin in linears if lin.kind == "int8"), default=0)
+        self._rows = 0
+        self._scratch = None
+
+    def _linear(self, lin: QuantLinear) -> _QLinear:
+        bias = None
+        if lin.bias is not None:
+            bias = lin.bias.to(self.model.dtype).contiguous()
+            self._keep.append(bias)
+        w, scale, zero = lin.kernel_tensors()
+        return _QLinear(4 if lin.kind == "int4" else 8, lin.out_features, lin.in_features, w.data_ptr(),
+                        scale.data_ptr(), 0 if zero is None else zero.data_ptr(), 0 if bias is None else bias.data_ptr())
+
+    def covers(self, rows: int) -> bool:
+        """Whether a step of this many rows runs here."""
+        return 0 < rows <= self.max_rows
+
+    def _buffers(self, rows: int) -> None:
+        a, dt = self.model.arch, self.model.dtype
+        widths = {"h": a.hidden_size, "qkv": a.q_size + 2 * a.kv_size, "attn": a.q_size, "o": a.hidden_size,
+                  "gu": 2 * a.intermediate_size, "act": a.intermediate_size, "down": a.hidden_size}
+        bufs = {k: torch.empty((rows, w), dtype=dt) for k, w in widths.items()}
+        bufs["f32"] = torch.empty((rows, max(self._widest_int8, 1)), dtype=torch.float32)
+        self._bufs = bufs  # kept alive: the struct holds raw pointers
+        self._scratch = _Scratch(*(bufs[k].data_ptr() for k, _ in _Scratch._fields_))
+        self._rows = rows
+
+    def forward(self, input_ids: torch.Tensor, step: dict, meta) -> torch.Tensor:
+        """Hidden states before the final norm, [T, hidden], as Qwen2Model.forward returns them."""
+        T = input_ids.shape[0]
+        if T > self._rows:
+            self._buffers(max(T, self.max_rows))
+        x = torch.nn.functional.embedding(input_ids, self.model.embed)
+        cos, sin = step["cos"], step["sin"]
+        bt = meta.block_tables
+        st = _Step(x.data_ptr(), T, cos.data_ptr(), sin.data_ptr(), meta.slots.data_ptr(), bt.data_ptr(), bt.shape[1],
+                   meta.tok_req.data_ptr(), meta.tok_pos.data_ptr(), torch.get_num_threads())
+        self._fn(ctypes.addressof(self._model), ctypes.addressof(self._scratch), ctypes.addressof(st))
+        return x
+
+
+def build_stack(option: str, model, attention, lib) -> tuple[FusedStack | None, str]:
+    """fuse_layers auto: the stack where it fits (else None, with the reason); off: None."""
+    if option == "off":
+        return None, "off"
+    why = _why_not(model, attention, lib)
+    if why is not None:
+        return None, why
+    stack = FusedStack(model, attention, lib)
+    return stack, f"up to {stack.max_rows} rows"

@@ -1,0 +1,62 @@
+"""Every layer in one C call (fused_stack.py) gives exactly the Python path's hidden states: same kernels, same
+order, same roundings; on Qwen2 (q/k/v bias) and Llama checkpoints quantized to int4 and int8, float32 and bf16,
+over prompt chunks and decodes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch_helpers import Driver, batch_of, make_backend, make_llama
+
+from llmserve.errors import ConfigError
+
+
+@pytest.fixture(scope="module")
+def llama_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("llama_fused")
+    make_llama({"rope_type": "default", "rope_theta": 10000.0}).save_pretrained(d)
+    return d
+
+
+def _backend(path, dtype, quantization, fuse):
+    return make_backend(str(path), dtype=dtype, quantization=quantization,
+                        options={"fuse_layers": fuse, "quant_rows": 4})
+
+
+def _steps(backend, seed):
+    """Prompt chunks of 3 rows (fused) and 5 (above the quantized kernels' 4: the Python path), a mixed step, then
+    decodes of two sequences: float32 logits of every row of every step."""
+    d = Driver(backend, seed=seed)
+    g = torch.Generator().manual_seed(seed)
+    a, b = torch.randint(0, 200, (10,), generator=g).tolist(), torch.randint(0, 200, (6,), generator=g).tolist()
+    plan = [[d.request("a", a, 0, 3, do_sample=False)], [d.request("a", a, 3, 5, do_sample=False)],
+            [d.request("a", a, 8, 2), d.request("b", b, 0, 1, do_sample=False)]]
+    plan += [[d.request("a", a + [5] * (k + 1), 10 + k, 1), d.request("b", b, 1 + k, 1, do_sample=False)]
+             for k in range(3)]
+    return [backend.compute_logits(batch_of(reqs)) for reqs in plan]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("quantization", ["int4", "int8"])
+@pytest.mark.parametrize("model", ["qwen2_dir", "llama_dir"])
+def test_fused_layers_equal_the_python_path(request, model, quantization, dtype):
+    path = request.getfixturevalue(model)
+    path = path[0] if isinstance(path, tuple) else path
+    fused, plain = _backend(path, dtype, quantization, "auto"), _backend(path, dtype, quantization, "off")
+    assert fused.stack is not None and fused.describe()["fused_layers"] == "up to 4 rows"
+    assert plain.stack is None and plain.describe()["fused_layers"] == "off"
+    used = []
+    forward = fused.stack.forward
+    fused.stack.forward = lambda ids, *rest: used.append(ids.shape[0]) or forward(ids, *rest)
+    for got, want in zip(_steps(fused, 1), _steps(plain, 1)):
+        assert torch.equal(got, want)
+    assert used == [3, 3, 2, 2, 2]  # every step but the 5-row chunk ran fused
+
+
+def test_fuse_layers_option(qwen2_dir):
+    path, _ = qwen2_dir
+    dense = make_backend(str(path))  # float weights: nothing to fuse, and it says why
+    assert dense.stack is None and "quantized" in dense.describe()["fused_layers"]
+    assert _backend(path, "float32", "int4", False).stack is None  # YAML's bare `off`
+    with pytest.raises(ConfigError, match="fuse_layers: must be one of auto, off"):
+        _backend(path, "float32", "int4", "on")
