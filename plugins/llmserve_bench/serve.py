@@ -187,7 +187,9 @@ def main(args: argparse.Namespace) -> int:
         if proc is not None:
             proc.terminate()
             proc.wait(60)
+        offline_threads = None
         if engine is not None:
+            offline_threads = thread_layout(engine)  # before shutdown: a torch backend drops its model there
             engine.shutdown()
     report: dict[str, Any] = {
         "workload": {**workload_facts(args), "rounds": args.rounds,
@@ -197,8 +199,8 @@ def main(args: argparse.Namespace) -> int:
         "server": {"base_url": base_url, "launched": args.launch, **facts},
         "machine": machine_info(),
     }
-    if engine is not None:
-        report["offline_threads"] = thread_layout(engine)
+    if offline_threads is not None:
+        report["offline_threads"] = offline_threads
     raw = [p.pop("results") for p in points]
     if len(levels) == 1:
         report.update(points[0])  # one point: its figures at the top, as before sweeps existed

@@ -30,6 +30,15 @@ def test_bench_serve_reports_latencies_throughput_and_the_offline_ratio(fake_ser
     assert r["server"]["model"] == "embedded" and r["workload"]["vocab_size"] == 257
 
 
+def test_bench_serve_compares_with_a_torch_backend_offline(fake_server, capsys):
+    """The offline side on the torch backend (whose shutdown drops its model): the report still names its threads."""
+    rc = main(["bench", "serve", "--base-url", fake_server.url, "--concurrency", "2", "--requests", "3",
+               "--prompt-len", "4", "8", "--output-len", "3", "3", "--compare-offline", "--backend", "torch",
+               "--model", "embedded", "--json"])
+    r = json.loads(capsys.readouterr().out)
+    assert rc == 0 and r["offline"]["completed"] == 3 and r["offline_threads"]["torch_threads"] >= 1
+
+
 def test_bench_serve_counts_failures(fake_server, capsys):
     rc = main(["bench", "serve", "--base-url", fake_server.url, "--concurrency", "2", "--requests", "3",
                "--request-model", "no-such-model", "--json", "--output-len", "4", "4"])
