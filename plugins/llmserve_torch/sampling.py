@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Collection, Sequence
 
+import numpy as np
 import torch
 
 from llmserve.batch import ScheduledRequest
@@ -102,11 +103,15 @@ def _uniform(shape: tuple[int, ...], gen: torch.Generator, device: torch.device)
     return torch.rand(shape, generator=gen, device=device, dtype=torch.float32)
 
 
+# torch.rand draws multiples of 2^-24, so one draw in 2^24 is exactly 0, whose Exp(1) value would be 0: a masked
+# token's 0 / 0 = NaN (which argmax picks), and any token's p / 0 = inf. Flooring at finfo.tiny instead made that
+# token win whatever its probability (one row in ~110 at a 152k vocabulary). 2^-25 is the middle of the draw's bin.
+EXP_FLOOR = 2.0 ** -25
+
+
 def _exp_noise(u: torch.Tensor) -> torch.Tensor:
     """Exp(1) draws from uniform ones."""
-    # log1p(-u) is finite since u < 1. u == 0 (one draw in 2^24) would give 0 noise, and a masked
-    # token's 0 / 0 = NaN, which argmax picks: the floor keeps a masked token at 0
-    return (-torch.log1p(-u)).clamp_min_(torch.finfo(torch.float32).tiny)
+    return (-torch.log1p(-u)).clamp_min_(EXP_FLOOR)  # log1p(-u) is finite since u < 1
 
 
 def _logprob_entries(lp: torch.Tensor, chosen: torch.Tensor, ns: list[int]) -> list[Logprob]:
@@ -197,7 +202,8 @@ class Sampler:
             params = torch.tensor([s_rows, [sp.temperature for sp in sub], [max(sp.top_k, 0) for sp in sub],
                                    [sp.top_p for sp in sub], [sp.min_p for sp in sub]], dtype=torch.float64)
             si, temp, top_k, top_p, min_p = params.to(logits.device, non_blocking=True)
-            need_sort = any(0 < sp.top_k < V or sp.top_p < 1.0 for sp in sub)
+            # decided on the values the device sees (top_p as float32: 1 - 1e-9 is 1.0 there)
+            need_sort = any(0 < sp.top_k < V or np.float32(sp.top_p) < 1.0 for sp in sub)
             need_min_p = any(sp.min_p > 0 for sp in sub)
             si = si.long()
             u = self._uniforms(sub, reqs, s_rows, V, logits.device)

@@ -17,6 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
+from llmserve_torch import sampling
+
 # query rows (tokens × heads of one KV group) per attention program in a step with prompt tokens
 PREFILL_ROWS = 128
 # keys per inner step of the attention loop (several KV blocks gathered through the block table)
@@ -236,6 +238,9 @@ def silu_mul(gu: torch.Tensor, inter: int) -> torch.Tensor:
 RACE_CHUNK = 8192
 
 
+EXP_FLOOR = tl.constexpr(sampling.EXP_FLOOR)
+
+
 @triton.jit
 def _race_kernel(logits_ptr, l_stride, u_ptr, u_stride, temp_ptr, best_ptr, idx_ptr, V, n_chunks,
                  CHUNK: tl.constexpr, BLOCK: tl.constexpr):
@@ -249,10 +254,10 @@ def _race_kernel(logits_ptr, l_stride, u_ptr, u_stride, temp_ptr, best_ptr, idx_
         m = i < V
         x = tl.load(logits_ptr + r * l_stride + i, mask=m, other=float("-inf"))
         u = tl.load(u_ptr + r * u_stride + i, mask=m, other=0.5)
-        # E = -log1p(-u) ~ Exp(1), floored as the torch path floors it; the series keeps small u exact where
-        # 1 - u would round to 1 (and give a masked token's E of 0 an enormous score)
+        # E = -log1p(-u) ~ Exp(1), floored as the torch path floors it (sampling.EXP_FLOOR); the series keeps
+        # small u exact where 1 - u would round to 1
         e = tl.where(u < 1e-4, u + 0.5 * u * u, -tl.log(1.0 - u))
-        e = tl.maximum(e, 1.1754943508222875e-38)
+        e = tl.maximum(e, EXP_FLOOR)
         # argmax(softmax(x / t) / E) = argmax(x / t - log E): no softmax pass
         score = x / t - tl.log(e)
         take = score > best  # strictly: each lane keeps its first maximum, as argmax does

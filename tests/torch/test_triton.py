@@ -20,6 +20,7 @@ from llmserve_torch.arch import ArchConfig  # noqa: E402
 from llmserve_torch.attention import ReferenceAttention, StepMetadata, TritonPagedAttention  # noqa: E402
 from llmserve_torch.fused import TorchOps, TritonOps  # noqa: E402
 from llmserve_torch.kv_cache import KVCache  # noqa: E402
+from llmserve_torch.sampling import EXP_FLOOR  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 DTYPES = [torch.float32, torch.bfloat16]
@@ -191,13 +192,27 @@ def test_sampling_race_kernel_picks_the_torch_paths_token():
     x = (torch.randn(R, V, generator=g) * 3).to(DEVICE)
     x[1, ::3] = float("-inf")  # a grammar mask
     u = torch.rand(R, V, generator=g).to(DEVICE)
-    u[2, 5] = 0.0  # the floor: never NaN, never a masked token
+    u[2, 5] = 0.0  # the floor: never NaN, never a masked token, no certain win for an unlikely token
     u[3, :100] = 1e-7  # where 1 - u rounds to 1: the series keeps E exact
     t = torch.tensor([0.6, 1.0, 0.3, 1.5, 0.8, 2.0], device=DEVICE)
-    e = (-torch.log1p(-u)).clamp_min(torch.finfo(torch.float32).tiny)
+    e = (-torch.log1p(-u)).clamp_min(EXP_FLOOR)
     want = ((x / t[:, None]).softmax(-1) / e).argmax(-1)
     got = triton_kernels.race_argmax(x, u, t)
     assert got.tolist() == want.tolist()
+
+
+def test_a_zero_draw_does_not_make_an_unlikely_token_win():
+    """torch.rand gives exactly 0 once in 2^24 draws (one row in ~110 at a 152k vocabulary): the floor of E must not
+    hand that entry the token (with finfo.tiny it won whenever its probability was above ~1e-38)."""
+    from llmserve_torch.sampling import _exp_noise
+
+    x = torch.zeros(1, 64, device=DEVICE)
+    x[0, 7] = 20.0  # p ~ 1
+    u = torch.full((1, 64), 0.5, device=DEVICE)
+    u[0, 5] = 0.0  # token 5: p ~ 2e-9
+    t = torch.ones(1, device=DEVICE)
+    assert triton_kernels.race_argmax(x, u, t).tolist() == [7]
+    assert (x.softmax(-1) / _exp_noise(u)).argmax(-1).tolist() == [7]
 
 
 def test_sampler_with_the_race_kernel_draws_the_same_tokens():
