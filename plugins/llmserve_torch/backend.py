@@ -13,7 +13,7 @@ from llmserve.config import EngineConfig, check_options
 from llmserve.errors import ConfigError
 from llmserve.interfaces import ModelBackend
 from llmserve_torch.attention import KERNELS, StepMetadata, build_kernel, cpu_argmax, make_attention
-from llmserve_torch.cuda_graphs import DecodeGraphs, table_width
+from llmserve_torch.cuda_graphs import DecodeGraphs, batch_buckets, table_width
 from llmserve_torch.footprint import footprint
 from llmserve_torch.fused import DECODER_OPS
 from llmserve_torch.fused_stack import FUSE_LAYERS, FusedStack, build_stack
@@ -126,19 +126,26 @@ class TorchBackend(ModelBackend):
         if self.device.type != "cuda":
             return 0
         sc, bs = self.config.scheduler, 16
-        T = max(1, min(sc.max_num_batched_tokens, self.max_model_len))
-        nb = -(-T // bs)
-        kv = KVCache(self.arch, nb, bs, self.dtype, self.device)
+        T = max(1, sc.max_num_batched_tokens)
+        L = self.max_model_len  # the step's tokens as requests of at most L tokens each, on blocks of their own
+        lens = [min(L, T - s) for s in range(0, T, L)]
+        per = -(-min(L, T) // bs)
+        kv = KVCache(self.arch, per * len(lens), bs, self.dtype, self.device)
         attention = make_attention(self.options["attention"], self.arch, kv)
         dev = self.device
         torch.cuda.synchronize(dev)
         torch.cuda.reset_peak_memory_stats(dev)
         base = torch.cuda.memory_allocated(dev)
         with torch.inference_mode():
-            pos = torch.arange(T, dtype=torch.int32, device=dev)
-            meta = StepMetadata(slots=pos.long(), tok_req=torch.zeros(T, dtype=torch.int32, device=dev), tok_pos=pos,
-                                block_tables=torch.arange(nb, dtype=torch.int32, device=dev).view(1, nb),
-                                q_starts=[0], q_lens=[T], ctx_lens=[T], num_tokens=T)
+            req = np.repeat(np.arange(len(lens)), lens)
+            p = np.concatenate([np.arange(n) for n in lens])
+            pos = torch.from_numpy(p.astype(np.int32)).to(dev)
+            tables = np.arange(per * len(lens), dtype=np.int32).reshape(len(lens), per)
+            meta = StepMetadata(slots=torch.from_numpy(tables[req, p // bs].astype(np.int64) * bs + p % bs).to(dev),
+                                tok_req=torch.from_numpy(req.astype(np.int32)).to(dev), tok_pos=pos,
+                                block_tables=torch.from_numpy(tables).to(dev),
+                                q_starts=[sum(lens[:i]) for i in range(len(lens))], q_lens=lens, ctx_lens=lens,
+                                num_tokens=T)
             attention.begin_step(meta)
             hidden = self.model.forward(torch.zeros(T, dtype=torch.long, device=dev),
                                         self.model.prepare_step(pos.long()), attention)
@@ -147,8 +154,11 @@ class TorchBackend(ModelBackend):
         peak = torch.cuda.max_memory_allocated(dev) - base
         del kv, attention, hidden, meta
         torch.cuda.empty_cache()
-        log.info("profiling forward of %d tokens: %.0f MiB of activations", T, peak / 2**20)
-        return peak
+        # each decode graph keeps its float32 logits [bucket, vocab] alive in the graphs' pool
+        graphs = sum(batch_buckets(self._graphs_wanted())) * self.arch.vocab_size * 4 if self._graphs_wanted() else 0
+        log.info("profiling forward of %d tokens: %.0f MiB of activations (+ %.0f MiB for the decode graphs' logits)",
+                 T, peak / 2**20, graphs / 2**20)
+        return peak + graphs
 
     def _graphs_wanted(self) -> int:
         """The largest decode batch to replay from a CUDA graph (0: none)."""
@@ -166,8 +176,9 @@ class TorchBackend(ModelBackend):
         self.attention = make_attention(self.options["attention"], self.arch, self.kv)
         if self.attention.name == "cpu":
             self.sampler.fast_argmax = cpu_argmax()
+            sc = self.config.scheduler
             self.stack, self.stack_note = build_stack(self.options["fuse_layers"], self.model, self.attention,
-                                                      build_kernel())
+                                                      build_kernel(), max(sc.max_num_batched_tokens, sc.max_num_seqs))
         else:
             self.stack, self.stack_note = None, "it runs with the cpu attention kernel"
         if self.attention.name == "triton":  # Triton runs here: sample in one pass over the logits too
@@ -266,6 +277,10 @@ class TorchBackend(ModelBackend):
         bs = self.kv.block_size
         pos = [r.num_computed_tokens for r in reqs]
         tables = [r.block_table[:p // bs + 1] for r, p in zip(reqs, pos)]
+        for r, t, p in zip(reqs, tables, pos):
+            if len(t) <= p // bs:
+                raise RuntimeError(f"request {r.request_id}: block table holds {len(t)} blocks, "
+                                   f"{p + 1} tokens need {p // bs + 1}")
         slots = [t[-1] * bs + p % bs for t, p in zip(tables, pos)]
         self._note_kv_use(bs * sum(len(r.block_table) for r in reqs), sum(pos) + len(reqs))
         return g.run([r.token_ids[p] for r, p in zip(reqs, pos)], pos, slots, tables)
@@ -382,4 +397,5 @@ class TorchBackend(ModelBackend):
         self.kv = None
         self.attention = None
         self.graphs = None
+        self.stack = None  # it holds the model and the cache too
         self.model = None

@@ -56,6 +56,9 @@ class DecodeGraphs:
         self.tok_req = torch.arange(B, dtype=torch.int32, device=device)  # token i is request i
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
+        # the last step's copies out of the pinned buffers: done before they are written again (a step whose
+        # requests all skip sampling never waits for the device otherwise)
+        self._copied = torch.cuda.Event() if device.type == "cuda" else None
 
     def _step(self, b: int) -> torch.Tensor:
         """The whole decode step of the first b rows of the buffers: float32 logits [b, vocab]."""
@@ -94,6 +97,8 @@ class DecodeGraphs:
         """One decode step for n requests (one token each): float32 logits [n, vocab], valid until the next run."""
         n = len(ids)
         b = next(x for x in self.buckets if x >= n)
+        if self._copied is not None:
+            self._copied.synchronize()
         h = self.np
         h["ids"][:n] = ids
         h["pos"][:n] = pos
@@ -108,6 +113,8 @@ class DecodeGraphs:
         for k in ("ids", "pos", "slots"):
             self.dev[k][:b].copy_(self.host[k][:b], non_blocking=True)
         self.dev["tables"][:b].copy_(self.host["tables"][:b], non_blocking=True)
+        if self._copied is not None:
+            self._copied.record()
         g = self.graphs.get(b)
         if g is None:  # not captured (off CUDA): the same padded step, run directly
             return self._step(b)[:n]

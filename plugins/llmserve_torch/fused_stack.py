@@ -66,7 +66,7 @@ def _why_not(model, attention, lib) -> str | None:
 class FusedStack:
     """The C tables of one model on one KV cache, grow-only scratch buffers, and the call for a step."""
 
-    def __init__(self, model, attention, lib):
+    def __init__(self, model, attention, lib, max_batch_rows: int):
         self.model, self.attention = model, attention
         a = model.arch
         self._fn = lib.llmserve_decode_layers
@@ -75,7 +75,8 @@ class FusedStack:
         kinds = {lin.kind for lin in linears}
         # the most rows every quantized kernel takes before the plan hands them to the dense copy (if any)
         limits = [lin.max_quantized_rows() for lin in linears]
-        self.max_rows = min(limits + ([OWN_INT8_MAX_ROWS] if "int8" in kinds else []))
+        # (no dense copy at all: the quantized kernels take any step the scheduler can make)
+        self.max_rows = min(limits + [max_batch_rows] + ([OWN_INT8_MAX_ROWS] if "int8" in kinds else []))
         kv = attention.kv
         layers = (_Layer * a.num_layers)()
         for i, L in enumerate(model.layers):
@@ -116,8 +117,8 @@ class FusedStack:
     def forward(self, input_ids: torch.Tensor, step: dict, meta) -> torch.Tensor:
         """Hidden states before the final norm, [T, hidden], as Qwen2Model.forward returns them."""
         T = input_ids.shape[0]
-        if T > self._rows:
-            self._buffers(max(T, self.max_rows))
+        if T > self._rows:  # grow-only, from room for a few rows
+            self._buffers(max(T, min(self.max_rows, 8)))
         x = torch.nn.functional.embedding(input_ids, self.model.embed)
         cos, sin = step["cos"], step["sin"]
         bt = meta.block_tables
@@ -127,12 +128,13 @@ class FusedStack:
         return x
 
 
-def build_stack(option: str, model, attention, lib) -> tuple[FusedStack | None, str]:
-    """fuse_layers auto: the stack where it fits (else None, with the reason); off: None."""
+def build_stack(option: str, model, attention, lib, max_batch_rows: int) -> tuple[FusedStack | None, str]:
+    """fuse_layers auto: the stack where it fits (else None, with the reason); off: None. max_batch_rows: the most
+    rows a step can have."""
     if option == "off":
         return None, "off"
     why = _why_not(model, attention, lib)
     if why is not None:
         return None, why
-    stack = FusedStack(model, attention, lib)
+    stack = FusedStack(model, attention, lib, max_batch_rows)
     return stack, f"up to {stack.max_rows} rows"

@@ -53,6 +53,20 @@ def test_fused_layers_equal_the_python_path(request, model, quantization, dtype)
     assert used == [3, 3, 2, 2, 2]  # every step but the 5-row chunk ran fused
 
 
+def test_without_dense_copies_it_covers_what_a_step_can_hold(qwen2_dir):
+    """quant_rows above any step: no dense copy is kept, the quantized kernels take every step, and so does the
+    stack, up to the scheduler's token budget (512 here), with buffers sized by the steps it sees."""
+    path, _ = qwen2_dir
+    opts = {"fuse_layers": "auto", "quant_rows": 100_000}
+    fused = make_backend(str(path), quantization="int4", options=opts)
+    plain = make_backend(str(path), quantization="int4", options={**opts, "fuse_layers": "off"})
+    assert fused.describe()["fused_layers"] == "up to 512 rows"
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, 200, (40,), generator=g).tolist()
+    got, want = (b.compute_logits(batch_of([Driver(b).request("a", ids, 0, 40)])) for b in (fused, plain))
+    assert torch.equal(got, want) and fused.stack._rows == 40
+
+
 def test_fuse_layers_option(qwen2_dir):
     path, _ = qwen2_dir
     dense = make_backend(str(path))  # float weights: nothing to fuse, and it says why
