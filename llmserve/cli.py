@@ -9,7 +9,9 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
+import threading
 
 from llmserve.config_args import add_config_arguments, config_from_args
 from llmserve.errors import LLMServeError, PluginError
@@ -132,4 +134,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"llmserve: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
+        if any(t.daemon and t.is_alive() for t in threading.enumerate()):
+            # Ctrl-C while the engine thread is still starting: finalizing the interpreter under it while it is in
+            # torch's native start-up can abort the process ("terminate called without an active exception",
+            # SIGABRT); leave without finalizing, as a quiet 130
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(130)
         return 130
