@@ -23,9 +23,9 @@ phase that fails or runs out of time is recorded and the next one runs:
 The report (GPU, torch, transformers, config, every phase) is written to --out after every phase; a table at the
 end (--json: the report instead). Backend options pass through with --set, e.g. --set backend.options.attention=X.
 
-    python benchmarks/gpu_nanovllm.py --out /tmp/gpu_bench.json                  # on a GPU: the whole workload
+    python benchmarks/gpu_nanovllm.py --out gpu_bench.json                  # on a GPU: the whole workload
     python benchmarks/gpu_nanovllm.py --device cpu --dtype float32 --requests 6 --max-input-len 40 \\
-        --max-output-len 24 --model-shape tiny-qwen2 --out /tmp/gpu_bench.json   # a dry run on the CPU
+        --max-output-len 24 --model-shape tiny-qwen2 --out gpu_bench.json   # a dry run on the CPU
 """
 
 from __future__ import annotations

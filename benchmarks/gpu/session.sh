@@ -5,9 +5,10 @@
 set -u
 OUT=${OUT:-gpu-out}; mkdir -p "$OUT"
 if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+  SITE=${SITE:-$(mktemp -d)}  # where the carried wheels are installed (a fresh directory unless SITE is set)
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" .whl/*.whl \
     || exit 1
-  export PYTHONPATH=/tmp/site
+  export PYTHONPATH=$SITE
 fi
 export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD:$PWD/plugins PYTHONUNBUFFERED=1 TRITON_INTERPRET=0 HF_HUB_OFFLINE=1
 T0=$(date +%s)

@@ -25,19 +25,13 @@ for p in (ROOT, ROOT / "plugins", ROOT / "benchmarks"):
 
 import torch  # noqa: E402
 
+from llmserve_bench.bound import cuda_seconds  # noqa: E402
+
 
 def events_ms(fn, reps: int) -> float:
     """Median milliseconds of fn() timed by CUDA events, after one warm-up."""
-    fn()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return sorted(times)[len(times) // 2]
+    times = sorted(cuda_seconds(fn, reps))
+    return times[len(times) // 2] * 1e3
 
 
 def wall_ms(fn, reps: int) -> float:

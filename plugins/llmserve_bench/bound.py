@@ -41,21 +41,21 @@ def _best_seconds(fn: Callable[[], Any], reps: int, budget: float = 0.2) -> floa
     return best
 
 
-def _best_cuda_seconds(fn: Callable[[], Any], reps: int) -> float:
-    """The fastest of `reps` calls after one untimed warm-up, each timed by CUDA events on the current stream
+def cuda_seconds(fn: Callable[[], Any], reps: int) -> list[float]:
+    """Seconds of each of `reps` calls after one untimed warm-up, each timed by CUDA events on the current stream
     (the host clock would time the launch, not the kernel)."""
     import torch
 
     fn()
-    best = float("inf")
+    times = []
     for _ in range(reps):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         fn()
         end.record()
         end.synchronize()
-        best = min(best, start.elapsed_time(end) / 1e3)
-    return best
+        times.append(start.elapsed_time(end) / 1e3)
+    return times
 
 
 def _is_cuda(device: str) -> bool:
@@ -73,7 +73,7 @@ def measure_bandwidth(nbytes: int = 256 * 2**20, reps: int = 5, device: str = "c
     if _is_cuda(device):
         src = torch.ones(nbytes // 4, device=device)
         dst = torch.empty_like(src)
-        return 2 * src.nbytes / _best_cuda_seconds(lambda: dst.copy_(src), max(reps, 20))
+        return 2 * src.nbytes / min(cuda_seconds(lambda: dst.copy_(src), max(reps, 20)))
     x = torch.ones(nbytes // 4)
     return x.nbytes / _best_seconds(x.sum, reps)
 
@@ -89,7 +89,7 @@ def measure_gemm_rate(rows: int, k: int, n: int, dtype: str, reps: int = 10, dev
         g = torch.Generator(device=device).manual_seed(0)
         x = torch.randn(rows, k, generator=g, device=device).to(dt)
         w = torch.randn(n, k, generator=g, device=device).to(dt)
-        return 2 * rows * k * n / _best_cuda_seconds(lambda: F.linear(x, w), max(reps, 20))
+        return 2 * rows * k * n / min(cuda_seconds(lambda: F.linear(x, w), max(reps, 20)))
     g = torch.Generator().manual_seed(0)
     x = torch.randn(rows, k, generator=g).to(dt)
     w = torch.randn(n, k, generator=g).to(dt)

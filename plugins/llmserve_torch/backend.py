@@ -43,6 +43,15 @@ OPTIONS = {
 }
 
 
+def _table(r, tokens: int, block_size: int) -> list[int]:
+    """The blocks of r's block table that hold its first `tokens` tokens (an error if the table is short)."""
+    nb = -(-tokens // block_size)
+    if nb > len(r.block_table):
+        raise RuntimeError(f"request {r.request_id}: block table holds {len(r.block_table)} blocks, "
+                           f"{tokens} tokens need {nb}")
+    return r.block_table[:nb]
+
+
 class TorchBackend(ModelBackend):
     """GPT-2 / Qwen2-family models in plain PyTorch on a backend-owned paged KV cache."""
 
@@ -155,7 +164,8 @@ class TorchBackend(ModelBackend):
         del kv, attention, hidden, meta
         torch.cuda.empty_cache()
         # each decode graph keeps its float32 logits [bucket, vocab] alive in the graphs' pool
-        graphs = sum(batch_buckets(self._graphs_wanted())) * self.arch.vocab_size * 4 if self._graphs_wanted() else 0
+        most = self._graphs_wanted()
+        graphs = sum(batch_buckets(most)) * self.arch.vocab_size * 4 if most else 0
         log.info("profiling forward of %d tokens: %.0f MiB of activations (+ %.0f MiB for the decode graphs' logits)",
                  T, peak / 2**20, graphs / 2**20)
         return peak + graphs
@@ -213,14 +223,12 @@ class TorchBackend(ModelBackend):
             s, n = r.num_computed_tokens, r.num_new_tokens
             ctx = s + n
             bt = r.block_table
-            nb = -(-ctx // bs)
-            if nb > len(bt):
-                raise RuntimeError(f"request {r.request_id}: block table holds {len(bt)} blocks, "
-                                   f"{ctx} tokens need {nb}")
+            table = _table(r, ctx, bs)
+            nb = len(table)
             q_starts.append(len(ids))
             q_lens.append(n)
             ctx_lens.append(ctx)
-            tables.append(bt[:nb])
+            tables.append(table)
             ids.extend(r.token_ids[s:ctx])
             if n == 1:
                 pos.append(s)
@@ -276,11 +284,7 @@ class TorchBackend(ModelBackend):
             return None
         bs = self.kv.block_size
         pos = [r.num_computed_tokens for r in reqs]
-        tables = [r.block_table[:p // bs + 1] for r, p in zip(reqs, pos)]
-        for r, t, p in zip(reqs, tables, pos):
-            if len(t) <= p // bs:
-                raise RuntimeError(f"request {r.request_id}: block table holds {len(t)} blocks, "
-                                   f"{p + 1} tokens need {p // bs + 1}")
+        tables = [_table(r, p + 1, bs) for r, p in zip(reqs, pos)]
         slots = [t[-1] * bs + p % bs for t, p in zip(tables, pos)]
         self._note_kv_use(bs * sum(len(r.block_table) for r in reqs), sum(pos) + len(reqs))
         return g.run([r.token_ids[p] for r, p in zip(reqs, pos)], pos, slots, tables)

@@ -12,7 +12,7 @@ import torch
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (the CPU CI has none)")
 
 from test_engine_vs_hf import GREEDY, prompts  # noqa: E402
-from torch_helpers import make_llama  # noqa: E402
+from torch_helpers import generate, make_llama  # noqa: E402
 
 from llmserve.config import config_from_dict  # noqa: E402
 from llmserve.engine import Engine  # noqa: E402
@@ -29,16 +29,6 @@ def cuda_engine(path, dtype: str = "float32", options: dict | None = None, **sch
         "cache": {"block_size": 16},
         "scheduler": {"max_num_seqs": 16, "max_num_batched_tokens": 128, **sched},
     }))
-
-
-def generate(engine: Engine, ps, sp) -> list[list[int]]:
-    ids = [engine.add_request(p, sp) for p in ps]
-    got: dict = {}
-    while engine.has_unfinished:
-        for o in engine.step().outputs:
-            assert o.error is None, o.error
-            got.setdefault(o.request_id, []).extend(o.new_token_ids)
-    return [got[i] for i in ids]
 
 
 def hf_greedy_cuda(hf, prompt: list[int]) -> list[int]:

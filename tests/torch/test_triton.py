@@ -155,20 +155,11 @@ def _engine(path, options: dict, dtype: str = "float32"):
     }))
 
 
-def _generate(engine, prompts, sp):
-    ids = [engine.add_request(p, sp) for p in prompts]
-    got: dict = {}
-    while engine.has_unfinished:
-        for o in engine.step().outputs:
-            assert o.error is None, o.error
-            got.setdefault(o.request_id, []).extend(o.new_token_ids)
-    return [got[i] for i in ids]
-
-
 @pytest.mark.parametrize("model", ["qwen2_dir", "gpt2_dir"])
 def test_backend_on_triton_kernels_matches_hf_greedy(request, model):
     """Prompt chunks run eagerly, decodes through the padded graph batches (6 requests → bucket 8): HF's tokens."""
     from test_engine_vs_hf import GREEDY, hf_greedy, prompts
+    from torch_helpers import generate
 
     path, hf = request.getfixturevalue(model)
     engine = _engine(path, {"attention": "triton", "decoder_ops": "triton" if model == "qwen2_dir" else "auto",
@@ -179,7 +170,7 @@ def test_backend_on_triton_kernels_matches_hf_greedy(request, model):
     run = graphs.run
     graphs.run = lambda ids, *rest: replayed.append(len(ids)) or run(ids, *rest)
     ps = prompts(hf.config.vocab_size, [3, 9, 17, 30, 5, 41])  # 41 > 48 - decodes: chunked
-    got = _generate(engine, ps, GREEDY)
+    got = generate(engine, ps, GREEDY)
     assert got == [hf_greedy(hf, p) for p in ps]
     assert 6 in replayed and set(replayed) - {1, 2, 4, 8}  # padded batches took the graph path
 

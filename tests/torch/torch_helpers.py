@@ -93,3 +93,14 @@ def batch_of(reqs):
     pre = sum(r.num_new_tokens for r in reqs if r.num_new_tokens > 1)
     dec = sum(r.num_new_tokens for r in reqs if r.num_new_tokens == 1)
     return SchedulerOutput(requests=list(reqs), num_prefill_tokens=pre, num_decode_tokens=dec)
+
+
+def generate(engine, prompts, sp) -> list[list[int]]:
+    """Every prompt through `engine` until done: each request's tokens, in prompt order (no request may fail)."""
+    ids = [engine.add_request(p, sp) for p in prompts]
+    got: dict = {}
+    while engine.has_unfinished:
+        for o in engine.step().outputs:
+            assert o.error is None, o.error
+            got.setdefault(o.request_id, []).extend(o.new_token_ids)
+    return [got[i] for i in ids]
