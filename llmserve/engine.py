@@ -54,6 +54,40 @@ class _Group:
     held: list[Request] = field(default_factory=list)
 
 
+def build_tokenizer(config: EngineConfig, plugins: PluginSet, default: str | None,
+                    path: str | None) -> Tokenizer | None:
+    """The configured tokenizer; `auto` is the backend's default (`default`, loaded from `path`), None for none."""
+    name = config.tokenizer.name
+    if name == "auto":  # the model's own: the backend knows what it loaded
+        name = default
+        if name is None:
+            log.warning("the %s backend names no tokenizer: the engine takes token ids only", config.backend.name)
+            return None
+    if name == "none":
+        return None
+    if config.model.tokenizer is None and path:  # a copy: the config is shared
+        config = dataclasses.replace(config, model=dataclasses.replace(config.model, tokenizer=path))
+    return plugins.get("tokenizer", name).factory(config)
+
+
+def build_constraints(config: EngineConfig, plugins: PluginSet, tokenizer: Tokenizer | None,
+                      vocab_size: int) -> Constraints:
+    """Structured output over the configured grammar engine; without one (or a tokenizer), the reason it is off."""
+    if tokenizer is None:
+        return Constraints(None, "this server has no tokenizer", vocab_size)
+    try:
+        grammar = plugins.get("grammar", config.structured_output.name).factory(config, tokenizer, vocab_size)
+    except NotImplementedError as e:
+        log.info("no structured output: %s", e)
+        return Constraints(None, str(e), vocab_size)
+    return Constraints(grammar, "", vocab_size)
+
+
+def build_sinks(config: EngineConfig, plugins: PluginSet) -> list[MetricSink]:
+    """The configured metric sinks."""
+    return [plugins.get("metric_sink", s.name).factory(config, dict(s.options)) for s in config.metrics.sinks]
+
+
 class Engine:
     """Owns the plugin manager, the components built from it, and every request's state."""
 
@@ -74,10 +108,9 @@ class Engine:
         # the scheduler owns the KV cache built for it: the engine never calls it
         kv_cache = self._factory("cache", cc.name)(config, num_blocks)
         self.scheduler: Scheduler = self._factory("scheduler", config.scheduler.name)(config, kv_cache)
-        self.tokenizer: Tokenizer | None = self._build_tokenizer()
-        self.metric_sinks: list[MetricSink] = [
-            self._factory("metric_sink", s.name)(config, dict(s.options)) for s in config.metrics.sinks
-        ]
+        self.tokenizer: Tokenizer | None = build_tokenizer(config, plugins, self.backend.default_tokenizer,
+                                                           self.backend.tokenizer_path)
+        self.metric_sinks: list[MetricSink] = build_sinks(config, plugins)
         self.max_model_len: int = min(self.backend.max_model_len, num_blocks * cc.block_size,
                                       config.model.max_model_len or self.backend.max_model_len)
         self.eos_token_id = self.backend.eos_token_id
@@ -87,7 +120,8 @@ class Engine:
         self.eos_token_ids = frozenset(self.backend.eos_token_ids) | {self.eos_token_id} - {None}
         auto = config.model.generation_config == "auto"  # the model's sampling defaults, for omitted fields
         self.generation_defaults = dict(self.backend.generation_defaults) if auto else {}
-        self.constraints = Constraints(*self._build_grammar(), self.backend.vocab_size)
+        self.vocab_size: int = self.backend.vocab_size
+        self.constraints = build_constraints(config, plugins, self.tokenizer, self.vocab_size)
         self.collector = MetricsCollector()
         self._seqs: dict[str, Request] = {}
         self._groups: dict[str, _Group] = {}
@@ -110,33 +144,6 @@ class Engine:
 
     def _factory(self, kind: str, name: str):
         return self.plugins.get(kind, name).factory
-
-    def _build_tokenizer(self) -> Tokenizer | None:
-        name = self.config.tokenizer.name
-        if name == "auto":  # the model's own: the backend knows what it loaded
-            name = self.backend.default_tokenizer
-            if name is None:
-                log.warning("the %s backend names no tokenizer: the engine takes token ids only",
-                            self.config.backend.name)
-                return None
-        if name == "none":
-            return None
-        config = self.config
-        if config.model.tokenizer is None and self.backend.tokenizer_path:  # a copy: the config is shared
-            config = dataclasses.replace(config, model=dataclasses.replace(config.model,
-                                                                           tokenizer=self.backend.tokenizer_path))
-        return self._factory("tokenizer", name)(config)
-
-    def _build_grammar(self):
-        """The grammar engine, or None and why there is none (no tokenizer, or one that cannot list its vocabulary)."""
-        if self.tokenizer is None:
-            return None, "this server has no tokenizer"
-        try:
-            return self._factory("grammar", self.config.structured_output.name)(
-                self.config, self.tokenizer, self.backend.vocab_size), ""
-        except NotImplementedError as e:
-            log.info("no structured output: %s", e)
-            return None, str(e)
 
     def add_metric_sink(self, sink: MetricSink) -> None:
         """Attach a sink after construction (a plugin's route hook serving it, say); it gets every later event."""

@@ -92,7 +92,7 @@ async def completions(request: Request) -> Response:
         else:  # token ids: echo shows them decoded
             full, text = p, None
         ids = req.truncated(full, st.engine.max_model_len, sp.max_tokens)
-        check_request(ids, sp, st.engine.backend.vocab_size, st.engine.max_model_len, param)
+        check_request(ids, sp, st.engine.vocab_size, st.engine.max_model_len, param)
         if len(ids) < len(full) or text is None:  # echo shows the ids the model was given
             text = tok.decode(ids, skip_special_tokens=False) if (tok is not None and req.echo) else ""
         prompt_ids.append(ids)
@@ -109,7 +109,7 @@ async def chat_completions(request: Request) -> Response:
     prompt = chat_prompt(st, req)
     ids = req.truncated(await encode(st.engine.tokenizer, prompt, req.add_special_tokens), st.engine.max_model_len,
                         sp.max_tokens)
-    check_request(ids, sp, st.engine.backend.vocab_size, st.engine.max_model_len, "messages")
+    check_request(ids, sp, st.engine.vocab_size, st.engine.max_model_len, "messages")
     default = st.engine.generation_defaults.get("max_tokens")
     if sp.max_tokens is None and default is not None:  # the model's default, within the room the prompt leaves
         sp.max_tokens = min(default, st.engine.max_model_len - len(ids))

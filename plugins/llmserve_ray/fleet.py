@@ -2,7 +2,7 @@
 
 The routes call an AsyncEngine and read an Engine (tokenizer, limits, grammar, plugins). Here
 FleetEngine is that AsyncEngine, with each request's deltas pumped from a replica's streamed
-`generate` into the same RequestStream; Front is that Engine without a model, its facts taken
+`generate` into the same RequestStream; FleetFront is that Engine without a model (llmserve.front), its facts taken
 from a replica. Everything else (parsing, validation, answers, SSE, disconnects) is the server's
 own code, unchanged.
 """
@@ -16,8 +16,7 @@ import time
 from typing import Any
 
 from llmserve.async_engine import AsyncEngine, RequestStream
-from llmserve.constraints import Constraints
-from llmserve.engine import Engine
+from llmserve.front import Front
 from llmserve.errors import EngineDeadError
 
 log = logging.getLogger("llmserve.ray")
@@ -29,33 +28,11 @@ _ids = itertools.count()
 ROUTERS: dict[str, Any] = {}
 
 
-class _RemoteBackend:
-    """The backend facts the routes read (vocabulary, limits), as a replica described them."""
+class FleetFront(Front):
+    """The ingress's Front: /stats shows the fleet's stats, /metrics the replicas' sinks."""
 
-    def __init__(self, info: dict[str, Any]):
-        self.vocab_size = info["vocab_size"]
-        self.max_model_len = info["max_model_len"]
-        self.eos_token_id = info["eos_token_id"]
-        self.default_tokenizer = info["default_tokenizer"]
-        self.tokenizer_path = info["tokenizer_path"]
-        self._info = info["backend"]
-
-    def describe(self) -> dict[str, Any]:
-        return dict(self._info)
-
-
-class Front(Engine):
-    """An Engine with no model and no KV cache: the tokenizer, grammar and limits the ingress validates with."""
-
-    def __init__(self, config, plugins, info: dict[str, Any]):  # noqa: D107 - Engine.__init__ would load the model
-        self.config, self.plugins = config, plugins
-        self.backend = _RemoteBackend(info)
-        self.max_model_len = info["max_model_len"]
-        self.eos_token_id = info["eos_token_id"]
-        self.generation_defaults = dict(info["generation_defaults"])
-        self.tokenizer = self._build_tokenizer()  # Engine's own rules: the same tokenizer the replicas built
-        self.constraints = Constraints(*self._build_grammar(), self.backend.vocab_size)
-        self.metric_sinks = []
+    def __init__(self, config, plugins, facts: dict[str, Any]):
+        super().__init__(config, plugins, facts)
         self.fleet_stats: dict[str, Any] = {}  # refreshed by FleetEngine.call before /stats reads it
 
     def stats(self) -> dict[str, Any]:
@@ -73,7 +50,7 @@ def replica_error(exc: BaseException) -> Exception:
 class FleetEngine(AsyncEngine):
     """The server's AsyncEngine over Ray Serve: requests go to the replicas the router picks."""
 
-    def __init__(self, front: Front, handle, router_state):
+    def __init__(self, front: FleetFront, handle, router_state):
         super().__init__(front)  # a built engine: no engine thread is started
         self.handle = handle
         self.router_state = router_state  # () -> the LLMRequestRouter of this process (replica list, costs)

@@ -15,6 +15,7 @@ from typing import Any
 from llmserve.async_engine import AsyncEngine
 from llmserve.config import config_from_dict
 from llmserve.engine import Engine
+from llmserve.front import engine_facts
 from llmserve.plugins import Registration, load_plugins
 from llmserve.request import SamplingParams
 from llmserve_ray.routers import short_key
@@ -74,11 +75,7 @@ class EngineReplica:
 
     async def describe(self) -> dict[str, Any]:
         """What the ingress needs of the engine without a model: limits, vocabulary, sampling defaults."""
-        e = self.engine
-        return {"max_model_len": e.max_model_len, "vocab_size": e.backend.vocab_size,
-                "generation_defaults": dict(e.generation_defaults), "eos_token_id": e.eos_token_id,
-                "tokenizer_path": e.backend.tokenizer_path, "default_tokenizer": e.backend.default_tokenizer,
-                "backend": e.backend.describe()}
+        return engine_facts(self.engine)
 
     async def record_routing_stats(self) -> dict[str, Any]:
         """Serve's routing stats, every distributed.options.stats_period_s: the short keys of the blocks this
