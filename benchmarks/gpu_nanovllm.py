@@ -14,7 +14,9 @@ phase that fails or runs out of time is recorded and the next one runs:
              device-to-device copy's bytes read + written over its time (CUDA events); at the full batch, at the
              mean decode batch, and over all decode steps
   http       `llmserve serve` with the same config on a free 127.0.0.1 port, every request a streaming
-             /v1/completions with token-id prompts at once; its throughput over offline's
+             /v1/completions with token-id prompts at once; its throughput over offline's (server.engine_core
+             as configured: auto is the engine in its own process on a GPU)
+  http-thread  the same with server.engine_core=thread (engine and event loop share one process and its GIL)
   hf-static  HF generate() on left-padded batches of --hf-batch, as many as fit in the budget; counts the tokens
              the requests asked for (a batch runs to its longest request)
   hf-cb      HF transformers' continuous batching (ContinuousBatchingManager, each request its own
@@ -33,6 +35,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import functools
 import gc
 import json
 import os
@@ -59,7 +62,7 @@ from llmserve_bench.report import machine_info, progress_bar  # noqa: E402
 
 # hf-static before hf-cb: on a CPU, HF continuous batching's worker thread would leave this one's torch slowed
 # (llmserve/threads.py); on a GPU the order does not matter
-PHASES = ("offline", "roofline", "http", "hf-static", "hf-cb")
+PHASES = ("offline", "roofline", "http", "http-thread", "hf-static", "hf-cb")
 NANO_TOTAL = 133966  # bench.py's total output tokens: what its 256 requests at the default lengths sum to
 TOKEN_TOP = 10000  # bench.py draws prompt token ids in [0, 10000]
 # a shape for dry runs on a CPU: Qwen2 layout, a vocabulary just above bench.py's token ids
@@ -425,7 +428,7 @@ def _generated(url: str) -> int:
     return int(httpx.get(url + "/stats", timeout=10).json()["metrics"]["generation_tokens"])
 
 
-def phase_http(ctx: dict[str, Any], deadline: float) -> dict[str, Any]:
+def phase_http(ctx: dict[str, Any], deadline: float, engine_core: str | None = None) -> dict[str, Any]:
     """`llmserve serve` with offline's config, warmed up, then every request at once over streaming HTTP."""
     import yaml
 
@@ -433,8 +436,11 @@ def phase_http(ctx: dict[str, Any], deadline: float) -> dict[str, Any]:
     from llmserve_bench.workload import Item
 
     args, tmp = ctx["args"], ctx["tmp"]
+    cfg = ctx["config"].to_dict()
+    if engine_core is not None:
+        cfg["server"]["engine_core"] = engine_core
     cfg_file = tmp / "engine.yaml"
-    cfg_file.write_text(yaml.safe_dump(ctx["config"].to_dict(), sort_keys=False))
+    cfg_file.write_text(yaml.safe_dump(cfg, sort_keys=False))
     log_file = tmp / "server.log"
     t0 = time.perf_counter()
     proc, url = start_server(cfg_file, log_file, deadline)
@@ -449,6 +455,7 @@ def phase_http(ctx: dict[str, Any], deadline: float) -> dict[str, Any]:
                                                  args.client_procs, progress_bar(args, len(items), "llmserve http"))
         s = summarize_results(results, elapsed)
         out = {"server_start_s": start_s, "client_procs": args.client_procs, "elapsed_s": elapsed,
+               "engine_core": cfg["server"]["engine_core"],
                "output_tokens": s["output_tokens"],
                "output_tok_s": s["output_token_throughput"], "completed": s["completed"], "failed": s["failed"],
                "errors": s["errors"], "all_tokens": s["output_tokens"] == sum(ctx["max_tokens"]),
@@ -633,7 +640,8 @@ def _sync(device: str) -> None:
 
 
 PHASE_FNS: dict[str, Callable[[dict[str, Any], float], dict[str, Any]]] = {
-    "offline": phase_offline, "roofline": phase_roofline, "http": phase_http, "hf-cb": phase_hf_cb,
+    "offline": phase_offline, "roofline": phase_roofline, "http": phase_http,
+    "http-thread": functools.partial(phase_http, engine_core="thread"), "hf-cb": phase_hf_cb,
     "hf-static": phase_hf_static,
 }
 
@@ -680,8 +688,9 @@ def add_ratios(report: dict[str, Any]) -> dict[str, Any]:
         for name in ("hf-cb", "hf-static"):
             if ph.get(name, {}).get("output_tok_s"):
                 ratios[f"offline/{name}"] = off / ph[name]["output_tok_s"]
-        if ph.get("http", {}).get("output_tok_s"):
-            ratios["http/offline"] = ph["http"]["output_tok_s"] / off
+        for name in ("http", "http-thread"):  # the engine in its own process (auto on a GPU), and on a thread
+            if ph.get(name, {}).get("output_tok_s"):
+                ratios[f"{name}/offline"] = ph[name]["output_tok_s"] / off
     report["ratios"] = ratios
     # a phase cut off by its budget measured part of the workload (its start: prefill-heavy); its ratios say so
     report["ratios_from_partial_runs"] = sorted(n for n, r in ph.items() if r.get("status") == "timeout")
@@ -724,20 +733,20 @@ def print_table(report: dict[str, Any]) -> None:
     print(f"workload: {w['requests']} requests, prompts {w['prompt_tokens']} tokens ({w['input_len']}), "
           f"{w['output_tokens']} output tokens ({w['output_len']}), temperature {w['temperature']}, EOS ignored; "
           f"{w['model_shape']} {w['dtype']} on {w['device']}")
-    print(f"{'phase':<10} {'status':<8} {'output tok/s':>13} {'tokens':>8} {'seconds':>8}  ratio")
+    print(f"{'phase':<11} {'status':<8} {'output tok/s':>13} {'tokens':>8} {'seconds':>8}  ratio")
     ph, ratios = report["phases"], report.get("ratios", {})
     for name in PHASES:
         r = ph.get(name)
         if r is None or name == "roofline":
             continue
-        key = "http/offline" if name == "http" else f"offline/{name}"
+        key = f"{name}/offline" if name.startswith("http") else f"offline/{name}"
         ratio = f"{key} {ratios[key]:.2f}" if key in ratios else ""
         toks = r.get("output_tokens_server", r.get("output_tokens"))
         tok_s = f"{r['output_tok_s']:.1f}" if "output_tok_s" in r else "-"
-        print(f"{name:<10} {r['status']:<8} {tok_s:>13} {toks if toks is not None else '-':>8} "
+        print(f"{name:<11} {r['status']:<8} {tok_s:>13} {toks if toks is not None else '-':>8} "
               f"{r.get('elapsed_s', r['phase_s']):>8.2f}  {ratio}")
         if r.get("error"):
-            print(f"{'':<10} {r['error'][:300]}")
+            print(f"{'':<11} {r['error'][:300]}")
     rf = ph.get("roofline")
     if rf is None:
         return
@@ -844,7 +853,7 @@ def main(argv=None) -> int:
         for name in PHASES:  # the order of PHASES: roofline right after the run it reads
             if name not in args.phases:
                 continue
-            if name in ("offline", "http") and "config" not in ctx:
+            if name in ("offline", "http", "http-thread") and "config" not in ctx:
                 report["phases"][name] = {"status": "error", "error": report["config_error"], "phase_s": 0.0}
                 continue
             run_phase(name, ctx, report, args.budget_s, total_deadline)

@@ -17,6 +17,7 @@ import concurrent.futures
 import contextlib
 import itertools
 import logging
+import os
 import threading
 import time
 from collections import deque
@@ -149,6 +150,11 @@ class AsyncEngine:
                 and not self._stop)
 
     @property
+    def pid(self) -> int | None:
+        """The id of the process the engine steps in (this one)."""
+        return os.getpid()
+
+    @property
     def num_active(self) -> int:
         """Requests whose stream has not ended."""
         return len(self._streams)
@@ -258,6 +264,7 @@ class AsyncEngine:
         self.built.set_result(eng)
         try:
             while True:
+                self._flush()
                 with self._cv:
                     while not self._cmds and not self._stop and not eng.has_unfinished:
                         self._cv.wait(self.idle_timeout)
@@ -285,17 +292,24 @@ class AsyncEngine:
                         if live[o.request_id] <= 0 or o.finish_reason is FinishReason.ERROR:
                             del live[o.request_id]
                 if out.outputs:
-                    self._loop.call_soon_threadsafe(self._deliver, out.outputs)
+                    self._post(self._deliver, out.outputs)
         except BaseException as e:  # pragma: no cover - a bug in this loop
             log.exception("the engine thread crashed")
             self.dead = e
-            self._loop.call_soon_threadsafe(self.fail_all, EngineDeadError(f"the engine thread crashed: {e}"))
+            self._post(self.fail_all, EngineDeadError(f"the engine thread crashed: {e}"))
         finally:
             self._stop = True
             try:
                 eng.shutdown()
             except Exception:  # noqa: BLE001 - shutting down anyway
                 log.exception("engine shutdown failed")
+
+    def _post(self, fn: Callable[..., Any], *args: Any) -> None:
+        """Run fn(*args) on the event loop: how the engine thread hands outputs and errors to the streams."""
+        self._loop.call_soon_threadsafe(fn, *args)
+
+    def _flush(self) -> None:
+        """Before each wait for work: nothing here (an engine in another process ships its metric events)."""
 
     def _apply(self, kind: str, arg: Any) -> None:
         eng = self.engine
@@ -305,7 +319,7 @@ class AsyncEngine:
                 eng.add_request(prompt, params, request_id=rid, priority=priority, arrival_time=arrival,
                                 cache_salt=salt)
             except Exception as e:  # InvalidRequestError and friends go back to that caller only
-                self._loop.call_soon_threadsafe(self._deliver_error, rid, e)
+                self._post(self._deliver_error, rid, e)
                 return
             self._live[rid] = params.n
         elif kind == "abort":
@@ -328,4 +342,4 @@ class AsyncEngine:
                 log.exception("abort of %s failed during recovery", rid)
         err = RuntimeError(f"engine error: {type(exc).__name__}: {exc}")
         for rid in ids:
-            self._loop.call_soon_threadsafe(self._deliver_error, rid, err)
+            self._post(self._deliver_error, rid, err)

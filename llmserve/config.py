@@ -116,6 +116,9 @@ class ServerConfig:
     tool_parser: str = "auto"  # reads tool_choice auto's calls: auto (from the chat template) | none | hermes | …
     reasoning_parser: str = "none"  # none | think (<think>…</think> → reasoning_content)
     ui: bool = True  # GET / (playground and live dashboard) and /stats/stream, from plugin llmserve_ui
+    # where the engine steps: thread (a thread of the server process) | process (its own process, so the
+    # event loop and the step loop do not share a GIL) | auto (process on a GPU, thread on a CPU)
+    engine_core: str = "auto"
 
 
 @dataclass(slots=True)
@@ -180,6 +183,8 @@ class EngineConfig:
         need(1 <= self.server.max_sequences_per_request, "server.max_sequences_per_request", "must be >= 1")
         need(self.server.max_header_bytes >= 1024, "server.max_header_bytes", "must be >= 1024")
         need(self.server.max_connections >= 1, "server.max_connections", "must be >= 1")
+        need(self.server.engine_core in ("auto", "thread", "process"), "server.engine_core",
+             f"must be auto, thread or process, got {self.server.engine_core!r}")
         for key in ("request_read_timeout", "keep_alive_timeout", "drain_timeout"):
             need(0 < getattr(self.server, key) < float("inf"), f"server.{key}", "must be a positive number of seconds")
         d = self.distributed

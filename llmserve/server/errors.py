@@ -87,6 +87,7 @@ async def handle_unexpected(request: Request, exc: Exception) -> Response:
 EXCEPTION_HANDLERS = {
     ApiError: handle_error,
     InvalidRequestError: handle_error,
+    EngineDeadError: handle_error,  # any route that needs the engine after it stopped: 503
     HTTPException: handle_http_exception,
     Exception: handle_unexpected,
 }

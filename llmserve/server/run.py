@@ -17,16 +17,23 @@ def serve(config) -> int:
 
     from llmserve.async_engine import AsyncEngine
     from llmserve.engine import Engine
+    from llmserve.engine_process import ProcessEngine, wants_process
     from llmserve.server.app import create_app
     from llmserve.server.transport import uvicorn_config
 
-    # built on the engine thread, which then steps it (one thread owns torch: llmserve/threads.py),
-    # and before listening, so a bad config or model fails the command with its message
-    aengine = AsyncEngine(lambda: Engine.from_config(config))
+    # built on the thread that then steps it (one thread owns torch: llmserve/threads.py), in this process
+    # or its own (engine_process.py), and before listening, so a bad config or model fails the command
+    if wants_process(config):
+        aengine = ProcessEngine(config)
+    else:
+        aengine = AsyncEngine(lambda: Engine.from_config(config))
     aengine.start()
     engine = aengine.wait_built()
-    log.info("engine threads: %s; torch threads %s", engine.threads.layout()["load_thread"],
-             engine.backend.describe().get("threads", "-"))
+    if isinstance(aengine, ProcessEngine):
+        log.info("engine core: process %d; torch threads %s", aengine.pid, engine.backend.describe().get("threads", "-"))
+    else:
+        log.info("engine threads: %s; torch threads %s", engine.threads.layout()["load_thread"],
+                 engine.backend.describe().get("threads", "-"))
     app = create_app(config, aengine)
     state = app.state.llm
     sc = config.server

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import operator
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -13,6 +14,8 @@ from llmserve.config import EngineConfig
 from llmserve.server.errors import ApiError
 
 log = logging.getLogger("llmserve.server")
+
+_STATS = operator.methodcaller("stats")
 
 
 @dataclass
@@ -33,9 +36,11 @@ class ServerState:
         """The engine's /stats body, recomputed on the engine thread at most every max_age seconds."""
         async with self._snapshot_lock:  # many pollers at once still cost one engine call
             if self._snapshot is None or time.monotonic() - self._snapshot[0] >= max_age:
-                snap = await self.aengine.call(lambda e: e.stats())
+                # a callable that pickles (the engine may be in another process) and calls the engine's own stats()
+                snap = await self.aengine.call(_STATS)
                 snap["server"] = {"ready": self.ready, "draining": self.draining,
-                                  "active_requests": self.aengine.num_active, "steps": self.aengine.num_steps}
+                                  "active_requests": self.aengine.num_active, "steps": self.aengine.num_steps,
+                                  "engine_pid": self.aengine.pid}
                 self._snapshot = (time.monotonic(), snap)
             return self._snapshot[1]
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 
 import httpx
@@ -122,4 +123,5 @@ def test_stats_reports_queue_cache_and_latencies(fake_server):
     assert {"waiting", "running", "cache", "metrics", "max_model_len", "server"} <= set(s)
     assert s["cache"]["num_blocks"] == 256 and s["cache"]["used_blocks"] == 0
     assert s["metrics"]["latency_seconds"]["ttft"]["count"] >= 1
-    assert s["server"] == {"ready": True, "draining": False, "active_requests": 0, "steps": s["server"]["steps"]}
+    assert s["server"] == {"ready": True, "draining": False, "active_requests": 0, "steps": s["server"]["steps"],
+                           "engine_pid": os.getpid()}  # server.engine_core thread: this process

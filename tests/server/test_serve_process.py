@@ -12,13 +12,14 @@ import time
 from pathlib import Path
 
 import httpx
+import pytest
 
 from tests.server.conftest import free_port, wait_healthy
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def start_serve(*settings: str) -> tuple[subprocess.Popen, str]:
+def start_serve(*settings: str, **popen: object) -> tuple[subprocess.Popen, str]:
     """`llmserve serve` on the fake backend (10 ms a step) as a process; wait until /health says ok."""
     port = free_port()
     env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'plugins'}"}
@@ -26,14 +27,18 @@ def start_serve(*settings: str) -> tuple[subprocess.Popen, str]:
     args = [a for kv in ("backend.options.step_cost_s=0.01",) + settings for a in ("--set", kv)]
     proc = subprocess.Popen([sys.executable, "-m", "llmserve", "--log-level", "warning", "serve", "--backend", "fake",
                              "--port", str(port), *args],
-                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **popen)
     url = f"http://127.0.0.1:{port}"
     wait_healthy(proc, url)
     return proc, url
 
 
-def test_sigterm_drains_in_flight_streams_and_exits_zero():
-    proc, url = start_serve("server.drain_timeout=20")
+ENGINE_CORES = pytest.mark.parametrize("core", ["thread", "process"])
+
+
+@ENGINE_CORES
+def test_sigterm_drains_in_flight_streams_and_exits_zero(core):
+    proc, url = start_serve("server.drain_timeout=20", f"server.engine_core={core}")
     try:
         lines: list[str] = []
         first = threading.Event()
@@ -75,9 +80,10 @@ def test_sigterm_drains_in_flight_streams_and_exits_zero():
             proc.wait()
 
 
-def test_sigterm_under_load_answers_everyone_in_our_shape_and_exits_within_drain_timeout():
+@ENGINE_CORES
+def test_sigterm_under_load_answers_everyone_in_our_shape_and_exits_within_drain_timeout(core):
     drain = 1.5  # a float: it is not truncated to 1
-    proc, url = start_serve(f"server.drain_timeout={drain}", "scheduler.max_num_seqs=2")
+    proc, url = start_serve(f"server.drain_timeout={drain}", "scheduler.max_num_seqs=2", f"server.engine_core={core}")
     answers: dict[str, object] = {}
     started = threading.Barrier(3)
 
