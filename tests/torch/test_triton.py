@@ -16,47 +16,14 @@ import torch
 triton = pytest.importorskip("triton", reason="Triton is not installed (pip install triton)")
 
 from llmserve_torch import triton_kernels  # noqa: E402
-from llmserve_torch.arch import ArchConfig  # noqa: E402
 from llmserve_torch.attention import ReferenceAttention, StepMetadata, TritonPagedAttention  # noqa: E402
 from llmserve_torch.fused import TorchOps, TritonOps  # noqa: E402
 from llmserve_torch.kv_cache import KVCache  # noqa: E402
 from llmserve_torch.sampling import EXP_FLOOR  # noqa: E402
+from torch_helpers import attention_arch, step_metadata  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 DTYPES = [torch.float32, torch.bfloat16]
-
-
-def _arch(heads: int, kv_heads: int, head_dim: int) -> ArchConfig:
-    return ArchConfig(family="decoder", model_type="qwen2", vocab_size=32, hidden_size=heads * head_dim, intermediate_size=8,
-                      num_layers=1, num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
-                      max_position_embeddings=4096)
-
-
-def _step(reqs, block_size: int, num_blocks: int, seed: int):
-    """reqs: (computed, new) per request → StepMetadata over shuffled blocks."""
-    rng = random.Random(seed)
-    free = list(range(num_blocks))
-    rng.shuffle(free)
-    slots, tok_req, tok_pos, tables, q_starts, q_lens, ctx_lens = [], [], [], [], [], [], []
-    for ri, (s, n) in enumerate(reqs):
-        ctx = s + n
-        bt = [free.pop() for _ in range(-(-ctx // block_size))]
-        q_starts.append(len(slots))
-        q_lens.append(n)
-        ctx_lens.append(ctx)
-        tables.append(bt)
-        for p in range(s, ctx):
-            slots.append(bt[p // block_size] * block_size + p % block_size)
-            tok_req.append(ri)
-            tok_pos.append(p)
-    maxb = max(len(t) for t in tables)
-    flat = [b for t in tables for b in t + [0] * (maxb - len(t))]
-    return StepMetadata(
-        slots=torch.tensor(slots, dtype=torch.long, device=DEVICE),
-        tok_req=torch.tensor(tok_req, dtype=torch.int32, device=DEVICE),
-        tok_pos=torch.tensor(tok_pos, dtype=torch.int32, device=DEVICE),
-        block_tables=torch.tensor(flat, dtype=torch.int32, device=DEVICE).view(len(tables), maxb),
-        q_starts=q_starts, q_lens=q_lens, ctx_lens=ctx_lens, num_tokens=len(slots))
 
 
 # Triton's interpreter (the CPU run of these tests) rounds float32 to bf16 towards zero, not to nearest as a GPU
@@ -90,9 +57,9 @@ STEPS = {
 @pytest.mark.parametrize("step", sorted(STEPS))
 @pytest.mark.parametrize("heads,kv_heads,head_dim,block_size", [(6, 2, 16, 4), (4, 4, 24, 16), (7, 1, 32, 8)])
 def test_paged_attention_matches_reference(dtype, step, heads, kv_heads, head_dim, block_size):
-    arch = _arch(heads, kv_heads, head_dim)
+    arch = attention_arch(heads, kv_heads, head_dim)
     kv = KVCache(arch, 64, block_size, dtype, DEVICE)
-    meta = _step(STEPS[step], block_size, 64, seed=heads)
+    meta = step_metadata(STEPS[step], block_size, 64, seed=heads, device=DEVICE)
     g = torch.Generator().manual_seed(block_size)
     T = meta.num_tokens
     # every slot holds random K/V (the cached prefix), the step's own tokens are stored by the kernels

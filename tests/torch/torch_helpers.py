@@ -104,3 +104,41 @@ def generate(engine, prompts, sp) -> list[list[int]]:
             assert o.error is None, o.error
             got.setdefault(o.request_id, []).extend(o.new_token_ids)
     return [got[i] for i in ids]
+
+
+def attention_arch(heads: int, kv_heads: int, head_dim: int):
+    """A one-layer Qwen2-shaped ArchConfig with these heads, for the attention kernels' tests."""
+    from llmserve_torch.arch import ArchConfig
+
+    return ArchConfig(family="decoder", model_type="qwen2", vocab_size=32, hidden_size=heads * head_dim, intermediate_size=8,
+                      num_layers=1, num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
+                      max_position_embeddings=4096)
+
+
+def step_metadata(reqs, block_size: int, num_blocks: int, seed: int, device="cpu"):
+    """reqs: (computed, new) per request → StepMetadata over shuffled blocks."""
+    from llmserve_torch.attention import StepMetadata
+
+    rng = random.Random(seed)
+    free = list(range(num_blocks))
+    rng.shuffle(free)
+    slots, tok_req, tok_pos, tables, q_starts, q_lens, ctx_lens = [], [], [], [], [], [], []
+    for ri, (s, n) in enumerate(reqs):
+        ctx = s + n
+        bt = [free.pop() for _ in range(-(-ctx // block_size))]
+        q_starts.append(len(slots))
+        q_lens.append(n)
+        ctx_lens.append(ctx)
+        tables.append(bt)
+        for p in range(s, ctx):
+            slots.append(bt[p // block_size] * block_size + p % block_size)
+            tok_req.append(ri)
+            tok_pos.append(p)
+    maxb = max(len(t) for t in tables)
+    flat = [b for t in tables for b in t + [0] * (maxb - len(t))]
+    return StepMetadata(
+        slots=torch.tensor(slots, dtype=torch.long, device=device),
+        tok_req=torch.tensor(tok_req, dtype=torch.int32, device=device),
+        tok_pos=torch.tensor(tok_pos, dtype=torch.int32, device=device),
+        block_tables=torch.tensor(flat, dtype=torch.int32, device=device).view(len(tables), maxb),
+        q_starts=q_starts, q_lens=q_lens, ctx_lens=ctx_lens, num_tokens=len(slots))

@@ -4,9 +4,9 @@
 // positions 0..tok_pos[t] of its request, read in place from the paged cache through the request's
 // block table (no gather into a temporary buffer, no padding).
 //
-// One work item per query token computes every head, so each K/V block is streamed once, front to
-// back (48 KiB contiguous for GPT-2 fp32), rather than once per head with a 3 KiB stride (that was
-// 2x slower: TLB and prefetch misses). Keys are taken kChunk at a time: scores for every head, one
+// One work item per query token and KV head computes that KV head's query heads, so each K/V row
+// slice is read once for all of them, front to back, rather than once per query head (that was
+// 2x slower for GPT-2 fp32: TLB and prefetch misses). Keys are taken kChunk at a time: scores for every head, one
 // online-softmax rescale per chunk (not per block), then the values. At B=64, context 200 this
 // streams K/V at about the single-core memory bandwidth measured on the 2-core dev machine.
 //
@@ -18,7 +18,10 @@
 
 #include <cstdint>
 #include <cstring>
-#include <vector>
+
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+#endif
 
 #include "bf16.h"
 
@@ -29,7 +32,62 @@ constexpr int kMaxHeads = 128;
 constexpr int kMaxBlock = 64;
 constexpr int kChunk = 256;  // a multiple of every supported block size
 
+#if defined(__AVX512BF16__)
+// bf16, head_dim 64: the chunk's scores for the G query heads of one KV head, q·k by vdpbf16ps (32 bf16 products
+// an instruction, summed in float32: no conversion of K to float), then scaled
+inline void scores_bf16_d64(const uint16_t* qg, int G, const uint16_t* kc, const int32_t* bt, int b0, int b1, int nb,
+                            int ctx, int block_size, int64_t blk, int64_t row, int kvh, float scale, float* s) {
+  for (int b = b0; b < b1; ++b) {
+    const int n = (b == nb - 1) ? ctx - b * block_size : block_size;
+    const uint16_t* kb = kc + bt[b] * blk + kvh * 64;
+    const int off = (b - b0) * block_size;
+    for (int j = 0; j < n; ++j) {
+      const __m512i k0 = _mm512_loadu_si512(kb + j * row), k1 = _mm512_loadu_si512(kb + j * row + 32);
+      for (int g = 0; g < G; ++g) {
+        const __m512 d = _mm512_dpbf16_ps(_mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)_mm512_loadu_si512(qg + g * 64),
+                                                           (__m512bh)k0),
+                                          (__m512bh)_mm512_loadu_si512(qg + g * 64 + 32), (__m512bh)k1);
+        s[g * kChunk + off + j] = _mm512_reduce_add_ps(d) * scale;
+      }
+    }
+  }
+}
+
+// bf16, head_dim 64: acc[g] += p[g][j] · v_j over the chunk's keys, four heads at a time held in registers (each V
+// row converted to float once for all of them)
+inline void values_bf16_d64(int G, const uint16_t* vc, const int32_t* bt, int b0, int b1, int nb, int ctx,
+                            int block_size, int64_t blk, int64_t row, int kvh, const float* s, float* acc) {
+  for (int g0 = 0; g0 < G; g0 += 4) {
+    const int gb = G - g0 < 4 ? G - g0 : 4;
+    __m512 a[4][4];
+    for (int gi = 0; gi < 4; ++gi)
+      for (int c = 0; c < 4; ++c) a[gi][c] = gi < gb ? _mm512_loadu_ps(acc + (g0 + gi) * 64 + c * 16) : _mm512_setzero_ps();
+    for (int b = b0; b < b1; ++b) {
+      const int n = (b == nb - 1) ? ctx - b * block_size : block_size;
+      const uint16_t* vb = vc + bt[b] * blk + kvh * 64;
+      const int off = (b - b0) * block_size;
+      for (int j = 0; j < n; ++j) {
+        __m512 v[4];
+        for (int c = 0; c < 4; ++c)  // bf16 → float32: the 16 bits become the top half
+          v[c] = _mm512_castsi512_ps(_mm512_slli_epi32(
+              _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(vb + j * row + c * 16))), 16));
+        for (int gi = 0; gi < 4; ++gi) {
+          if (gi >= gb) break;
+          const __m512 p = _mm512_set1_ps(s[(g0 + gi) * kChunk + off + j]);
+          for (int c = 0; c < 4; ++c) a[gi][c] = _mm512_fmadd_ps(p, v[c], a[gi][c]);
+        }
+      }
+    }
+    for (int gi = 0; gi < gb; ++gi)
+      for (int c = 0; c < 4; ++c) _mm512_storeu_ps(acc + (g0 + gi) * 64 + c * 16, a[gi][c]);
+  }
+}
+#endif
+
 // DC: head_dim fixed at compile time (64, 128) so the inner loops unroll; 0 = runtime head_dim.
+//
+// A work item is one query token × one KV head: its G query heads share every K/V row read, and a decode step of
+// one sequence still has KV-heads items for the threads (one item per token left the other thread idle at c = 1).
 template <typename T, int DC>
 void paged_attention(const T* q, int64_t q_stride, const T* kc, const T* vc, const int32_t* block_tables,
                      int max_blocks, const int32_t* tok_req, const int32_t* tok_pos, T* out, int64_t out_stride,
@@ -37,28 +95,33 @@ void paged_attention(const T* q, int64_t q_stride, const T* kc, const T* vc, con
                      int num_threads) {
   const int G = num_heads / num_kv_heads;
   const int D = DC > 0 ? DC : head_dim;
-  const int H = num_heads;
   const int64_t row = static_cast<int64_t>(num_kv_heads) * D;
   const int64_t blk = row * block_size;
   // keys are taken kChunk at a time (whole blocks): scores for every head, one softmax rescale, then values
   const int blocks_per_chunk = kChunk / block_size;
-#pragma omp parallel num_threads(num_threads)
+  const int items = num_tokens * num_kv_heads;
+#if defined(__AVX512BF16__)
+  constexpr bool kFastBf16 = sizeof(T) == 2 && DC == 64;
+#else
+  constexpr bool kFastBf16 = false;
+#endif
+#pragma omp parallel num_threads(num_threads) if (items > 1)
   {
-    std::vector<float> s_buf(static_cast<size_t>(H) * kChunk);
-    float* s = s_buf.data();
+    alignas(64) float s[kMaxHeads * kChunk];  // per thread: G heads × kChunk scores
 #pragma omp for schedule(dynamic, 1)
-    for (int t = 0; t < num_tokens; ++t) {
+    for (int it = 0; it < items; ++it) {
+      const int t = it / num_kv_heads, kvh = it % num_kv_heads;
       alignas(64) float qf[kMaxQ];
       alignas(64) float acc[kMaxQ];
-      float m[kMaxHeads], l[kMaxHeads];  // running max and sum per head
-      const T* qt = q + t * q_stride;
-      for (int i = 0; i < H * D; ++i) {
+      float m[kMaxHeads], l[kMaxHeads];  // running max and sum per head of the group
+      const T* qt = q + t * q_stride + static_cast<int64_t>(kvh) * G * D;  // the group's G heads, contiguous
+      for (int i = 0; i < G * D; ++i) {
         qf[i] = load(qt[i]) * scale;
         acc[i] = 0.f;
       }
-      for (int h = 0; h < H; ++h) {
-        m[h] = -1e30f;  // finite: built with -ffast-math
-        l[h] = 0.f;
+      for (int g = 0; g < G; ++g) {
+        m[g] = -1e30f;  // finite: built with -ffast-math
+        l[g] = 0.f;
       }
       const int ctx = tok_pos[t] + 1;
       const int32_t* bt = block_tables + static_cast<int64_t>(tok_req[t]) * max_blocks;
@@ -67,28 +130,34 @@ void paged_attention(const T* q, int64_t q_stride, const T* kc, const T* vc, con
         const int b1 = b0 + blocks_per_chunk < nb ? b0 + blocks_per_chunk : nb;
         const int c0 = b0 * block_size;
         const int nc = (b1 * block_size < ctx ? b1 * block_size : ctx) - c0;  // keys in this chunk
-        // scores: stream each block's K rows once, every head per row
-        for (int b = b0; b < b1; ++b) {
-          const int n = (b == nb - 1) ? ctx - b * block_size : block_size;
-          const T* kb = kc + bt[b] * blk;
-          const int off = (b - b0) * block_size;
-          for (int j = 0; j < n; ++j) {
-            const T* kj = kb + j * row;
-            for (int h = 0; h < H; ++h) {
-              const T* kh = kj + (h / G) * D;
-              const float* qh = qf + h * D;
-              float dot = 0.f;
-              for (int d = 0; d < D; ++d) dot += qh[d] * load(kh[d]);
-              s[h * kChunk + off + j] = dot;
+        // scores: stream each block's K rows once, every head of the group per row
+        if constexpr (kFastBf16) {
+#if defined(__AVX512BF16__)
+          scores_bf16_d64(reinterpret_cast<const uint16_t*>(qt), G, reinterpret_cast<const uint16_t*>(kc), bt, b0,
+                          b1, nb, ctx, block_size, blk, row, kvh, scale, s);
+#endif
+        } else {
+          for (int b = b0; b < b1; ++b) {
+            const int n = (b == nb - 1) ? ctx - b * block_size : block_size;
+            const T* kb = kc + bt[b] * blk + kvh * D;
+            const int off = (b - b0) * block_size;
+            for (int j = 0; j < n; ++j) {
+              const T* kj = kb + j * row;
+              for (int g = 0; g < G; ++g) {
+                const float* qh = qf + g * D;
+                float dot = 0.f;
+                for (int d = 0; d < D; ++d) dot += qh[d] * load(kj[d]);
+                s[g * kChunk + off + j] = dot;
+              }
             }
           }
         }
         // softmax update, once per chunk
-        for (int h = 0; h < H; ++h) {
-          float* sh = s + h * kChunk;
-          float mx = m[h];
+        for (int g = 0; g < G; ++g) {
+          float* sh = s + g * kChunk;
+          float mx = m[g];
           for (int j = 0; j < nc; ++j) mx = sh[j] > mx ? sh[j] : mx;
-          const float corr = expf(m[h] - mx);
+          const float corr = expf(m[g] - mx);
           float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
           for (int j = 0; j < nc; ++j) {
@@ -96,33 +165,39 @@ void paged_attention(const T* q, int64_t q_stride, const T* kc, const T* vc, con
             sh[j] = p;
             sum += p;
           }
-          l[h] = l[h] * corr + sum;
-          m[h] = mx;
+          l[g] = l[g] * corr + sum;
+          m[g] = mx;
           if (corr != 1.f) {
-            float* ah = acc + h * D;
+            float* ah = acc + g * D;
             for (int d = 0; d < D; ++d) ah[d] *= corr;
           }
         }
         // values: stream each block's V rows once
-        for (int b = b0; b < b1; ++b) {
-          const int n = (b == nb - 1) ? ctx - b * block_size : block_size;
-          const T* vb = vc + bt[b] * blk;
-          const int off = (b - b0) * block_size;
-          for (int j = 0; j < n; ++j) {
-            const T* vj = vb + j * row;
-            for (int h = 0; h < H; ++h) {
-              const T* vh = vj + (h / G) * D;
-              const float p = s[h * kChunk + off + j];
-              float* ah = acc + h * D;
-              for (int d = 0; d < D; ++d) ah[d] += p * load(vh[d]);
+        if constexpr (kFastBf16) {
+#if defined(__AVX512BF16__)
+          values_bf16_d64(G, reinterpret_cast<const uint16_t*>(vc), bt, b0, b1, nb, ctx, block_size, blk, row, kvh,
+                          s, acc);
+#endif
+        } else {
+          for (int b = b0; b < b1; ++b) {
+            const int n = (b == nb - 1) ? ctx - b * block_size : block_size;
+            const T* vb = vc + bt[b] * blk + kvh * D;
+            const int off = (b - b0) * block_size;
+            for (int j = 0; j < n; ++j) {
+              const T* vj = vb + j * row;
+              for (int g = 0; g < G; ++g) {
+                const float p = s[g * kChunk + off + j];
+                float* ah = acc + g * D;
+                for (int d = 0; d < D; ++d) ah[d] += p * load(vj[d]);
+              }
             }
           }
         }
       }
-      T* ot = out + t * out_stride;
-      for (int h = 0; h < H; ++h) {
-        const float inv = 1.f / l[h];
-        for (int d = 0; d < D; ++d) store(ot + h * D + d, acc[h * D + d] * inv);
+      T* ot = out + t * out_stride + static_cast<int64_t>(kvh) * G * D;
+      for (int g = 0; g < G; ++g) {
+        const float inv = 1.f / l[g];
+        for (int d = 0; d < D; ++d) store(ot + g * D + d, acc[g * D + d] * inv);
       }
     }
   }
