@@ -86,8 +86,9 @@ inline void values_bf16_d64(int G, const uint16_t* vc, const int32_t* bt, int b0
 
 // DC: head_dim fixed at compile time (64, 128) so the inner loops unroll; 0 = runtime head_dim.
 //
-// A work item is one query token × one KV head: its G query heads share every K/V row read, and a decode step of
-// one sequence still has KV-heads items for the threads (one item per token left the other thread idle at c = 1).
+// A work item is one query token × a range of its KV heads: every head when the step has tokens enough for the
+// threads (each K/V row then streams once for all heads, the cache-friendly order for many tokens), one KV head
+// each when it has fewer (a one-sequence decode step left the other thread idle; its KV heads keep both busy).
 template <typename T, int DC>
 void paged_attention(const T* q, int64_t q_stride, const T* kc, const T* vc, const int32_t* block_tables,
                      int max_blocks, const int32_t* tok_req, const int32_t* tok_pos, T* out, int64_t out_stride,
@@ -99,7 +100,9 @@ void paged_attention(const T* q, int64_t q_stride, const T* kc, const T* vc, con
   const int64_t blk = row * block_size;
   // keys are taken kChunk at a time (whole blocks): scores for every head, one softmax rescale, then values
   const int blocks_per_chunk = kChunk / block_size;
-  const int items = num_tokens * num_kv_heads;
+  const int per_token = num_tokens >= num_threads ? 1 : num_kv_heads;  // items per token
+  const int kv_span = num_kv_heads / per_token;                            // KV heads per item
+  const int items = num_tokens * per_token;
 #if defined(__AVX512BF16__)
   constexpr bool kFastBf16 = sizeof(T) == 2 && DC == 64;
 #else
@@ -107,19 +110,20 @@ void paged_attention(const T* q, int64_t q_stride, const T* kc, const T* vc, con
 #endif
 #pragma omp parallel num_threads(num_threads) if (items > 1)
   {
-    alignas(64) float s[kMaxHeads * kChunk];  // per thread: G heads × kChunk scores
+    alignas(64) float s[kMaxHeads * kChunk];  // per thread: the item's heads × kChunk scores
 #pragma omp for schedule(dynamic, 1)
     for (int it = 0; it < items; ++it) {
-      const int t = it / num_kv_heads, kvh = it % num_kv_heads;
+      const int t = it / per_token, kv0 = (it % per_token) * kv_span;
+      const int GH = kv_span * G;  // the item's query heads, contiguous in q
       alignas(64) float qf[kMaxQ];
       alignas(64) float acc[kMaxQ];
-      float m[kMaxHeads], l[kMaxHeads];  // running max and sum per head of the group
-      const T* qt = q + t * q_stride + static_cast<int64_t>(kvh) * G * D;  // the group's G heads, contiguous
-      for (int i = 0; i < G * D; ++i) {
+      float m[kMaxHeads], l[kMaxHeads];  // running max and sum per head of the item
+      const T* qt = q + t * q_stride + static_cast<int64_t>(kv0) * G * D;
+      for (int i = 0; i < GH * D; ++i) {
         qf[i] = load(qt[i]) * scale;
         acc[i] = 0.f;
       }
-      for (int g = 0; g < G; ++g) {
+      for (int g = 0; g < GH; ++g) {
         m[g] = -1e30f;  // finite: built with -ffast-math
         l[g] = 0.f;
       }
@@ -130,30 +134,33 @@ void paged_attention(const T* q, int64_t q_stride, const T* kc, const T* vc, con
         const int b1 = b0 + blocks_per_chunk < nb ? b0 + blocks_per_chunk : nb;
         const int c0 = b0 * block_size;
         const int nc = (b1 * block_size < ctx ? b1 * block_size : ctx) - c0;  // keys in this chunk
-        // scores: stream each block's K rows once, every head of the group per row
+        // scores: stream each block's K rows once, every head of the item per row
         if constexpr (kFastBf16) {
 #if defined(__AVX512BF16__)
-          scores_bf16_d64(reinterpret_cast<const uint16_t*>(qt), G, reinterpret_cast<const uint16_t*>(kc), bt, b0,
-                          b1, nb, ctx, block_size, blk, row, kvh, scale, s);
+          for (int kvh = kv0; kvh < kv0 + kv_span; ++kvh)
+            scores_bf16_d64(reinterpret_cast<const uint16_t*>(qt) + (kvh - kv0) * G * 64, G,
+                            reinterpret_cast<const uint16_t*>(kc), bt, b0, b1, nb, ctx, block_size, blk, row, kvh,
+                            scale, s + (kvh - kv0) * G * kChunk);
 #endif
         } else {
           for (int b = b0; b < b1; ++b) {
             const int n = (b == nb - 1) ? ctx - b * block_size : block_size;
-            const T* kb = kc + bt[b] * blk + kvh * D;
+            const T* kb = kc + bt[b] * blk + kv0 * D;
             const int off = (b - b0) * block_size;
             for (int j = 0; j < n; ++j) {
               const T* kj = kb + j * row;
-              for (int g = 0; g < G; ++g) {
+              for (int g = 0; g < GH; ++g) {
                 const float* qh = qf + g * D;
+                const T* kh = kj + (g / G) * D;
                 float dot = 0.f;
-                for (int d = 0; d < D; ++d) dot += qh[d] * load(kj[d]);
+                for (int d = 0; d < D; ++d) dot += qh[d] * load(kh[d]);
                 s[g * kChunk + off + j] = dot;
               }
             }
           }
         }
         // softmax update, once per chunk
-        for (int g = 0; g < G; ++g) {
+        for (int g = 0; g < GH; ++g) {
           float* sh = s + g * kChunk;
           float mx = m[g];
           for (int j = 0; j < nc; ++j) mx = sh[j] > mx ? sh[j] : mx;
@@ -175,27 +182,29 @@ void paged_attention(const T* q, int64_t q_stride, const T* kc, const T* vc, con
         // values: stream each block's V rows once
         if constexpr (kFastBf16) {
 #if defined(__AVX512BF16__)
-          values_bf16_d64(G, reinterpret_cast<const uint16_t*>(vc), bt, b0, b1, nb, ctx, block_size, blk, row, kvh,
-                          s, acc);
+          for (int kvh = kv0; kvh < kv0 + kv_span; ++kvh)
+            values_bf16_d64(G, reinterpret_cast<const uint16_t*>(vc), bt, b0, b1, nb, ctx, block_size, blk, row, kvh,
+                            s + (kvh - kv0) * G * kChunk, acc + (kvh - kv0) * G * 64);
 #endif
         } else {
           for (int b = b0; b < b1; ++b) {
             const int n = (b == nb - 1) ? ctx - b * block_size : block_size;
-            const T* vb = vc + bt[b] * blk + kvh * D;
+            const T* vb = vc + bt[b] * blk + kv0 * D;
             const int off = (b - b0) * block_size;
             for (int j = 0; j < n; ++j) {
               const T* vj = vb + j * row;
-              for (int g = 0; g < G; ++g) {
+              for (int g = 0; g < GH; ++g) {
                 const float p = s[g * kChunk + off + j];
+                const T* vh = vj + (g / G) * D;
                 float* ah = acc + g * D;
-                for (int d = 0; d < D; ++d) ah[d] += p * load(vj[d]);
+                for (int d = 0; d < D; ++d) ah[d] += p * load(vh[d]);
               }
             }
           }
         }
       }
-      T* ot = out + t * out_stride + static_cast<int64_t>(kvh) * G * D;
-      for (int g = 0; g < G; ++g) {
+      T* ot = out + t * out_stride + static_cast<int64_t>(kv0) * G * D;
+      for (int g = 0; g < GH; ++g) {
         const float inv = 1.f / l[g];
         for (int d = 0; d < D; ++d) store(ot + g * D + d, acc[g * D + d] * inv);
       }
