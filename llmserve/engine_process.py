@@ -22,6 +22,7 @@ import logging
 import multiprocessing
 import pickle
 import queue
+import os
 import signal
 import threading
 from collections.abc import Callable
@@ -64,7 +65,10 @@ class ProcessFront(Front):
             if hook == "on_scheduler_stats":
                 self._last_stats = payload
             for s in self.metric_sinks:
-                getattr(s, hook)(payload)
+                try:
+                    getattr(s, hook)(payload)
+                except Exception:  # noqa: BLE001 - a broken sink is logged, and the others still get the event
+                    log.exception("metric sink %s failed in %s", type(s).__name__, hook)
 
     def add_metric_sink(self, sink: MetricSink) -> None:
         self.metric_sinks.append(sink)
@@ -90,8 +94,11 @@ class ProcessEngine(AsyncEngine):
         self._outbox: queue.SimpleQueue = queue.SimpleQueue()  # commands, sent by one thread: the loop never blocks
         self._calls: dict[int, concurrent.futures.Future] = {}
         self._call_ids = itertools.count()
-        self._waiting = 0  # the child's num_waiting, as of its latest message
-        self._adds_sent = self._adds_seen = 0  # adds sent, adds the child had applied by its latest message
+        self._calls_lock = threading.Lock()  # the event loop adds calls, the receiving thread resolves them
+        self._calls_closed = False  # the child is gone: a call fails at once rather than wait forever
+        # (num_waiting, adds applied, steps) as of the child's latest message, replaced whole (never torn)
+        self._reported = (0, 0, 0)
+        self._adds_sent = 0
         self._bound = threading.Event()  # the event loop is known: `serve` starts this before uvicorn's loop exists
 
     def start(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
@@ -105,7 +112,8 @@ class ProcessEngine(AsyncEngine):
 
     @property
     def num_waiting(self) -> int:
-        return self._waiting + self._adds_sent - self._adds_seen
+        waiting, adds_seen, _ = self._reported
+        return waiting + self._adds_sent - adds_seen
 
     @property
     def pid(self) -> int | None:
@@ -115,6 +123,11 @@ class ProcessEngine(AsyncEngine):
     async def call(self, fn: Callable[[Any], Any]) -> Any:
         if not self.running:
             raise EngineDeadError(f"the engine is not running{f': {self.dead}' if self.dead else ''}")
+        try:
+            pickle.dumps(fn)
+        except Exception as e:  # noqa: BLE001 - a lambda or a closure: the caller's mistake, not the engine's
+            raise TypeError(f"call(fn) sends fn to the engine process, so it must pickle (a module-level "
+                            f"function, operator.methodcaller): {e}") from None
         fut: concurrent.futures.Future = concurrent.futures.Future()
         self._submit(("call", (fn, fut)))
         return await asyncio.wrap_future(fut)
@@ -125,8 +138,12 @@ class ProcessEngine(AsyncEngine):
             self._adds_sent += 1
         elif kind == "call":
             fn, fut = arg
-            cid = next(self._call_ids)
-            self._calls[cid] = fut
+            with self._calls_lock:
+                if self._calls_closed:
+                    fut.set_exception(EngineDeadError("the engine process stopped"))
+                    return
+                cid = next(self._call_ids)
+                self._calls[cid] = fut
             cmd = ("call", (fn, cid))
         self._outbox.put(cmd)
 
@@ -136,11 +153,16 @@ class ProcessEngine(AsyncEngine):
         self._stop = True
         self._outbox.put(("stop", None))
         self._outbox.put(None)
+        loop = asyncio.get_running_loop()
         if self._proc is not None:
-            await asyncio.get_running_loop().run_in_executor(None, self._proc.join, 10.0)
+            await loop.run_in_executor(None, self._proc.join, 10.0)
             if self._proc.is_alive():
                 log.warning("the engine process did not stop within 10 s; killing it")
                 self._proc.kill()
+            atexit.unregister(self._kill_child)
+        if self._thread is not None:  # its last messages are on the loop once it has ended
+            await loop.run_in_executor(None, self._thread.join, 5.0)
+            await asyncio.sleep(0)
         if self.engine is not None:
             self.engine.shutdown()
         self.fail_all(EngineDeadError("the server is shutting down"))
@@ -156,6 +178,8 @@ class ProcessEngine(AsyncEngine):
         try:
             self._proc.start()
         except BaseException as e:
+            for c in (cmd_r, cmd_w, out_r, out_w):
+                c.close()
             self._fail_start(e)
             return
         cmd_r.close()
@@ -196,47 +220,75 @@ class ProcessEngine(AsyncEngine):
     def _send_loop(self, conn) -> None:
         try:
             while (cmd := self._outbox.get()) is not None:
-                conn.send(cmd)
-        except (OSError, ValueError):  # the child is gone: the receiving thread reports it
-            pass
+                try:
+                    conn.send(cmd)
+                except (OSError, EOFError):  # the child is gone: the receiving thread reports it
+                    return
+                except Exception as e:  # noqa: BLE001 - this command does not pickle: fail it alone
+                    self._unsendable(cmd, e)
         finally:
             conn.close()
+
+    def _unsendable(self, cmd: tuple[str, Any], exc: Exception) -> None:
+        kind, arg = cmd
+        err = RuntimeError(f"the {kind} could not be sent to the engine process: {type(exc).__name__}: {exc}")
+        log.error("%s", err)
+        if kind == "add":  # its stream ends with the error; the child never saw it
+            self._loop.call_soon_threadsafe(self._deliver_error, arg[0], err)
+        elif kind == "call":
+            with self._calls_lock:
+                fut = self._calls.pop(arg[1], None)
+            if fut is not None and not fut.done():
+                fut.set_exception(err)
 
     def _receive(self, conn) -> None:
         self._bound.wait()
         loop = self._loop
+        why = ""
         try:
             while True:
                 msg = conn.recv()
                 if msg[0] == "result":
                     _, cid, value, exc = msg
-                    fut = self._calls.pop(cid, None)
+                    with self._calls_lock:
+                        fut = self._calls.pop(cid, None)
                     if fut is not None and not fut.done():
                         fut.set_exception(exc) if exc is not None else fut.set_result(value)
                     continue
-                _, name, args, events, (self._waiting, self._adds_seen, self.num_steps) = msg
+                _, name, args, events, self._reported = msg
+                self.num_steps = self._reported[2]  # the child counts its steps
                 loop.call_soon_threadsafe(self._remote, name, args, events)
         except (EOFError, OSError):
             pass
-        self._proc.join(5)
-        if not self._stop:
-            err = EngineDeadError(f"the engine process exited (exit code {self._proc.exitcode})")
-            log.error("%s; failing the requests in flight", err)
-            self.dead = err
-            loop.call_soon_threadsafe(self.fail_all, err)
-        self._stop = True
-        for fut in list(self._calls.values()):
-            if not fut.done():
-                fut.set_exception(EngineDeadError("the engine process stopped"))
-        self._calls.clear()
+        except BaseException as e:  # noqa: BLE001 - a message that does not unpickle here: the pipe is unusable
+            why = f"; a message from it could not be read: {type(e).__name__}: {e}"
+            log.exception("the engine process's message could not be read; stopping it")
+        finally:
+            conn.close()
+            self._proc.join(0 if why else 5)
+            self._kill_child()
+            if not self._stop:
+                err = EngineDeadError(f"the engine process exited (exit code {self._proc.exitcode}){why}")
+                log.error("%s; failing the requests in flight", err)
+                self.dead = err
+                loop.call_soon_threadsafe(self.fail_all, err)
+            self._stop = True
+            with self._calls_lock:
+                self._calls_closed = True
+                calls, self._calls = list(self._calls.values()), {}
+            for fut in calls:
+                if not fut.done():
+                    fut.set_exception(EngineDeadError("the engine process stopped"))
 
     def _remote(self, name: str | None, args: tuple, events: list) -> None:
         # on the event loop: the child's metric events first (the sinks see a request end before its
         # caller does, as in one process), then the hand-over itself
-        if events:
-            self.engine.replay(events)
-        if name in _POSTED:
-            getattr(self, name)(*args)
+        try:
+            if events:
+                self.engine.replay(events)
+        finally:  # a failing sink never costs a request its tokens
+            if name in _POSTED:
+                getattr(self, name)(*args)
 
 
 # --- the child's side ---------------------------------------------------------------------------
@@ -301,8 +353,11 @@ class _Core(AsyncEngine):
         value = None if exc is not None else fut.result()
         try:
             self._conn.send(("result", cid, value, _picklable(exc) if exc is not None else None))
-        except (pickle.PicklingError, TypeError, AttributeError) as e:
-            self._conn.send(("result", cid, None, RuntimeError(f"the call's result does not pickle: {e}")))
+        except (OSError, EOFError):  # the server is gone
+            pass
+        except Exception as e:  # noqa: BLE001 - the result does not pickle: the caller gets why
+            self._conn.send(("result", cid, None, RuntimeError(f"the call's result does not pickle: "
+                                                                f"{type(e).__name__}: {e}")))
 
 
 def _picklable(exc: BaseException) -> BaseException:
@@ -327,8 +382,8 @@ def _read_commands(core: _Core, conn) -> None:
                 fut.add_done_callback(functools.partial(core._send_result, cid))
                 arg = (fn, fut)
             core._submit((kind, arg))
-    except (EOFError, OSError):  # the server process is gone
-        pass
+    except (EOFError, OSError):  # the server process died without stopping this one: nothing to finish for
+        os._exit(0)                # anyone, and a model still loading would hold its memory for nothing
     with core._cv:
         core._stop = True
         core._cv.notify()

@@ -75,6 +75,11 @@ class FleetEngine(AsyncEngine):
     def num_waiting(self) -> int:
         return self._waiting
 
+    @property
+    def pid(self) -> int | None:
+        """None: the replicas step in processes of their own (each replica's /stats names its own)."""
+        return None
+
     def add_request(self, prompt_token_ids, params, request_id=None, priority=0, cache_salt=None) -> RequestStream:
         if self._stop or self._loop is None:
             raise EngineDeadError("the server is shutting down")

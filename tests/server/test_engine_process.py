@@ -3,7 +3,9 @@ the child's death behave as with the engine on a thread."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+import operator
 import os
 import signal
 import subprocess
@@ -15,6 +17,10 @@ import httpx
 import openai
 import pytest
 
+from llmserve.config import config_from_dict
+from llmserve.engine_process import ProcessEngine
+from llmserve.interfaces import MetricSink
+from llmserve.request import SamplingParams
 from tests.server.conftest import free_port
 from tests.server.test_serve_process import ROOT, start_serve
 
@@ -190,3 +196,84 @@ def test_engine_core_is_validated():
                         "--set", "server.engine_core=elsewhere"], cwd=ROOT, env=env, capture_output=True, text=True,
                        timeout=60)
     assert r.returncode == 2 and "server.engine_core" in r.stderr, r.stderr
+
+
+def _a_lock(engine):
+    """A call whose result cannot cross back to the server (a lock does not pickle)."""
+    return threading.Lock()
+
+
+class _FlakySink(MetricSink):
+    """Raises on its third step event."""
+
+    def __init__(self):
+        self.steps = 0
+
+    def on_step(self, metrics) -> None:
+        self.steps += 1
+        if self.steps == 3:
+            raise ValueError("a sink bug")
+
+
+def _with_process_engine(body):
+    """Run body(engine) against a started ProcessEngine (fake backend) on a fresh event loop, then shut it down."""
+    async def run():
+        pe = ProcessEngine(config_from_dict({"backend": {"name": "fake", "options": {"step_cost_s": 0.002}}}))
+        pe.start(asyncio.get_running_loop())
+        await asyncio.wait_for(asyncio.wrap_future(pe.built), 60)
+        try:
+            return await body(pe)
+        finally:
+            await pe.shutdown(0)
+    return asyncio.run(run())
+
+
+async def _tokens(pe, n: int) -> int:
+    stream = pe.add_request([1, 2, 3], SamplingParams(max_tokens=n, ignore_eos=True))
+    got = 0
+    while batch := await asyncio.wait_for(stream.next_batch(), 10):
+        got += sum(len(o.new_token_ids) for o in batch)
+    assert stream.error is None
+    return got
+
+
+def test_calls_that_cannot_cross_the_pipe_fail_alone():
+    async def body(pe):
+        with pytest.raises(TypeError, match="must pickle"):
+            await pe.call(lambda e: e.num_waiting)  # a lambda never reaches the child
+        with pytest.raises(RuntimeError, match="does not pickle"):
+            await asyncio.wait_for(pe.call(_a_lock), 10)  # its result cannot come back
+        assert pe.running
+        assert await _tokens(pe, 12) == 12  # and the engine serves on
+        stats = await pe.call(operator.methodcaller("stats"))
+        assert stats["running"] == 0
+    _with_process_engine(body)
+
+
+def test_a_failing_metric_sink_costs_no_request_its_tokens():
+    async def body(pe):
+        sink = _FlakySink()
+        pe.engine.add_metric_sink(sink)
+        assert await _tokens(pe, 10) == 10
+        assert sink.steps >= 10  # it kept getting events after it raised
+    _with_process_engine(body)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")  # a zombie has exited
+    except FileNotFoundError:
+        return False
+
+
+def test_the_engine_process_ends_when_the_server_is_killed():
+    proc, url = start_serve("server.engine_core=process")
+    pid = httpx.get(url + "/stats").json()["server"]["engine_pid"]
+    assert _alive(pid)
+    proc.kill()  # no drain, no atexit: only the closed command pipe tells the child
+    proc.wait()
+    deadline = time.monotonic() + 10
+    while _alive(pid):
+        assert time.monotonic() < deadline, "the engine process outlived the server"
+        time.sleep(0.1)
