@@ -213,7 +213,11 @@ class AsyncEngine:
         self._submit(("abort", request_id))
 
     async def call(self, fn: Callable[[Any], Any]) -> Any:
-        """Run fn(engine) on the engine thread between steps (e.g. stats) and return its result."""
+        """Run fn(engine) on the engine thread between steps (e.g. stats) and return its result.
+
+        Write fn so that it pickles (a module-level function, operator.methodcaller): with
+        server.engine_core=process it is sent to the engine's own process (engine_process.py).
+        """
         fut: concurrent.futures.Future = concurrent.futures.Future()
         if not self.running:
             fut.set_result(fn(self.engine))  # nothing else touches the engine now
