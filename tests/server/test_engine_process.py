@@ -22,7 +22,7 @@ from llmserve.engine_process import ProcessEngine
 from llmserve.interfaces import MetricSink
 from llmserve.request import SamplingParams
 from tests.server.conftest import free_port
-from tests.server.test_serve_process import ROOT, start_serve
+from tests.server.test_serve_process import ROOT, start_serve, stream_in_background
 
 
 @pytest.fixture(scope="module")
@@ -122,20 +122,7 @@ def test_sigterm_to_the_whole_group_still_drains():
     # systemd's default KillMode and `timeout` signal every process of the group: the engine must outlive the drain
     proc, url = start_serve("server.engine_core=process", "server.drain_timeout=20", start_new_session=True)
     try:
-        lines: list[str] = []
-        first = threading.Event()
-
-        def stream():
-            body = {"prompt": "drain me", "max_tokens": 200, "stream": True, "ignore_eos": True}
-            with httpx.stream("POST", url + "/v1/completions", json=body, timeout=30) as r:
-                for line in r.iter_lines():
-                    if line:
-                        lines.append(line)
-                        first.set()
-
-        t = threading.Thread(target=stream)
-        t.start()
-        assert first.wait(10)
+        t, lines = stream_in_background(url, "drain me", 200)
         os.killpg(proc.pid, signal.SIGTERM)
         t.join(30)
         assert proc.wait(30) == 0, proc.stdout.read()
@@ -150,20 +137,7 @@ def test_a_dead_engine_process_fails_its_requests_and_health_says_so():
     proc, url = start_serve("server.engine_core=process")
     try:
         pid = httpx.get(url + "/stats").json()["server"]["engine_pid"]
-        lines: list[str] = []
-        first = threading.Event()
-
-        def stream():
-            body = {"prompt": "doomed", "max_tokens": 3000, "stream": True, "ignore_eos": True}
-            with httpx.stream("POST", url + "/v1/completions", json=body, timeout=30) as r:
-                for line in r.iter_lines():
-                    if line:
-                        lines.append(line)
-                        first.set()
-
-        t = threading.Thread(target=stream)
-        t.start()
-        assert first.wait(10)
+        t, lines = stream_in_background(url, "doomed", 3000)
         os.kill(pid, signal.SIGKILL)
         t.join(15)
         assert not t.is_alive()

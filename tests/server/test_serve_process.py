@@ -36,24 +36,30 @@ def start_serve(*settings: str, **popen: object) -> tuple[subprocess.Popen, str]
 ENGINE_CORES = pytest.mark.parametrize("core", ["thread", "process"])
 
 
+def stream_in_background(url: str, prompt: str, max_tokens: int) -> tuple[threading.Thread, list[str]]:
+    """A streaming completion read on a thread into a list of SSE lines; returns once its first line is in."""
+    lines: list[str] = []
+    first = threading.Event()
+
+    def stream():
+        body = {"prompt": prompt, "max_tokens": max_tokens, "stream": True, "ignore_eos": True}
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=30) as r:
+            for line in r.iter_lines():
+                if line:
+                    lines.append(line)
+                    first.set()
+
+    t = threading.Thread(target=stream)
+    t.start()
+    assert first.wait(10), "no first chunk within 10 s"
+    return t, lines
+
+
 @ENGINE_CORES
 def test_sigterm_drains_in_flight_streams_and_exits_zero(core):
     proc, url = start_serve("server.drain_timeout=20", f"server.engine_core={core}")
     try:
-        lines: list[str] = []
-        first = threading.Event()
-
-        def stream():
-            body = {"prompt": "drain me", "max_tokens": 300, "stream": True, "ignore_eos": True}
-            with httpx.stream("POST", url + "/v1/completions", json=body, timeout=30) as r:
-                for line in r.iter_lines():
-                    if line:
-                        lines.append(line)
-                        first.set()
-
-        t = threading.Thread(target=stream)
-        t.start()
-        assert first.wait(10)
+        t, lines = stream_in_background(url, "drain me", 300)
         proc.send_signal(signal.SIGTERM)  # about 3 s of generation is still ahead
         time.sleep(0.3)
         try:  # no longer admitting: the listener is closed (or, on a kept-alive connection, 503)
