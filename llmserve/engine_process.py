@@ -83,8 +83,8 @@ class ProcessFront(Front):
 class ProcessEngine(AsyncEngine):
     """The server's AsyncEngine over an engine in a child process: the same streams, abort, drain and call.
 
-    `call(fn)` sends fn to the child, so fn must pickle (a module-level function, or a method such
-    as Engine.stats), and its result comes back by pickle too.
+    `call(fn)` sends fn to the child, so fn must pickle (a module-level function, or
+    operator.methodcaller("stats")), and its result comes back by pickle too.
     """
 
     def __init__(self, config: EngineConfig):
