@@ -151,8 +151,7 @@ class ProcessEngine(AsyncEngine):
         """Drain for up to drain_timeout, stop the child (it aborts what is left), close the sinks here."""
         await self.drain(drain_timeout)
         self._stop = True
-        self._outbox.put(("stop", None))
-        self._outbox.put(None)
+        self._close_outbox()
         loop = asyncio.get_running_loop()
         if self._proc is not None:
             await loop.run_in_executor(None, self._proc.join, 10.0)
@@ -205,6 +204,11 @@ class ProcessEngine(AsyncEngine):
         self.built.set_result(self.engine)
         self._receive(out_r)
 
+    def _close_outbox(self) -> None:
+        """Tell the child to stop after the commands already queued, then end the sending thread."""
+        self._outbox.put(("stop", None))
+        self._outbox.put(None)
+
     def _kill_child(self) -> None:
         if self._proc is not None and self._proc.is_alive():
             self._proc.kill()
@@ -213,8 +217,7 @@ class ProcessEngine(AsyncEngine):
     def _fail_start(self, err: BaseException) -> None:
         self.dead = err
         self._stop = True
-        self._outbox.put(("stop", None))
-        self._outbox.put(None)
+        self._close_outbox()
         self.built.set_exception(err)
 
     def _send_loop(self, conn) -> None:

@@ -32,25 +32,33 @@ constexpr int kMaxHeads = 128;
 constexpr int kMaxBlock = 64;
 constexpr int kChunk = 256;  // a multiple of every supported block size
 
+// Every key of a chunk of blocks [b0, b1): fn(pointer to the key's row at `base` elements in, index in the chunk).
+// The last block of the context holds only its first ctx - b * block_size keys.
+template <typename E, typename F>
+inline void for_keys(const E* cache, const int32_t* bt, int b0, int b1, int nb, int ctx, int block_size, int64_t blk,
+                     int64_t row, int64_t base, F&& fn) {
+  for (int b = b0; b < b1; ++b) {
+    const int n = (b == nb - 1) ? ctx - b * block_size : block_size;
+    const E* kb = cache + bt[b] * blk + base;
+    const int off = (b - b0) * block_size;
+    for (int j = 0; j < n; ++j) fn(kb + j * row, off + j);
+  }
+}
+
 #if defined(__AVX512BF16__)
 // bf16, head_dim 64: the chunk's scores for the G query heads of one KV head, q·k by vdpbf16ps (32 bf16 products
 // an instruction, summed in float32: no conversion of K to float), then scaled
 inline void scores_bf16_d64(const uint16_t* qg, int G, const uint16_t* kc, const int32_t* bt, int b0, int b1, int nb,
                             int ctx, int block_size, int64_t blk, int64_t row, int kvh, float scale, float* s) {
-  for (int b = b0; b < b1; ++b) {
-    const int n = (b == nb - 1) ? ctx - b * block_size : block_size;
-    const uint16_t* kb = kc + bt[b] * blk + kvh * 64;
-    const int off = (b - b0) * block_size;
-    for (int j = 0; j < n; ++j) {
-      const __m512i k0 = _mm512_loadu_si512(kb + j * row), k1 = _mm512_loadu_si512(kb + j * row + 32);
-      for (int g = 0; g < G; ++g) {
-        const __m512 d = _mm512_dpbf16_ps(_mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)_mm512_loadu_si512(qg + g * 64),
-                                                           (__m512bh)k0),
-                                          (__m512bh)_mm512_loadu_si512(qg + g * 64 + 32), (__m512bh)k1);
-        s[g * kChunk + off + j] = _mm512_reduce_add_ps(d) * scale;
-      }
+  for_keys(kc, bt, b0, b1, nb, ctx, block_size, blk, row, kvh * 64, [&](const uint16_t* kj, int j) {
+    const __m512i k0 = _mm512_loadu_si512(kj), k1 = _mm512_loadu_si512(kj + 32);
+    for (int g = 0; g < G; ++g) {
+      const __m512 d = _mm512_dpbf16_ps(_mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)_mm512_loadu_si512(qg + g * 64),
+                                                         (__m512bh)k0),
+                                        (__m512bh)_mm512_loadu_si512(qg + g * 64 + 32), (__m512bh)k1);
+      s[g * kChunk + j] = _mm512_reduce_add_ps(d) * scale;
     }
-  }
+  });
 }
 
 // bf16, head_dim 64: acc[g] += p[g][j] · v_j over the chunk's keys, four heads at a time held in registers (each V
@@ -62,22 +70,17 @@ inline void values_bf16_d64(int G, const uint16_t* vc, const int32_t* bt, int b0
     __m512 a[4][4];
     for (int gi = 0; gi < 4; ++gi)
       for (int c = 0; c < 4; ++c) a[gi][c] = gi < gb ? _mm512_loadu_ps(acc + (g0 + gi) * 64 + c * 16) : _mm512_setzero_ps();
-    for (int b = b0; b < b1; ++b) {
-      const int n = (b == nb - 1) ? ctx - b * block_size : block_size;
-      const uint16_t* vb = vc + bt[b] * blk + kvh * 64;
-      const int off = (b - b0) * block_size;
-      for (int j = 0; j < n; ++j) {
-        __m512 v[4];
-        for (int c = 0; c < 4; ++c)  // bf16 → float32: the 16 bits become the top half
-          v[c] = _mm512_castsi512_ps(_mm512_slli_epi32(
-              _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(vb + j * row + c * 16))), 16));
-        for (int gi = 0; gi < 4; ++gi) {
-          if (gi >= gb) break;
-          const __m512 p = _mm512_set1_ps(s[(g0 + gi) * kChunk + off + j]);
-          for (int c = 0; c < 4; ++c) a[gi][c] = _mm512_fmadd_ps(p, v[c], a[gi][c]);
-        }
+    for_keys(vc, bt, b0, b1, nb, ctx, block_size, blk, row, kvh * 64, [&](const uint16_t* vj, int j) {
+      __m512 v[4];
+      for (int c = 0; c < 4; ++c)  // bf16 → float32: the 16 bits become the top half
+        v[c] = _mm512_castsi512_ps(_mm512_slli_epi32(
+            _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(vj + c * 16))), 16));
+      for (int gi = 0; gi < 4; ++gi) {
+        if (gi >= gb) break;
+        const __m512 p = _mm512_set1_ps(s[(g0 + gi) * kChunk + j]);
+        for (int c = 0; c < 4; ++c) a[gi][c] = _mm512_fmadd_ps(p, v[c], a[gi][c]);
       }
-    }
+    });
     for (int gi = 0; gi < gb; ++gi)
       for (int c = 0; c < 4; ++c) _mm512_storeu_ps(acc + (g0 + gi) * 64 + c * 16, a[gi][c]);
   }
@@ -120,7 +123,7 @@ void paged_attention(const T* q, int64_t q_stride, const T* kc, const T* vc, con
       float m[kMaxHeads], l[kMaxHeads];  // running max and sum per head of the item
       const T* qt = q + t * q_stride + static_cast<int64_t>(kv0) * G * D;
       for (int i = 0; i < GH * D; ++i) {
-        qf[i] = load(qt[i]) * scale;
+        if constexpr (!kFastBf16) qf[i] = load(qt[i]) * scale;  // the bf16 path reads q as stored
         acc[i] = 0.f;
       }
       for (int g = 0; g < GH; ++g) {
@@ -143,21 +146,15 @@ void paged_attention(const T* q, int64_t q_stride, const T* kc, const T* vc, con
                             scale, s + (kvh - kv0) * G * kChunk);
 #endif
         } else {
-          for (int b = b0; b < b1; ++b) {
-            const int n = (b == nb - 1) ? ctx - b * block_size : block_size;
-            const T* kb = kc + bt[b] * blk + kv0 * D;
-            const int off = (b - b0) * block_size;
-            for (int j = 0; j < n; ++j) {
-              const T* kj = kb + j * row;
-              for (int g = 0; g < GH; ++g) {
-                const float* qh = qf + g * D;
-                const T* kh = kj + (g / G) * D;
-                float dot = 0.f;
-                for (int d = 0; d < D; ++d) dot += qh[d] * load(kh[d]);
-                s[g * kChunk + off + j] = dot;
-              }
+          for_keys(kc, bt, b0, b1, nb, ctx, block_size, blk, row, kv0 * D, [&](const T* kj, int j) {
+            for (int g = 0; g < GH; ++g) {
+              const float* qh = qf + g * D;
+              const T* kh = kj + (g / G) * D;
+              float dot = 0.f;
+              for (int d = 0; d < D; ++d) dot += qh[d] * load(kh[d]);
+              s[g * kChunk + j] = dot;
             }
-          }
+          });
         }
         // softmax update, once per chunk
         for (int g = 0; g < GH; ++g) {
@@ -187,20 +184,14 @@ void paged_attention(const T* q, int64_t q_stride, const T* kc, const T* vc, con
                             s + (kvh - kv0) * G * kChunk, acc + (kvh - kv0) * G * 64);
 #endif
         } else {
-          for (int b = b0; b < b1; ++b) {
-            const int n = (b == nb - 1) ? ctx - b * block_size : block_size;
-            const T* vb = vc + bt[b] * blk + kv0 * D;
-            const int off = (b - b0) * block_size;
-            for (int j = 0; j < n; ++j) {
-              const T* vj = vb + j * row;
-              for (int g = 0; g < GH; ++g) {
-                const float p = s[g * kChunk + off + j];
-                const T* vh = vj + (g / G) * D;
-                float* ah = acc + g * D;
-                for (int d = 0; d < D; ++d) ah[d] += p * load(vh[d]);
-              }
+          for_keys(vc, bt, b0, b1, nb, ctx, block_size, blk, row, kv0 * D, [&](const T* vj, int j) {
+            for (int g = 0; g < GH; ++g) {
+              const float p = s[g * kChunk + j];
+              const T* vh = vj + (g / G) * D;
+              float* ah = acc + g * D;
+              for (int d = 0; d < D; ++d) ah[d] += p * load(vh[d]);
             }
-          }
+          });
         }
       }
       T* ot = out + t * out_stride + static_cast<int64_t>(kv0) * G * D;
