@@ -272,6 +272,8 @@ def build_kernel() -> ctypes.CDLL:
             lib.llmserve_decode_layers.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
             lib.llmserve_quant_isa.restype = ctypes.c_char_p
             lib.llmserve_quant_isa.argtypes = []
+            lib.llmserve_int4_tile.restype = ctypes.c_int
+            lib.llmserve_int4_tile.argtypes = []
             _lib = lib
             return lib
         except (OSError, RuntimeError, subprocess.SubprocessError) as e:

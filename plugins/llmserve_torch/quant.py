@@ -13,6 +13,7 @@ import functools
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 GROUP = 32  # int4 group size: the group of llama.cpp's Q4_0 / Q4_1 blocks and Q4_K sub-blocks
 KINDS = ("int8", "int4")
@@ -126,11 +127,29 @@ def own_kernel_isa() -> str | None:
     return None if lib is None else lib.llmserve_quant_isa().decode()
 
 
-def pack_int4_own(qw: QuantWeight) -> torch.Tensor:
-    """csrc/quant_matmul.cpp's form of the values: two a byte, byte j of a group of 32 holding j (low nibble) and
-    j + 16 (high), [out, in/2] uint8 (its scale and zero are QuantWeight's: w = (q - 8) * scale + zero)."""
+def own_int4_tile() -> int:
+    """The row tile of our int4 kernel's weight layout on this CPU: 16 with AVX-512, else 1 (rows in order)."""
+    return _own_kernels().llmserve_int4_tile()
+
+
+def pack_int4_own(qw: QuantWeight) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """csrc/quant_matmul.cpp's form of an int4 weight: values, scales, zeros (w = (q - 8) * scale + zero).
+
+    Values two a byte, byte j of a group of 32 holding inputs j (low nibble) and j + 16 (high). With tiles of t > 1
+    rows (AVX-512), the rows are padded to a whole tile with zeros and each tile's group is t rows' 16 bytes as
+    four chunks, chunk c holding each row's bytes 4c..4c+3 in turn; scales and zeros [tiles, groups, t]."""
     g = qw.q.view(qw.q.shape[0], -1, 2, GROUP // 2)
-    return (g[:, :, 0] | (g[:, :, 1] << 4)).flatten(1).contiguous()
+    packed = (g[:, :, 0] | (g[:, :, 1] << 4)).flatten(1)  # [out, in/2]
+    scale, zero = qw.scale.float(), qw.zero.float()
+    t = own_int4_tile()
+    if t > 1:
+        pad = -packed.shape[0] % t
+        packed, scale, zero = (F.pad(v, (0, 0, 0, pad)) for v in (packed, scale, zero))
+        tiles, groups = packed.shape[0] // t, scale.shape[1]
+        # [tiles, t rows, groups, 4 chunks, 4 bytes] → [tiles, groups, chunks, rows, bytes]
+        packed = packed.view(tiles, t, groups, 4, 4).permute(0, 2, 3, 1, 4).reshape(tiles, -1)
+        scale, zero = (v.view(tiles, t, groups).transpose(1, 2) for v in (scale, zero))
+    return packed.contiguous(), scale.contiguous(), zero.contiguous()
 
 
 class QuantLinear:
@@ -152,9 +171,8 @@ class QuantLinear:
             self._w = qw.q.contiguous()
         self._own4 = qw.kind == "int4" and _own_kernels() is not None
         self._scale, self._zero = qw.scale, qw.zero
-        if self._own4:  # our kernel: its own packing of the values, scale and zero as float32 [out, in/32]
-            self._w = pack_int4_own(qw)
-            self._scale, self._zero = qw.scale.float().contiguous(), qw.zero.float().contiguous()
+        if self._own4:  # our kernel: its own layout of the values, scales and zeros (float32)
+            self._w, self._scale, self._zero = pack_int4_own(qw)
         elif qw.kind == "int4":
             # the CPU packing takes int32 values 0..15 and stores two per byte, [out, in/2]
             self._w = torch.ops.aten._convert_weight_to_int4pack_for_cpu(qw.q.to(torch.int32).contiguous(), 1)
@@ -166,8 +184,9 @@ class QuantLinear:
         n = self._w.numel() * self._w.element_size()
         if self.kind == "int8":
             return n + self.out_features * 2
-        # (scale, offset) per group: float32 for our kernel, in the bf16 activations for torch's
-        return n + self.out_features * (self.in_features // GROUP) * 2 * (4 if self._own4 else 2)
+        if self._own4:  # (scale, offset) per group, float32, rows padded to the kernel's tile
+            return n + self._scale.numel() * 4 * 2
+        return n + self.out_features * (self.in_features // GROUP) * 2 * 2  # in the bf16 activations for torch's
 
     @property
     def kernel(self) -> str:

@@ -4,6 +4,11 @@ dequantized selves, round-to-nearest quantization of a safetensors checkpoint, t
 
 from __future__ import annotations
 
+import ctypes
+import platform
+import shutil
+import subprocess
+from pathlib import Path
 from types import SimpleNamespace
 
 import gguf
@@ -15,6 +20,8 @@ from gguf_helpers import VOCAB, dequantize, make_decoder, quantize, write_gguf
 from torch_helpers import Driver, batch_of, make_backend, make_gpt2
 
 from llmserve.errors import ConfigError
+from llmserve_torch import quant
+from llmserve_torch.attention import cpu_id
 from llmserve_torch.gguf_quant import INT4_TYPES, INT8_TYPES, repack
 from llmserve_torch.kernel_plan import NEVER, KernelPlan, KindPlan, plan_kernels
 from llmserve_torch.models.common import Linear
@@ -119,10 +126,19 @@ def test_float32_activations_run_the_kernel_too():
     torch.testing.assert_close(lin(x), want, atol=1e-3, rtol=1e-3)
 
 
+def _rounding_bound(x: torch.Tensor, qw) -> torch.Tensor:
+    """How far our int4 kernel may be from x @ w.T: activations are rounded to int16 per group of 32; w = (q - 8) *
+    scale + zero, and the zero meets the exact sum of x, so each group is off by at most sum|q - 8| * scale * (half
+    a step of the group's max |x| / 32639)."""
+    qs = (qw.q.float() - 8).abs().unflatten(1, (-1, GROUP)).sum(-1) * qw.scale
+    return x.float().abs().unflatten(1, (-1, GROUP)).amax(-1) / (2 * 32639) @ qs.T
+
+
 @pytest.mark.parametrize("serving", DTYPES)
+# rows: every remainder of the AVX-512 path's blocks of four rows (7 = 4 + 3, 9 = 8 + 1, 2, 1, 20 = 5 * 4); 40 outputs
+# are two tiles of 16 and a padded one
 @pytest.mark.parametrize("rows", [1, 2, 7, 8, 9, 20])
-# 4 groups: one block of the one- and two-row (split) path's four, none left; 5: all past the many-row path's chunks
-# of 8, one past the split path's blocks; 18: two chunks and two, four blocks and two
+# 4 groups: none past the AVX2 path's eights; 5 and 18: some (one at a time there)
 @pytest.mark.parametrize("k", [128, 160, 576])
 def test_our_int4_kernel_matches_the_reference_at_any_rows(rows, serving, k):
     """Any rows in one pass, each row's activations rounded to int16 (|q| <= 32639) per 32 (tight: not the bf16
@@ -135,12 +151,38 @@ def test_our_int4_kernel_matches_the_reference_at_any_rows(rows, serving, k):
     want = F.linear(x.float(), qw.dequantize())
     got = lin(x)
     assert got.dtype == serving and got.shape == (rows, 40)
-    # the activations' rounding: w = (q - 8) * scale + zero, and the zero meets the exact sum of x, so each group
-    # is off by at most sum|q - 8| * scale * (half a step of the group's max |x| / 32639)
-    qs = (qw.q.float() - 8).abs().unflatten(1, (-1, GROUP)).sum(-1) * qw.scale
-    bound = x.float().abs().unflatten(1, (-1, GROUP)).amax(-1) / (2 * 32639) @ qs.T
     slack = 0.01 * want.abs().max().item() if serving == torch.bfloat16 else 1e-5
-    assert ((got.float() - want).abs() <= bound + slack).all()
+    assert ((got.float() - want).abs() <= _rounding_bound(x, qw) + slack).all()
+
+
+# each SIMD path of the int4 kernel, with the CPU flags it needs: scalar, AVX2, AVX-512 without VNNI (the build here
+# takes one path, -march=native: an AVX512-VNNI machine's CI would never run the others)
+MARCHES = {"x86-64": set(), "x86-64-v3": {"avx2", "fma", "bmi2"},
+           "x86-64-v4": {"avx2", "fma", "bmi2", "avx512f", "avx512bw", "avx512vl", "avx512dq"}}
+
+
+@pytest.mark.parametrize("march", MARCHES)
+def test_every_simd_path_of_the_int4_kernel_matches_the_reference(tmp_path, monkeypatch, march):
+    """The kernel built for another ISA, run here on the layout pack_int4_own makes for that build's tile."""
+    flags = set(" ".join(ln for ln in cpu_id().splitlines() if ln.startswith("flags")).split())
+    if platform.machine() != "x86_64" or shutil.which("g++") is None or not MARCHES[march] <= flags:
+        pytest.skip(f"needs an x86-64 CPU with {sorted(MARCHES[march])} and g++")
+    csrc = Path(quant.__file__).with_name("csrc")
+    so = tmp_path / f"quant_{march}.so"
+    subprocess.run(["g++", "-O3", f"-march={march}", "-ffast-math", "-fopenmp", "-shared", "-fPIC", "-std=c++17",
+                    f"-I{csrc}", str(csrc / "quant_matmul.cpp"), "-o", str(so)], check=True, capture_output=True)
+    lib = ctypes.CDLL(str(so))
+    monkeypatch.setattr(quant, "own_int4_tile", lib.llmserve_int4_tile)
+    assert lib.llmserve_int4_tile() == (16 if "avx512bw" in MARCHES[march] else 1)
+    for rows, n, k in [(1, 40, 576), (2, 37, 160), (7, 96, 128), (9, 16, 1536)]:
+        qw = quantize_int4(torch.randn(n, k))
+        packed = quant.pack_int4_own(qw)  # kept alive while the kernel reads it
+        x = torch.randn(rows, k)
+        y = torch.full((rows, n), float("nan"))
+        w, scale, zero = (ctypes.c_void_p(t.data_ptr()) for t in packed)
+        lib.llmserve_int4_matmul(ctypes.c_void_p(x.data_ptr()), ctypes.c_int64(k), rows, w, scale, zero,
+                                 ctypes.c_void_p(y.data_ptr()), ctypes.c_int64(n), n, k, 4, 2)
+        assert ((y - F.linear(x, qw.dequantize())).abs() <= _rounding_bound(x, qw) + 1e-5).all()
 
 
 def test_the_plan_measures_a_crossover_or_drops_unused_dense_copies():
