@@ -84,6 +84,9 @@ void silu_mul(const T* gu, int64_t gs, T* out, int64_t os, int rows, int inter, 
 constexpr int kMaxRows = 8;
 constexpr int kMaxK = 8192;
 constexpr int kBlock = 64;  // activations are rounded to int16 with one scale per 64
+// How far ahead each thread asks for its weight rows (its rows are contiguous): SmolLM2's 28 MB LM head at one row,
+// from memory, 2 threads of a Zen 5 EPYC: 0.58 ms on the hardware prefetcher alone, 0.50-0.55 with this
+constexpr int kPrefetchBytes = 4096;
 
 #if defined(__AVX2__)
 // The activations rounded to int16 per block of 64 and multiplied with the widened int8 weights by vpmaddwd
@@ -117,6 +120,7 @@ void int8_matmul_i16(const float* xf, int rows, const int8_t* w, const float* sc
 #pragma omp parallel for num_threads(th) schedule(static)
   for (int n = 0; n < N; ++n) {
     const int8_t* wn = w + static_cast<int64_t>(n) * K;
+    for (int b = 0; b < K; b += 64) _mm_prefetch(reinterpret_cast<const char*>(wn) + kPrefetchBytes + b, _MM_HINT_T0);
     for (int r = 0; r < rows; ++r) {
 #if defined(__AVX512BW__)
       __m512 acc = _mm512_setzero_ps();
