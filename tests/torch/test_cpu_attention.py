@@ -20,7 +20,9 @@ STEPS = {
     # a prompt chunk after a 20-token cached prefix, a decode, a whole short prompt, a one-token chunk
     "mixed": [(20, 37), (49, 1), (0, 5), (9, 1), (0, 70)],
     "decode": [(0, 1), (3, 1), (17, 1), (63, 1), (120, 1)],
-    "one": [(194, 1)],  # a decode step of one sequence (c = 1): the threads share its KV heads
+    "one": [(194, 1)],  # a decode step of one sequence (c = 1): the threads share its blocks, merged after
+    "one-short": [(2, 1)],  # one block for two threads: a share with no keys must count for nothing
+    "one-long": [(590, 1)],  # shares past one chunk of keys each: rescaled within a share and across shares
     # contexts past one chunk of keys (256): the online softmax rescales between chunks
     "long": [(590, 1), (300, 20), (255, 2), (0, 1)],
 }
@@ -33,9 +35,13 @@ STEPS = {
     (14, 2, 64, 32),  # Qwen2.5-0.5B's: seven a KV head (the values path holds four at a time)
     (6, 2, 16, 4), (4, 4, 24, 16), (8, 2, 128, 8),
 ])
-def test_cpu_paged_attention_matches_reference(dtype, step, heads, kv_heads, head_dim, block_size):
+# threads: a one-token step is split into shares of its blocks, one a thread (two or three here, whatever the CPU)
+@pytest.mark.parametrize("threads", [2, 3])
+def test_cpu_paged_attention_matches_reference(dtype, step, heads, kv_heads, head_dim, block_size, threads,
+                                               monkeypatch):
+    monkeypatch.setattr(torch, "get_num_threads", lambda: threads)  # what the kernel is told, read at construction
     arch = attention_arch(heads, kv_heads, head_dim)
-    num_blocks = 512 if step in ("long", "one") else 64
+    num_blocks = 512 if step in ("long", "one", "one-long") else 64
     kv = KVCache(arch, num_blocks, block_size, dtype, torch.device("cpu"))
     meta = step_metadata(STEPS[step], block_size, num_blocks, seed=heads)
     g = torch.Generator().manual_seed(block_size)

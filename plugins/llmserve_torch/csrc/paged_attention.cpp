@@ -4,11 +4,10 @@
 // positions 0..tok_pos[t] of its request, read in place from the paged cache through the request's
 // block table (no gather into a temporary buffer, no padding).
 //
-// One work item per query token and KV head computes that KV head's query heads, so each K/V row
-// slice is read once for all of them, front to back, rather than once per query head (that was
-// 2x slower for GPT-2 fp32: TLB and prefetch misses). Keys are taken kChunk at a time: scores for every head, one
-// online-softmax rescale per chunk (not per block), then the values. At B=64, context 200 this
-// streams K/V at about the single-core memory bandwidth measured on the 2-core dev machine.
+// A work item is one query token's heads over its keys, or (fewer tokens than threads: a decode step of one
+// sequence) over a share of its blocks, the shares' softmax states merged after. Keys are taken kChunk at a time:
+// the chunk's K and V rows are first streamed in with plain loads, then scores for every head, one online-softmax
+// rescale per chunk (not per block), then the values. Each K/V row is read once for all heads, front to back.
 //
 // Cache layout: [num_blocks, block_size, kv_heads, head_dim] for one layer (contiguous).
 // Built with -O3 -march=native -ffast-math -fopenmp (expf vectorizes through libmvec); plain C ABI,
@@ -18,6 +17,8 @@
 
 #include <cstdint>
 #include <cstring>
+#include <initializer_list>
+#include <vector>
 
 #if defined(__AVX512BF16__)
 #include <immintrin.h>
@@ -31,6 +32,9 @@ constexpr int kMaxQ = 8192;  // heads * head_dim
 constexpr int kMaxHeads = 128;
 constexpr int kMaxBlock = 64;
 constexpr int kChunk = 256;  // a multiple of every supported block size
+// The most K/V bytes of a chunk streamed in before its loops: more would not stay in a core's L2 until they are
+// read again (GPT-2 float32's 6 KB rows, 1.5 MB a chunk, read twice from memory: 64 sequences 4% slower)
+constexpr int64_t kStreamInBytes = 256 << 10;
 
 // Every key of a chunk of blocks [b0, b1): fn(pointer to the key's row at `base` elements in, index in the chunk).
 // The last block of the context holds only its first ctx - b * block_size keys.
@@ -43,6 +47,22 @@ inline void for_keys(const E* cache, const int32_t* bt, int b0, int b1, int nb, 
     const int off = (b - b0) * block_size;
     for (int j = 0; j < n; ++j) fn(kb + j * row, off + j);
   }
+}
+
+// Read every K and V row of blocks [b0, b1) once with plain loads, so the chunk is in cache before the score and
+// value loops (see paged_attention and kStreamInBytes); what is read goes to a volatile, so the loads stay
+template <typename E>
+inline void stream_in(const E* kc, const E* vc, const int32_t* bt, int b0, int b1, int nb, int ctx, int block_size,
+                      int64_t blk, int64_t row) {
+  static volatile uint64_t sink;
+  uint64_t acc = 0;
+  const int64_t words = row * static_cast<int64_t>(sizeof(E)) / 8;
+  for (const E* cache : {kc, vc})
+    for_keys(cache, bt, b0, b1, nb, ctx, block_size, blk, row, 0, [&](const E* r, int) {
+      const uint64_t* w = reinterpret_cast<const uint64_t*>(r);
+      for (int64_t i = 0; i < words; i += 8) acc |= w[i];  // one word of each 64 bytes
+    });
+  sink = acc;
 }
 
 #if defined(__AVX512BF16__)
@@ -89,9 +109,12 @@ inline void values_bf16_d64(int G, const uint16_t* vc, const int32_t* bt, int b0
 
 // DC: head_dim fixed at compile time (64, 128) so the inner loops unroll; 0 = runtime head_dim.
 //
-// A work item is one query token × a range of its KV heads: every head when the step has tokens enough for the
-// threads (each K/V row then streams once for all heads, the cache-friendly order for many tokens), one KV head
-// each when it has fewer (a one-sequence decode step left the other thread idle; its KV heads keep both busy).
+// Shares of the keys rather than items per KV head (what a one-sequence step ran before): a thread then reads
+// whole rows, block after block, not a KV head's slice of each row. And the chunk streamed in first: the score and value loops spend ~40 instructions on
+// each 128-byte slice, so a core's reorder window held too few loads to keep the memory busy, while a plain load
+// loop over contiguous rows lets the L2's stream prefetcher run ahead (software prefetches did not: on this AMD
+// they fill the same miss buffers as the loads). SmolLM2 at one token, the layer's K/V evicted first as a step's
+// weights evict it, 2 threads of a Zen 5 EPYC: 7.8-10.0 -> 5.3 us a layer at 161 keys, 27-31 -> 15.7 at 600.
 template <typename T, int DC>
 void paged_attention(const T* q, int64_t q_stride, const T* kc, const T* vc, const int32_t* block_tables,
                      int max_blocks, const int32_t* tok_req, const int32_t* tok_pos, T* out, int64_t out_stride,
@@ -103,9 +126,13 @@ void paged_attention(const T* q, int64_t q_stride, const T* kc, const T* vc, con
   const int64_t blk = row * block_size;
   // keys are taken kChunk at a time (whole blocks): scores for every head, one softmax rescale, then values
   const int blocks_per_chunk = kChunk / block_size;
-  const int per_token = num_tokens >= num_threads ? 1 : num_kv_heads;  // items per token
-  const int kv_span = num_kv_heads / per_token;                            // KV heads per item
-  const int items = num_tokens * per_token;
+  const int splits = num_tokens >= num_threads ? 1 : (num_threads + num_tokens - 1) / num_tokens;  // items a token
+  const int items = num_tokens * splits;
+  const int GH = num_heads;
+  // a share's state per head: its max, its sum and its unnormalised output, merged once every share is done
+  thread_local std::vector<float> scratch;  // grown once; the calling thread's (a worker's own would be empty)
+  if (splits > 1) scratch.resize(static_cast<size_t>(items) * GH * (D + 2));
+  float* const part = scratch.data();
 #if defined(__AVX512BF16__)
   constexpr bool kFastBf16 = sizeof(T) == 2 && DC == 64;
 #else
@@ -116,12 +143,11 @@ void paged_attention(const T* q, int64_t q_stride, const T* kc, const T* vc, con
     alignas(64) float s[kMaxHeads * kChunk];  // per thread: the item's heads × kChunk scores
 #pragma omp for schedule(dynamic, 1)
     for (int it = 0; it < items; ++it) {
-      const int t = it / per_token, kv0 = (it % per_token) * kv_span;
-      const int GH = kv_span * G;  // the item's query heads, contiguous in q
+      const int t = it / splits, share = it % splits;
       alignas(64) float qf[kMaxQ];
       alignas(64) float acc[kMaxQ];
-      float m[kMaxHeads], l[kMaxHeads];  // running max and sum per head of the item
-      const T* qt = q + t * q_stride + static_cast<int64_t>(kv0) * G * D;
+      float m[kMaxHeads], l[kMaxHeads];  // running max and sum per head
+      const T* qt = q + t * q_stride;
       for (int i = 0; i < GH * D; ++i) {
         if constexpr (!kFastBf16) qf[i] = load(qt[i]) * scale;  // the bf16 path reads q as stored
         acc[i] = 0.f;
@@ -133,20 +159,23 @@ void paged_attention(const T* q, int64_t q_stride, const T* kc, const T* vc, con
       const int ctx = tok_pos[t] + 1;
       const int32_t* bt = block_tables + static_cast<int64_t>(tok_req[t]) * max_blocks;
       const int nb = (ctx + block_size - 1) / block_size;
-      for (int b0 = 0; b0 < nb; b0 += blocks_per_chunk) {
-        const int b1 = b0 + blocks_per_chunk < nb ? b0 + blocks_per_chunk : nb;
+      const int first = share * nb / splits, last = (share + 1) * nb / splits;  // this item's blocks
+      for (int b0 = first; b0 < last; b0 += blocks_per_chunk) {
+        const int b1 = b0 + blocks_per_chunk < last ? b0 + blocks_per_chunk : last;
         const int c0 = b0 * block_size;
         const int nc = (b1 * block_size < ctx ? b1 * block_size : ctx) - c0;  // keys in this chunk
-        // scores: stream each block's K rows once, every head of the item per row
+        if (2 * nc * row * static_cast<int64_t>(sizeof(T)) <= kStreamInBytes)
+          stream_in(kc, vc, bt, b0, b1, nb, ctx, block_size, blk, row);
+        // scores: stream each block's K rows once, every head per row
         if constexpr (kFastBf16) {
 #if defined(__AVX512BF16__)
-          for (int kvh = kv0; kvh < kv0 + kv_span; ++kvh)
-            scores_bf16_d64(reinterpret_cast<const uint16_t*>(qt) + (kvh - kv0) * G * 64, G,
+          for (int kvh = 0; kvh < num_kv_heads; ++kvh)
+            scores_bf16_d64(reinterpret_cast<const uint16_t*>(qt) + kvh * G * 64, G,
                             reinterpret_cast<const uint16_t*>(kc), bt, b0, b1, nb, ctx, block_size, blk, row, kvh,
-                            scale, s + (kvh - kv0) * G * kChunk);
+                            scale, s + kvh * G * kChunk);
 #endif
         } else {
-          for_keys(kc, bt, b0, b1, nb, ctx, block_size, blk, row, kv0 * D, [&](const T* kj, int j) {
+          for_keys(kc, bt, b0, b1, nb, ctx, block_size, blk, row, 0, [&](const T* kj, int j) {
             for (int g = 0; g < GH; ++g) {
               const float* qh = qf + g * D;
               const T* kh = kj + (g / G) * D;
@@ -179,12 +208,12 @@ void paged_attention(const T* q, int64_t q_stride, const T* kc, const T* vc, con
         // values: stream each block's V rows once
         if constexpr (kFastBf16) {
 #if defined(__AVX512BF16__)
-          for (int kvh = kv0; kvh < kv0 + kv_span; ++kvh)
+          for (int kvh = 0; kvh < num_kv_heads; ++kvh)
             values_bf16_d64(G, reinterpret_cast<const uint16_t*>(vc), bt, b0, b1, nb, ctx, block_size, blk, row, kvh,
-                            s + (kvh - kv0) * G * kChunk, acc + (kvh - kv0) * G * 64);
+                            s + kvh * G * kChunk, acc + kvh * G * 64);
 #endif
         } else {
-          for_keys(vc, bt, b0, b1, nb, ctx, block_size, blk, row, kv0 * D, [&](const T* vj, int j) {
+          for_keys(vc, bt, b0, b1, nb, ctx, block_size, blk, row, 0, [&](const T* vj, int j) {
             for (int g = 0; g < GH; ++g) {
               const float p = s[g * kChunk + j];
               const T* vh = vj + (g / G) * D;
@@ -194,12 +223,38 @@ void paged_attention(const T* q, int64_t q_stride, const T* kc, const T* vc, con
           });
         }
       }
-      T* ot = out + t * out_stride + static_cast<int64_t>(kv0) * G * D;
-      for (int g = 0; g < GH; ++g) {
-        const float inv = 1.f / l[g];
-        for (int d = 0; d < D; ++d) store(ot + g * D + d, acc[g * D + d] * inv);
+      if (splits == 1) {
+        T* ot = out + t * out_stride;
+        for (int g = 0; g < GH; ++g) {
+          const float inv = 1.f / l[g];
+          for (int d = 0; d < D; ++d) store(ot + g * D + d, acc[g * D + d] * inv);
+        }
+      } else {
+        float* pi = part + static_cast<size_t>(it) * GH * (D + 2);
+        for (int g = 0; g < GH; ++g) {
+          pi[g * (D + 2)] = m[g], pi[g * (D + 2) + 1] = l[g];
+          std::memcpy(pi + g * (D + 2) + 2, acc + g * D, D * sizeof(float));
+        }
       }
     }
+  }
+  if (splits > 1) {  // each token's shares, rescaled to their common max, summed into the first share's state
+    for (int t = 0; t < num_tokens; ++t)
+      for (int g = 0; g < GH; ++g) {
+        float* p0 = part + (static_cast<size_t>(t) * splits * GH + g) * (D + 2);
+        const size_t step = static_cast<size_t>(GH) * (D + 2);  // the next share's state for this head
+        float mx = -1e30f;
+        for (int sp = 0; sp < splits; ++sp) mx = p0[sp * step] > mx ? p0[sp * step] : mx;
+        float l = 0.f;
+        for (int sp = 0; sp < splits; ++sp) {
+          const float* ps = p0 + sp * step;
+          const float w = expf(ps[0] - mx);
+          l += ps[1] * w;
+          for (int d = 0; d < D; ++d) p0[2 + d] = sp == 0 ? ps[2 + d] * w : p0[2 + d] + ps[2 + d] * w;
+        }
+        T* ot = out + t * out_stride + static_cast<int64_t>(g) * D;
+        for (int d = 0; d < D; ++d) store(ot + d, p0[2 + d] / l);
+      }
   }
 }
 
