@@ -197,6 +197,25 @@ def cpu_id() -> str:
     return "\n".join(lines)
 
 
+_P, _I, _L, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
+_ATTENTION = (None, [_P, _L, _P, _P, _P, _I, _P, _P, _P, _L, _I, _I, _I, _I, _I, _F, _I])
+# the kernel library's C functions (csrc/): restype and argtypes, set once at load
+_SIGNATURES = {
+    "llmserve_write_kv": (None, [_P, _L, _P, _L, _P, _P, _P, _I, _L, _I, _I]),
+    "llmserve_argmax_f32": (None, [_P, _I, _I, _L, _P, _I]),
+    "llmserve_paged_attention_f32": _ATTENTION,
+    "llmserve_paged_attention_bf16": _ATTENTION,
+    "llmserve_add_rms_norm": (None, [_P, _L, _P, _L, _P, _P, _L, _I, _I, _F, _I, _I]),
+    "llmserve_rope": (None, [_P, _L, _I, _I, _I, _P, _P, _I, _I]),
+    "llmserve_silu_mul": (None, [_P, _L, _P, _L, _I, _I, _I, _I]),
+    "llmserve_int8_matmul": (None, [_P, _L, _I, _P, _P, _P, _L, _I, _I, _I, _I]),
+    "llmserve_int4_matmul": (None, [_P, _L, _I, _P, _P, _P, _P, _L, _I, _I, _I, _I]),
+    "llmserve_decode_layers": (None, [_P, _P, _P]),
+    "llmserve_quant_isa": (ctypes.c_char_p, []),
+    "llmserve_int4_tile": (_I, []),
+}
+
+
 def kernel_library_id() -> str:
     """The built kernel library's file name (it carries the hash of its sources, flags and CPU), or "none"."""
     try:
@@ -237,43 +256,9 @@ def build_kernel() -> ctypes.CDLL:
                     os.replace(tmp_so, out)  # atomic: concurrent builders never load a half-written file
                 log.info("compiled the CPU kernels in %.1fs", time.perf_counter() - t0)
             lib = ctypes.CDLL(str(out))
-            lib.llmserve_write_kv.restype = None
-            lib.llmserve_write_kv.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
-                                              ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int,
-                                              ctypes.c_int64, ctypes.c_int, ctypes.c_int]
-            lib.llmserve_argmax_f32.restype = None
-            lib.llmserve_argmax_f32.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int64,
-                                                ctypes.c_void_p, ctypes.c_int]
-            for fn in (lib.llmserve_paged_attention_f32, lib.llmserve_paged_attention_bf16):
-                fn.restype = None
-                fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
-                               ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
-                               ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_float,
-                               ctypes.c_int]
-            lib.llmserve_add_rms_norm.restype = None
-            lib.llmserve_add_rms_norm.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
-                                                  ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int,
-                                                  ctypes.c_int, ctypes.c_float, ctypes.c_int, ctypes.c_int]
-            lib.llmserve_rope.restype = None
-            lib.llmserve_rope.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_int, ctypes.c_int,
-                                          ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
-            lib.llmserve_silu_mul.restype = None
-            lib.llmserve_silu_mul.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
-                                              ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int]
-            lib.llmserve_int8_matmul.restype = None
-            lib.llmserve_int8_matmul.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_void_p,
-                                                 ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int,
-                                                 ctypes.c_int, ctypes.c_int, ctypes.c_int]
-            lib.llmserve_int4_matmul.restype = None
-            lib.llmserve_int4_matmul.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_void_p,
-                                                 ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
-                                                 ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int]
-            lib.llmserve_decode_layers.restype = None
-            lib.llmserve_decode_layers.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
-            lib.llmserve_quant_isa.restype = ctypes.c_char_p
-            lib.llmserve_quant_isa.argtypes = []
-            lib.llmserve_int4_tile.restype = ctypes.c_int
-            lib.llmserve_int4_tile.argtypes = []
+            for name, (restype, argtypes) in _SIGNATURES.items():
+                fn = getattr(lib, name)
+                fn.restype, fn.argtypes = restype, argtypes
             _lib = lib
             return lib
         except (OSError, RuntimeError, subprocess.SubprocessError) as e:
