@@ -3,7 +3,9 @@
 
 An engine is built, warmed up and stepped on this one thread (as `llmserve bench offline` does).
 `--concurrency` sequences with `--prompt-len`-token prompts are prefilled, then `--warmup` decode
-steps run, then `--steps` steps are timed without the profiler and `--steps` more under it. The
+steps run, then `--steps` steps are timed without the profiler and `--steps` more under it; where
+the steps run in the fused layers' one C call, `--steps` more are timed by that call's own clocks
+around each kernel (the profiler sees the call as one range). The
 families are found by wrapping the backend's own functions in record_function ranges for the
 profiled steps only (attention, norms, rope, LM head, sampling, step set-up); linears outside them
 are the matmul ops by name. Attention and greedy sampling run in the kernel library through
@@ -114,6 +116,23 @@ def decode_steps(engine, n: int) -> tuple[list[float], int]:
     return times, ctx
 
 
+def fused_stages(engine, n: int) -> dict[str, float] | None:
+    """Inside the fused layers' one C call, by its own clocks around each kernel: ms per step over n more decode
+    steps (not under the profiler), or None where the steps do not run there."""
+    from llmserve_torch.fused_stack import STAGES
+
+    stack = engine.backend.stack
+    if stack is None:
+        return None
+    stack.stage_us = torch.zeros(len(STAGES), dtype=torch.float64)
+    try:
+        decode_steps(engine, n)
+        us = stack.stage_us.tolist()
+    finally:
+        stack.stage_us = None
+    return {name: t / n / 1e3 for name, t in zip(STAGES, us)} if sum(us) else None
+
+
 def run(args) -> dict:
     from llmserve.request import SamplingParams
 
@@ -121,7 +140,7 @@ def run(args) -> dict:
     backend = engine.backend
     c = args.concurrency
     before = probe_before(backend.describe(), c, args.no_bound)  # the machine drifts: probe before and after
-    total = args.warmup + 2 * args.steps + 1
+    total = args.warmup + 3 * args.steps + 1
     sp = SamplingParams(max_tokens=total + 8, temperature=0.0, ignore_eos=True, detokenize=False)
     g = torch.Generator().manual_seed(args.seed)
     for _ in range(c):
@@ -136,6 +155,7 @@ def run(args) -> dict:
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         profiled, ctx = decode_steps(engine, args.steps)
     fam, loose = family_times(prof.events())
+    stages = fused_stages(engine, args.steps)
     n = args.steps
     wall_ms = sum(profiled) / n * 1e3
     rows = {f: us / n / 1e3 for f, us in fam.items()}
@@ -152,6 +172,7 @@ def run(args) -> dict:
         "families_ms": rows,
         "families_pct": {f: ms / wall_ms * 100 for f, ms in rows.items()},
         "top_other_ops_ms": {k: v / n / 1e3 for k, v in sorted(loose.items(), key=lambda kv: -kv[1])[:8]},
+        "fused_stages_ms": stages,
     }
     if not wants_bound(desc, args.no_bound):
         p = probe(desc["dtype"], desc["hidden_size"], c, before)
@@ -189,6 +210,12 @@ def print_report(r: dict) -> None:
     for f, ms in r["families_ms"].items():
         print(f"| {f} | {ms:.2f} | {r['families_pct'][f]:.1f} |")
     print(f"| **wall (profiled)** | {r['step_ms_mean_profiled']:.2f} | 100 |")
+    if r["fused_stages_ms"]:
+        st = r["fused_stages_ms"]
+        print(f"\n  inside the fused layers (C clocks around each kernel, {r['steps']} more steps): "
+              f"{sum(st.values()):.2f} ms / step\n\n| kernel | ms / step |\n|---|---|")
+        for name, ms in st.items():
+            print(f"| {name} | {ms:.3f} |")
     print("\n  largest ops in 'elementwise & other ops' (ms / step): "
           + ", ".join(f"{k} {v:.2f}" for k, v in r["top_other_ops_ms"].items()))
 

@@ -41,7 +41,13 @@ class _Scratch(ctypes.Structure):
 class _Step(ctypes.Structure):
     _fields_ = [("x", ctypes.c_void_p), ("rows", ctypes.c_int32), ("cos", ctypes.c_void_p), ("sin", ctypes.c_void_p),
                 ("slots", ctypes.c_void_p), ("block_tables", ctypes.c_void_p), ("max_blocks", ctypes.c_int32),
-                ("tok_req", ctypes.c_void_p), ("tok_pos", ctypes.c_void_p), ("threads", ctypes.c_int32)]
+                ("tok_req", ctypes.c_void_p), ("tok_pos", ctypes.c_void_p), ("threads", ctypes.c_int32),
+                ("stage_us", ctypes.c_void_p)]
+
+
+# what the C call can time a step's layers by (its enum Stage, in order): FusedStack.stage_us
+STAGES = ("q|k|v matmul", "RoPE + K/V store", "attention", "o matmul", "residual add + RMSNorm", "gate|up matmul",
+          "SiLU·up", "down matmul")
 
 
 def _why_not(model, attention, lib) -> str | None:
@@ -90,6 +96,9 @@ class FusedStack:
         self._widest_int8 = max((lin.out_features for lin in linears if lin.kind == "int8"), default=0)
         self._rows = 0
         self._scratch = None
+        # None, or float64 [len(STAGES)] that each call adds its kernels' microseconds to (profiling only: a clock
+        # read per kernel)
+        self.stage_us: torch.Tensor | None = None
 
     def _linear(self, lin: QuantLinear) -> _QLinear:
         bias = None
@@ -123,7 +132,8 @@ class FusedStack:
         cos, sin = step["cos"], step["sin"]
         bt = meta.block_tables
         st = _Step(x.data_ptr(), T, cos.data_ptr(), sin.data_ptr(), meta.slots.data_ptr(), bt.data_ptr(), bt.shape[1],
-                   meta.tok_req.data_ptr(), meta.tok_pos.data_ptr(), torch.get_num_threads())
+                   meta.tok_req.data_ptr(), meta.tok_pos.data_ptr(), torch.get_num_threads(),
+                   None if self.stage_us is None else self.stage_us.data_ptr())
         self._fn(ctypes.addressof(self._model), ctypes.addressof(self._scratch), ctypes.addressof(st))
         return x
 

@@ -9,6 +9,7 @@ import torch
 from torch_helpers import Driver, batch_of, make_backend, make_llama
 
 from llmserve.errors import ConfigError
+from llmserve_torch.fused_stack import STAGES
 
 
 @pytest.fixture(scope="module")
@@ -51,6 +52,15 @@ def test_fused_layers_equal_the_python_path(request, model, quantization, dtype)
     for got, want in zip(_steps(fused, 1), _steps(plain, 1)):
         assert torch.equal(got, want)
     assert used == [3, 3, 2, 2, 2]  # every step but the 5-row chunk ran fused
+
+
+def test_the_fused_call_times_its_kernels_when_asked(llama_dir):
+    """benchmarks/profile_step.py's view inside the call: every stage gets time, the results do not change."""
+    timed, untimed = (_backend(llama_dir, "bfloat16", "int4", "auto") for _ in range(2))
+    timed.stack.stage_us = torch.zeros(len(STAGES), dtype=torch.float64)
+    for got, want in zip(_steps(timed, 2), _steps(untimed, 2)):
+        assert torch.equal(got, want)
+    assert (timed.stack.stage_us > 0).all() and untimed.stack.stage_us is None
 
 
 def test_without_dense_copies_it_covers_what_a_step_can_hold(qwen2_dir):

@@ -10,6 +10,7 @@
 // layer's norm). Linears: kind 4 (int4 groups of 32, our packing) or 8 (int8 per row, float32 out,
 // rounded to the activations' dtype as torch's .to() does).
 
+#include <chrono>
 #include <cstdint>
 
 #include "bf16.h"
@@ -74,6 +75,29 @@ struct Step {
   const int32_t* tok_req;
   const int32_t* tok_pos;
   int32_t threads;
+  double* stage_us;  // null, or kStages sums in microseconds this call adds to (benchmarks/profile_step.py)
+};
+
+// What a step's time is split into when the caller asks (Step::stage_us), in this order
+enum Stage { kQkv, kRopeKv, kAttention, kO, kNorms, kGateUp, kSiluMul, kDown, kStages };
+
+// Adds the time since the last mark to a stage; does nothing unless asked (a clock read per kernel otherwise)
+class Clock {
+ public:
+  explicit Clock(double* sums) : sums_(sums), last_(sums ? now() : 0.0) {}
+  void mark(Stage s) {
+    if (sums_ == nullptr) return;
+    const double t = now();
+    sums_[s] += t - last_;
+    last_ = t;
+  }
+
+ private:
+  static double now() {
+    return std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now().time_since_epoch()).count();
+  }
+  double* sums_;
+  double last_;
 };
 
 template <typename T>
@@ -99,26 +123,37 @@ void run(const Model& m, const Scratch& s, const Step& st) {
   const int q = m.heads * m.head_dim, kv = m.kv_heads * m.head_dim, qkv_w = q + 2 * kv;
   T* x = static_cast<T*>(st.x);
   auto attention = sizeof(T) == 4 ? llmserve_paged_attention_f32 : llmserve_paged_attention_bf16;
+  Clock clock(st.stage_us);
   llmserve_add_rms_norm(x, H, nullptr, 0, m.layer[0].in_norm, s.h, H, R, H, m.eps, E, th);
+  clock.mark(kNorms);
   for (int li = 0; li < m.layers; ++li) {
     const Layer& L = m.layer[li];
     linear<T>(L.qkv, s.h, R, s.qkv, s.f32, th);
+    clock.mark(kQkv);
     llmserve_rope(s.qkv, qkv_w, R, m.heads + m.kv_heads, m.head_dim, st.cos, st.sin, E, th);
     T* k = static_cast<T*>(s.qkv) + q;
     llmserve_write_kv(k, qkv_w, k + kv, qkv_w, L.k_cache, L.v_cache, st.slots, R, kv, E, th);
+    clock.mark(kRopeKv);
     attention(s.qkv, qkv_w, L.k_cache, L.v_cache, st.block_tables, st.max_blocks, st.tok_req, st.tok_pos, s.attn, q,
               R, m.heads, m.kv_heads, m.head_dim, m.block_size, m.attn_scale, th);
+    clock.mark(kAttention);
     linear<T>(L.o, s.attn, R, s.o, s.f32, th);
+    clock.mark(kO);
     llmserve_add_rms_norm(x, H, s.o, H, L.post_norm, s.h, H, R, H, m.eps, E, th);
+    clock.mark(kNorms);
     linear<T>(L.gate_up, s.h, R, s.gu, s.f32, th);
+    clock.mark(kGateUp);
     llmserve_silu_mul(s.gu, 2 * m.inter, s.act, m.inter, R, m.inter, E, th);
+    clock.mark(kSiluMul);
     linear<T>(L.down, s.act, R, s.down, s.f32, th);
+    clock.mark(kDown);
     if (li + 1 < m.layers) {
       llmserve_add_rms_norm(x, H, s.down, H, m.layer[li + 1].in_norm, s.h, H, R, H, m.eps, E, th);
     } else {  // x += down
       const T* d = static_cast<const T*>(s.down);
       for (int64_t i = 0; i < static_cast<int64_t>(R) * H; ++i) store(x + i, load(x[i]) + load(d[i]));
     }
+    clock.mark(kNorms);
   }
 }
 
