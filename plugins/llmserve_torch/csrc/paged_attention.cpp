@@ -110,11 +110,12 @@ inline void values_bf16_d64(int G, const uint16_t* vc, const int32_t* bt, int b0
 // DC: head_dim fixed at compile time (64, 128) so the inner loops unroll; 0 = runtime head_dim.
 //
 // Shares of the keys rather than items per KV head (what a one-sequence step ran before): a thread then reads
-// whole rows, block after block, not a KV head's slice of each row. And the chunk streamed in first: the score and value loops spend ~40 instructions on
-// each 128-byte slice, so a core's reorder window held too few loads to keep the memory busy, while a plain load
-// loop over contiguous rows lets the L2's stream prefetcher run ahead (software prefetches did not: on this AMD
-// they fill the same miss buffers as the loads). SmolLM2 at one token, the layer's K/V evicted first as a step's
-// weights evict it, 2 threads of a Zen 5 EPYC: 7.8-10.0 -> 5.3 us a layer at 161 keys, 27-31 -> 15.7 at 600.
+// whole rows, block after block, not a KV head's slice of each row. And each chunk is streamed in first: the
+// score and value loops spend ~40 instructions on each 128-byte slice, so a core's reorder window held too few
+// loads to keep the memory busy, while a plain load loop over contiguous rows lets the L2's stream prefetcher run
+// ahead (software prefetches did not: on this AMD they fill the same miss buffers as the loads). SmolLM2 at one
+// token, the layer's K/V evicted first as a step's weights evict it, 2 threads of a Zen 5 EPYC: 7.8-10.0 -> 5.3 us
+// a layer at 161 keys, 27-31 -> 15.7 at 600.
 template <typename T, int DC>
 void paged_attention(const T* q, int64_t q_stride, const T* kc, const T* vc, const int32_t* block_tables,
                      int max_blocks, const int32_t* tok_req, const int32_t* tok_pos, T* out, int64_t out_stride,

@@ -50,8 +50,9 @@ struct Split {
 };
 
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const uint16_t* p) {  // 16 bfloat16 as float
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+inline __m512 load16(const uint16_t* p) {  // 16 bfloat16 as float: the 16 bits become the top half
+  const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16));
 }
 
 template <typename T>
