@@ -216,6 +216,11 @@ _SIGNATURES = {
 }
 
 
+def cxx_flags(march: str) -> list[str]:
+    """The kernel library's compiler flags for one target (`native` here; tests build other ISAs' paths too)."""
+    return ["-O3", f"-march={march}", "-ffast-math", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
+
+
 def kernel_library_id() -> str:
     """The built kernel library's file name (it carries the hash of its sources, flags and CPU), or "none"."""
     try:
@@ -236,7 +241,7 @@ def build_kernel() -> ctypes.CDLL:
         try:
             src = b"".join((_CSRC / f).read_bytes() for f in (*_SOURCES, "bf16.h"))
             cxx = os.environ.get("CXX", "g++")
-            flags = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
+            flags = cxx_flags("native")
             # -march=native: the binary is only valid on this kind of CPU, so the CPU is part of the key
             key = hashlib.sha256(src + " ".join([cxx, *flags, sys.platform, cpu_id()]).encode()).hexdigest()[:16]
             out = kernel_cache_dir() / f"paged_attention_{key}.so"

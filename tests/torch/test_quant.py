@@ -21,7 +21,7 @@ from torch_helpers import Driver, batch_of, make_backend, make_gpt2
 
 from llmserve.errors import ConfigError
 from llmserve_torch import quant
-from llmserve_torch.attention import cpu_id
+from llmserve_torch.attention import cpu_id, cxx_flags
 from llmserve_torch.gguf_quant import INT4_TYPES, INT8_TYPES, repack
 from llmserve_torch.kernel_plan import NEVER, KernelPlan, KindPlan, plan_kernels
 from llmserve_torch.models.common import Linear
@@ -169,8 +169,8 @@ def test_every_simd_path_of_the_int4_kernel_matches_the_reference(tmp_path, monk
         pytest.skip(f"needs an x86-64 CPU with {sorted(MARCHES[march])} and g++")
     csrc = Path(quant.__file__).with_name("csrc")
     so = tmp_path / f"quant_{march}.so"
-    subprocess.run(["g++", "-O3", f"-march={march}", "-ffast-math", "-fopenmp", "-shared", "-fPIC", "-std=c++17",
-                    f"-I{csrc}", str(csrc / "quant_matmul.cpp"), "-o", str(so)], check=True, capture_output=True)
+    subprocess.run(["g++", *cxx_flags(march), f"-I{csrc}", str(csrc / "quant_matmul.cpp"), "-o", str(so)], check=True,
+                   capture_output=True)
     lib = ctypes.CDLL(str(so))
     monkeypatch.setattr(quant, "own_int4_tile", lib.llmserve_int4_tile)
     assert lib.llmserve_int4_tile() == (16 if "avx512bw" in MARCHES[march] else 1)
