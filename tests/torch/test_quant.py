@@ -198,7 +198,8 @@ def test_the_plan_measures_a_crossover_or_drops_unused_dense_copies():
         assert all(lin.dense is None for lin in lins)
     else:
         assert all(lin.dense is not None for lin in lins)
-        assert kp.timings[min(r for r in kp.timings if r > kp.max_rows)]["dense_ms"] < \
+        # the plan compared the raw timings (quantized lost); the record keeps them to the µs, where they may tie
+        assert kp.timings[min(r for r in kp.timings if r > kp.max_rows)]["dense_ms"] <= \
             kp.timings[min(r for r in kp.timings if r > kp.max_rows)]["quantized_ms"]
     fixed = KernelPlan()
     plan_kernels(fixed, [other], torch.float32, max_batch_rows=16, limit=2)
