@@ -239,7 +239,7 @@ def build_kernel() -> ctypes.CDLL:
         if _lib_error is not None:
             raise RuntimeError(_lib_error)
         try:
-            src = b"".join((_CSRC / f).read_bytes() for f in (*_SOURCES, "bf16.h"))
+            src = b"".join(f.read_bytes() for f in sorted(_CSRC.iterdir()) if f.suffix in (".cpp", ".h"))  # with headers
             cxx = os.environ.get("CXX", "g++")
             flags = cxx_flags("native")
             # -march=native: the binary is only valid on this kind of CPU, so the CPU is part of the key

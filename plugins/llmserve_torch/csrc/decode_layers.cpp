@@ -14,26 +14,7 @@
 #include <cstdint>
 
 #include "bf16.h"
-
-extern "C" {
-void llmserve_add_rms_norm(void* x, int64_t xs, const void* delta, int64_t ds, const void* w, void* out, int64_t os,
-                           int rows, int n, float eps, int elem_size, int th);
-void llmserve_rope(void* qk, int64_t stride, int rows, int heads, int D, const float* cos, const float* sin,
-                   int elem_size, int th);
-void llmserve_silu_mul(const void* gu, int64_t gs, void* out, int64_t os, int rows, int inter, int elem_size, int th);
-void llmserve_int8_matmul(const void* x, int64_t xs, int rows, const int8_t* w, const float* scale, float* y,
-                          int64_t ys, int N, int K, int elem_size, int th);
-void llmserve_int4_matmul(const void* x, int64_t xs, int rows, const uint8_t* w, const float* scale,
-                          const float* zero, void* y, int64_t ys, int N, int K, int elem_size, int th);
-void llmserve_write_kv(const void* k, int64_t ks, const void* v, int64_t vs, void* kc, void* vc, const int64_t* slots,
-                       int nt, int64_t row, int elem_size, int th);
-void llmserve_paged_attention_f32(const void* q, int64_t qs, const void* kc, const void* vc, const int32_t* bt,
-                                  int mb, const int32_t* tr, const int32_t* tp, void* out, int64_t os, int nt, int H,
-                                  int KVH, int D, int BS, float sc, int th);
-void llmserve_paged_attention_bf16(const void* q, int64_t qs, const void* kc, const void* vc, const int32_t* bt,
-                                   int mb, const int32_t* tr, const int32_t* tp, void* out, int64_t os, int nt, int H,
-                                   int KVH, int D, int BS, float sc, int th);
-}
+#include "kernels.h"
 
 namespace {
 
@@ -100,59 +81,75 @@ class Clock {
   double last_;
 };
 
+// This member's share of y = x · W^T (+ bias). The int8 kernel's float32 outputs are rounded by the member that
+// made them (the same share of N), so only the bias waits for the whole matmul.
 template <typename T>
-void linear(const QLinear& L, const void* x, int rows, void* y, float* f32, int th) {
+void linear(const Team& tm, const QLinear& L, const void* x, int rows, void* y, float* f32) {
   const int elem = sizeof(T);
   T* yt = static_cast<T*>(y);
   if (L.kind == 4) {
-    llmserve_int4_matmul(x, L.k, rows, static_cast<const uint8_t*>(L.w), L.scale, L.zero, y, L.n, L.n, L.k, elem, th);
+    team_int4_matmul(tm, x, L.k, rows, static_cast<const uint8_t*>(L.w), L.scale, L.zero, y, L.n, L.n, L.k, elem);
   } else {  // float32 out, then the activations' dtype (torch: y.to(x.dtype))
-    llmserve_int8_matmul(x, L.k, rows, static_cast<const int8_t*>(L.w), L.scale, f32, L.n, L.n, L.k, elem, th);
-    for (int64_t i = 0; i < static_cast<int64_t>(rows) * L.n; ++i) store(yt + i, f32[i]);
+    team_int8_matmul(tm, x, L.k, rows, static_cast<const int8_t*>(L.w), L.scale, f32, L.n, L.n, L.k, elem);
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t j = tm.begin(L.n); j < tm.end(L.n); ++j) store(yt + r * L.n + j, f32[r * L.n + j]);
   }
   if (L.bias != nullptr) {  // y += bias, rounded as the in-place torch add rounds
+    tm.sync();
     const T* b = static_cast<const T*>(L.bias);
     for (int r = 0; r < rows; ++r)
-      for (int j = 0; j < L.n; ++j) store(yt + static_cast<int64_t>(r) * L.n + j, load(yt[r * L.n + j]) + load(b[j]));
+      for (int j = tm.begin(L.n); j < tm.end(L.n); ++j)
+        store(yt + static_cast<int64_t>(r) * L.n + j, load(yt[r * L.n + j]) + load(b[j]));
   }
 }
 
+// One member's part of the step; members meet (tm.sync) wherever a kernel reads what the one before wrote
 template <typename T>
-void run(const Model& m, const Scratch& s, const Step& st) {
-  const int R = st.rows, th = st.threads, E = sizeof(T), H = m.hidden;
+void run(const Team& tm, const Model& m, const Scratch& s, const Step& st, float* part) {
+  const int R = st.rows, E = sizeof(T), H = m.hidden;
   const int q = m.heads * m.head_dim, kv = m.kv_heads * m.head_dim, qkv_w = q + 2 * kv;
   T* x = static_cast<T*>(st.x);
-  auto attention = sizeof(T) == 4 ? llmserve_paged_attention_f32 : llmserve_paged_attention_bf16;
-  Clock clock(st.stage_us);
-  llmserve_add_rms_norm(x, H, nullptr, 0, m.layer[0].in_norm, s.h, H, R, H, m.eps, E, th);
+  Clock clock(tm.lead() ? st.stage_us : nullptr);  // the lead's clock: its stage times include its waits
+  team_add_rms_norm(tm, x, H, nullptr, 0, m.layer[0].in_norm, s.h, H, R, H, m.eps, E);
+  tm.sync();
   clock.mark(kNorms);
   for (int li = 0; li < m.layers; ++li) {
     const Layer& L = m.layer[li];
-    linear<T>(L.qkv, s.h, R, s.qkv, s.f32, th);
+    linear<T>(tm, L.qkv, s.h, R, s.qkv, s.f32);
+    tm.sync();
     clock.mark(kQkv);
-    llmserve_rope(s.qkv, qkv_w, R, m.heads + m.kv_heads, m.head_dim, st.cos, st.sin, E, th);
+    team_rope(tm, s.qkv, qkv_w, R, m.heads + m.kv_heads, m.head_dim, st.cos, st.sin, E);
+    tm.sync();  // K roped before it is stored
     T* k = static_cast<T*>(s.qkv) + q;
-    llmserve_write_kv(k, qkv_w, k + kv, qkv_w, L.k_cache, L.v_cache, st.slots, R, kv, E, th);
+    team_write_kv(tm, k, qkv_w, k + kv, qkv_w, L.k_cache, L.v_cache, st.slots, R, kv, E);
+    tm.sync();
     clock.mark(kRopeKv);
-    attention(s.qkv, qkv_w, L.k_cache, L.v_cache, st.block_tables, st.max_blocks, st.tok_req, st.tok_pos, s.attn, q,
-              R, m.heads, m.kv_heads, m.head_dim, m.block_size, m.attn_scale, th);
+    team_paged_attention(tm, s.qkv, qkv_w, L.k_cache, L.v_cache, st.block_tables, st.max_blocks, st.tok_req,
+                         st.tok_pos, s.attn, q, R, m.heads, m.kv_heads, m.head_dim, m.block_size, m.attn_scale, part, E);
+    tm.sync();
     clock.mark(kAttention);
-    linear<T>(L.o, s.attn, R, s.o, s.f32, th);
+    linear<T>(tm, L.o, s.attn, R, s.o, s.f32);
+    tm.sync();
     clock.mark(kO);
-    llmserve_add_rms_norm(x, H, s.o, H, L.post_norm, s.h, H, R, H, m.eps, E, th);
+    team_add_rms_norm(tm, x, H, s.o, H, L.post_norm, s.h, H, R, H, m.eps, E);
+    tm.sync();
     clock.mark(kNorms);
-    linear<T>(L.gate_up, s.h, R, s.gu, s.f32, th);
+    linear<T>(tm, L.gate_up, s.h, R, s.gu, s.f32);
+    tm.sync();
     clock.mark(kGateUp);
-    llmserve_silu_mul(s.gu, 2 * m.inter, s.act, m.inter, R, m.inter, E, th);
+    team_silu_mul(tm, s.gu, 2 * m.inter, s.act, m.inter, R, m.inter, E);
+    tm.sync();
     clock.mark(kSiluMul);
-    linear<T>(L.down, s.act, R, s.down, s.f32, th);
+    linear<T>(tm, L.down, s.act, R, s.down, s.f32);
+    tm.sync();
     clock.mark(kDown);
     if (li + 1 < m.layers) {
-      llmserve_add_rms_norm(x, H, s.down, H, m.layer[li + 1].in_norm, s.h, H, R, H, m.eps, E, th);
+      team_add_rms_norm(tm, x, H, s.down, H, m.layer[li + 1].in_norm, s.h, H, R, H, m.eps, E);
     } else {  // x += down
       const T* d = static_cast<const T*>(s.down);
-      for (int64_t i = 0; i < static_cast<int64_t>(R) * H; ++i) store(x + i, load(x[i]) + load(d[i]));
+      for (int64_t i = tm.begin(R * H); i < tm.end(R * H); ++i) store(x + i, load(x[i]) + load(d[i]));
     }
+    tm.sync();
     clock.mark(kNorms);
   }
 }
@@ -162,10 +159,13 @@ void run(const Model& m, const Scratch& s, const Step& st) {
 extern "C" {
 
 void llmserve_decode_layers(const Model* m, const Scratch* s, const Step* st) {
-  if (m->elem_size == 4)
-    run<float>(*m, *s, *st);
-  else
-    run<uint16_t>(*m, *s, *st);
+  float* part = attention_part(st->rows, m->heads, m->head_dim, st->threads);
+  on_team(st->threads, true, [&](const Team& tm) {
+    if (m->elem_size == 4)
+      run<float>(tm, *m, *s, *st, part);
+    else
+      run<uint16_t>(tm, *m, *s, *st, part);
+  });
 }
 
 }  // extern "C"

@@ -14,15 +14,15 @@
 #endif
 
 #include "bf16.h"
+#include "kernels.h"
 
 namespace {
 
-// x += delta (when delta is given), then out = w * T(rms_norm(x)) with the norm in float.
+// x += delta (when delta is given), then out = w * T(rms_norm(x)) with the norm in float; this member's rows.
 template <typename T>
-void add_rms_norm(T* x, int64_t xs, const T* delta, int64_t ds, const T* w, T* out, int64_t os, int rows, int n,
-                  float eps, int th) {
-#pragma omp parallel for num_threads(th) if (rows > 8)
-  for (int r = 0; r < rows; ++r) {
+void add_rms_norm(const Team& tm, T* x, int64_t xs, const T* delta, int64_t ds, const T* w, T* out, int64_t os,
+                  int rows, int n, float eps) {
+  for (int r = tm.begin(rows); r < tm.end(rows); ++r) {
     T* xr = x + r * xs;
     float ss = 0.f;
     if (delta != nullptr) {
@@ -45,34 +45,32 @@ void add_rms_norm(T* x, int64_t xs, const T* delta, int64_t ds, const T* w, T* o
 }
 
 // Rotate-half RoPE in place on the first `heads` heads of each row (the Q heads, then the K heads);
-// cos/sin: [rows, D/2] float32 holding values already rounded to T (HF casts its tables to T).
+// cos/sin: [rows, D/2] float32 holding values already rounded to T (HF casts its tables to T). This member's share
+// of the rows' heads.
 template <typename T>
-void rope(T* qk, int64_t stride, int rows, int heads, int D, const float* cos, const float* sin, int th) {
+void rope(const Team& tm, T* qk, int64_t stride, int rows, int heads, int D, const float* cos, const float* sin) {
   const int half = D / 2;
-#pragma omp parallel for num_threads(th) if (rows > 8)
-  for (int r = 0; r < rows; ++r) {
+  for (int item = tm.begin(rows * heads); item < tm.end(rows * heads); ++item) {
+    const int r = item / heads, h = item % heads;
     const float* c = cos + static_cast<int64_t>(r) * half;
     const float* s = sin + static_cast<int64_t>(r) * half;
-    for (int h = 0; h < heads; ++h) {
-      T* p = qk + r * stride + static_cast<int64_t>(h) * D;
-      for (int i = 0; i < half; ++i) {
-        const float x1 = load(p[i]), x2 = load(p[i + half]);
-        store(p + i, round_to<T>(x1 * c[i]) - round_to<T>(x2 * s[i]));
-        store(p + i + half, round_to<T>(x2 * c[i]) + round_to<T>(x1 * s[i]));
-      }
+    T* p = qk + r * stride + static_cast<int64_t>(h) * D;
+    for (int i = 0; i < half; ++i) {
+      const float x1 = load(p[i]), x2 = load(p[i + half]);
+      store(p + i, round_to<T>(x1 * c[i]) - round_to<T>(x2 * s[i]));
+      store(p + i + half, round_to<T>(x2 * c[i]) + round_to<T>(x1 * s[i]));
     }
   }
 }
 
-// out = T(silu(gate)) * up, gate and up the two halves of each gate|up row.
+// out = T(silu(gate)) * up, gate and up the two halves of each gate|up row; this member's columns.
 template <typename T>
-void silu_mul(const T* gu, int64_t gs, T* out, int64_t os, int rows, int inter, int th) {
-#pragma omp parallel for num_threads(th) if (rows > 8)
+void silu_mul(const Team& tm, const T* gu, int64_t gs, T* out, int64_t os, int rows, int inter) {
   for (int r = 0; r < rows; ++r) {
     const T* g = gu + r * gs;
     const T* u = g + inter;
     T* o = out + r * os;
-    for (int i = 0; i < inter; ++i) {
+    for (int i = tm.begin(inter); i < tm.end(inter); ++i) {
       const float x = load(g[i]);
       store(o + i, round_to<T>(x / (1.f + expf(-x))) * load(u[i]));
     }
@@ -100,8 +98,8 @@ inline __m256i dot16(const int16_t* x, const int8_t* w) {  // 16 products, as 8 
   return _mm256_madd_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x)), wi);
 }
 
-void int8_matmul_i16(const float* xf, int rows, const int8_t* w, const float* scale, float* y, int64_t ys, int N,
-                     int K, int th) {
+void int8_matmul_i16(const Team& tm, const float* xf, int rows, const int8_t* w, const float* scale, float* y,
+                     int64_t ys, int N, int K) {
   const int nb = K / kBlock;
   alignas(64) static thread_local int16_t xq[kMaxRows][kMaxK];
   static thread_local float xs[kMaxRows][kMaxK / kBlock];
@@ -117,8 +115,7 @@ void int8_matmul_i16(const float* xf, int rows, const int8_t* w, const float* sc
   }
   const int16_t(*xqp)[kMaxK] = xq;
   const float(*xsp)[kMaxK / kBlock] = xs;
-#pragma omp parallel for num_threads(th) schedule(static)
-  for (int n = 0; n < N; ++n) {
+  for (int n = tm.begin(N); n < tm.end(N); ++n) {
     const int8_t* wn = w + static_cast<int64_t>(n) * K;
     for (int b = 0; b < K; b += 64) _mm_prefetch(reinterpret_cast<const char*>(wn) + kPrefetchBytes + b, _MM_HINT_T0);
     for (int r = 0; r < rows; ++r) {
@@ -158,21 +155,21 @@ void int8_matmul_i16(const float* xf, int rows, const int8_t* w, const float* sc
 }
 #endif
 
+// This member's outputs; every member rounds x itself (into its own buffers)
 template <typename T>
-void int8_matmul(const T* x, int64_t xs, int rows, const int8_t* w, const float* scale, float* y, int64_t ys, int N,
-                 int K, int th) {
+void int8_matmul(const Team& tm, const T* x, int64_t xs, int rows, const int8_t* w, const float* scale, float* y,
+                 int64_t ys, int N, int K) {
   static thread_local float xf[kMaxRows][kMaxK];
   for (int r = 0; r < rows; ++r)
     for (int k = 0; k < K; ++k) xf[r][k] = load(x[r * xs + k]);
 #if defined(__AVX2__)
   if (K % kBlock == 0) {
-    int8_matmul_i16(&xf[0][0], rows, w, scale, y, ys, N, K, th);
+    int8_matmul_i16(tm, &xf[0][0], rows, w, scale, y, ys, N, K);
     return;
   }
 #endif
   const float(*xfp)[kMaxK] = xf;
-#pragma omp parallel for num_threads(th) schedule(static)
-  for (int n = 0; n < N; ++n) {
+  for (int n = tm.begin(N); n < tm.end(N); ++n) {
     const int8_t* wn = w + static_cast<int64_t>(n) * K;
     for (int r = 0; r < rows; ++r) {
       const float* xr = xfp[r];
@@ -191,36 +188,58 @@ extern "C" {
 // rows <= 8 and K <= 8192 (the caller checks): float32 results.
 void llmserve_int8_matmul(const void* x, int64_t xs, int rows, const int8_t* w, const float* scale, float* y,
                           int64_t ys, int N, int K, int elem_size, int th) {
-  if (elem_size == 4)
-    int8_matmul<float>(static_cast<const float*>(x), xs, rows, w, scale, y, ys, N, K, th);
-  else
-    int8_matmul<uint16_t>(static_cast<const uint16_t*>(x), xs, rows, w, scale, y, ys, N, K, th);
+  on_team(th, true, [&](const Team& tm) { team_int8_matmul(tm, x, xs, rows, w, scale, y, ys, N, K, elem_size); });
 }
 
+// The elementwise kernels run on one thread up to 8 rows (a parallel region costs more than they do)
 void llmserve_add_rms_norm(void* x, int64_t xs, const void* delta, int64_t ds, const void* w, void* out, int64_t os,
                            int rows, int n, float eps, int elem_size, int th) {
-  if (elem_size == 4)
-    add_rms_norm<float>(static_cast<float*>(x), xs, static_cast<const float*>(delta), ds,
-                        static_cast<const float*>(w), static_cast<float*>(out), os, rows, n, eps, th);
-  else
-    add_rms_norm<uint16_t>(static_cast<uint16_t*>(x), xs, static_cast<const uint16_t*>(delta), ds,
-                           static_cast<const uint16_t*>(w), static_cast<uint16_t*>(out), os, rows, n, eps, th);
+  on_team(th, rows > 8,
+          [&](const Team& tm) { team_add_rms_norm(tm, x, xs, delta, ds, w, out, os, rows, n, eps, elem_size); });
 }
 
 void llmserve_rope(void* qk, int64_t stride, int rows, int heads, int D, const float* cos, const float* sin,
                    int elem_size, int th) {
-  if (elem_size == 4)
-    rope<float>(static_cast<float*>(qk), stride, rows, heads, D, cos, sin, th);
-  else
-    rope<uint16_t>(static_cast<uint16_t*>(qk), stride, rows, heads, D, cos, sin, th);
+  on_team(th, rows > 8, [&](const Team& tm) { team_rope(tm, qk, stride, rows, heads, D, cos, sin, elem_size); });
 }
 
 void llmserve_silu_mul(const void* gu, int64_t gs, void* out, int64_t os, int rows, int inter, int elem_size,
                        int th) {
-  if (elem_size == 4)
-    silu_mul<float>(static_cast<const float*>(gu), gs, static_cast<float*>(out), os, rows, inter, th);
-  else
-    silu_mul<uint16_t>(static_cast<const uint16_t*>(gu), gs, static_cast<uint16_t*>(out), os, rows, inter, th);
+  on_team(th, rows > 8, [&](const Team& tm) { team_silu_mul(tm, gu, gs, out, os, rows, inter, elem_size); });
 }
 
 }  // extern "C"
+
+void team_int8_matmul(const Team& tm, const void* x, int64_t xs, int rows, const int8_t* w, const float* scale,
+                      float* y, int64_t ys, int N, int K, int elem_size) {
+  if (elem_size == 4)
+    int8_matmul<float>(tm, static_cast<const float*>(x), xs, rows, w, scale, y, ys, N, K);
+  else
+    int8_matmul<uint16_t>(tm, static_cast<const uint16_t*>(x), xs, rows, w, scale, y, ys, N, K);
+}
+
+void team_add_rms_norm(const Team& tm, void* x, int64_t xs, const void* delta, int64_t ds, const void* w, void* out,
+                       int64_t os, int rows, int n, float eps, int elem_size) {
+  if (elem_size == 4)
+    add_rms_norm<float>(tm, static_cast<float*>(x), xs, static_cast<const float*>(delta), ds,
+                        static_cast<const float*>(w), static_cast<float*>(out), os, rows, n, eps);
+  else
+    add_rms_norm<uint16_t>(tm, static_cast<uint16_t*>(x), xs, static_cast<const uint16_t*>(delta), ds,
+                           static_cast<const uint16_t*>(w), static_cast<uint16_t*>(out), os, rows, n, eps);
+}
+
+void team_rope(const Team& tm, void* qk, int64_t stride, int rows, int heads, int D, const float* cos,
+               const float* sin, int elem_size) {
+  if (elem_size == 4)
+    rope<float>(tm, static_cast<float*>(qk), stride, rows, heads, D, cos, sin);
+  else
+    rope<uint16_t>(tm, static_cast<uint16_t*>(qk), stride, rows, heads, D, cos, sin);
+}
+
+void team_silu_mul(const Team& tm, const void* gu, int64_t gs, void* out, int64_t os, int rows, int inter,
+                   int elem_size) {
+  if (elem_size == 4)
+    silu_mul<float>(tm, static_cast<const float*>(gu), gs, static_cast<float*>(out), os, rows, inter);
+  else
+    silu_mul<uint16_t>(tm, static_cast<const uint16_t*>(gu), gs, static_cast<uint16_t*>(out), os, rows, inter);
+}

@@ -25,6 +25,7 @@
 #endif
 
 #include "bf16.h"
+#include "kernels.h"
 
 namespace {
 
@@ -107,6 +108,11 @@ inline void values_bf16_d64(int G, const uint16_t* vc, const int32_t* bt, int b0
 }
 #endif
 
+// How many shares each query token's keys are split into: one, unless there are fewer tokens than threads
+inline int token_splits(int num_tokens, int threads) {
+  return num_tokens >= threads ? 1 : (threads + num_tokens - 1) / num_tokens;
+}
+
 // DC: head_dim fixed at compile time (64, 128) so the inner loops unroll; 0 = runtime head_dim.
 //
 // Shares of the keys rather than items per KV head (what a one-sequence step ran before): a thread then reads
@@ -116,34 +122,30 @@ inline void values_bf16_d64(int G, const uint16_t* vc, const int32_t* bt, int b0
 // ahead (software prefetches did not: on this AMD they fill the same miss buffers as the loads). SmolLM2 at one
 // token, the layer's K/V evicted first as a step's weights evict it, 2 threads of a Zen 5 EPYC: 7.8-10.0 -> 5.3 us
 // a layer at 161 keys, 27-31 -> 15.7 at 600.
+//
+// Items go round-robin to the team's members (neighbouring query tokens of a prompt chunk have similar contexts).
 template <typename T, int DC>
-void paged_attention(const T* q, int64_t q_stride, const T* kc, const T* vc, const int32_t* block_tables,
-                     int max_blocks, const int32_t* tok_req, const int32_t* tok_pos, T* out, int64_t out_stride,
-                     int num_tokens, int num_heads, int num_kv_heads, int head_dim, int block_size, float scale,
-                     int num_threads) {
+void paged_attention(const Team& tm, const T* q, int64_t q_stride, const T* kc, const T* vc,
+                     const int32_t* block_tables, int max_blocks, const int32_t* tok_req, const int32_t* tok_pos,
+                     T* out, int64_t out_stride, int num_tokens, int num_heads, int num_kv_heads, int head_dim,
+                     int block_size, float scale, float* part) {
   const int G = num_heads / num_kv_heads;
   const int D = DC > 0 ? DC : head_dim;
   const int64_t row = static_cast<int64_t>(num_kv_heads) * D;
   const int64_t blk = row * block_size;
   // keys are taken kChunk at a time (whole blocks): scores for every head, one softmax rescale, then values
   const int blocks_per_chunk = kChunk / block_size;
-  const int splits = num_tokens >= num_threads ? 1 : (num_threads + num_tokens - 1) / num_tokens;  // items a token
+  const int splits = token_splits(num_tokens, tm.size);
   const int items = num_tokens * splits;
   const int GH = num_heads;
-  // a share's state per head: its max, its sum and its unnormalised output, merged once every share is done
-  thread_local std::vector<float> scratch;  // grown once; the calling thread's (a worker's own would be empty)
-  if (splits > 1) scratch.resize(static_cast<size_t>(items) * GH * (D + 2));
-  float* const part = scratch.data();
 #if defined(__AVX512BF16__)
   constexpr bool kFastBf16 = sizeof(T) == 2 && DC == 64;
 #else
   constexpr bool kFastBf16 = false;
 #endif
-#pragma omp parallel num_threads(num_threads) if (items > 1)
   {
-    alignas(64) float s[kMaxHeads * kChunk];  // per thread: the item's heads × kChunk scores
-#pragma omp for schedule(dynamic, 1)
-    for (int it = 0; it < items; ++it) {
+    alignas(64) float s[kMaxHeads * kChunk];  // the item's heads × kChunk scores
+    for (int it = tm.id; it < items; it += tm.size) {
       const int t = it / splits, share = it % splits;
       alignas(64) float qf[kMaxQ];
       alignas(64) float acc[kMaxQ];
@@ -240,42 +242,53 @@ void paged_attention(const T* q, int64_t q_stride, const T* kc, const T* vc, con
     }
   }
   if (splits > 1) {  // each token's shares, rescaled to their common max, summed into the first share's state
-    for (int t = 0; t < num_tokens; ++t)
-      for (int g = 0; g < GH; ++g) {
-        float* p0 = part + (static_cast<size_t>(t) * splits * GH + g) * (D + 2);
-        const size_t step = static_cast<size_t>(GH) * (D + 2);  // the next share's state for this head
-        float mx = -1e30f;
-        for (int sp = 0; sp < splits; ++sp) mx = p0[sp * step] > mx ? p0[sp * step] : mx;
-        float l = 0.f;
-        for (int sp = 0; sp < splits; ++sp) {
-          const float* ps = p0 + sp * step;
-          const float w = expf(ps[0] - mx);
-          l += ps[1] * w;
-          for (int d = 0; d < D; ++d) p0[2 + d] = sp == 0 ? ps[2 + d] * w : p0[2 + d] + ps[2 + d] * w;
-        }
-        T* ot = out + t * out_stride + static_cast<int64_t>(g) * D;
-        for (int d = 0; d < D; ++d) store(ot + d, p0[2 + d] / l);
+    tm.sync();
+    for (int tg = tm.begin(num_tokens * GH); tg < tm.end(num_tokens * GH); ++tg) {
+      const int t = tg / GH, g = tg % GH;
+      float* p0 = part + (static_cast<size_t>(t) * splits * GH + g) * (D + 2);
+      const size_t step = static_cast<size_t>(GH) * (D + 2);  // the next share's state for this head
+      float mx = -1e30f;
+      for (int sp = 0; sp < splits; ++sp) mx = p0[sp * step] > mx ? p0[sp * step] : mx;
+      float l = 0.f;
+      for (int sp = 0; sp < splits; ++sp) {
+        const float* ps = p0 + sp * step;
+        const float w = expf(ps[0] - mx);
+        l += ps[1] * w;
+        for (int d = 0; d < D; ++d) p0[2 + d] = sp == 0 ? ps[2 + d] * w : p0[2 + d] + ps[2 + d] * w;
       }
+      T* ot = out + t * out_stride + static_cast<int64_t>(g) * D;
+      for (int d = 0; d < D; ++d) store(ot + d, p0[2 + d] / l);
+    }
   }
 }
 
-// Store each new token's K and V ([T, kv_heads*head_dim] rows, any row stride) at its slot.
+// Store each new token's K and V ([T, kv_heads*head_dim] rows, any row stride) at its slot; this member's tokens.
 template <typename T>
-void write_kv(const T* k, int64_t k_stride, const T* v, int64_t v_stride, T* kc, T* vc, const int64_t* slots,
-              int num_tokens, int64_t row, int num_threads) {
-#pragma omp parallel for num_threads(num_threads) if (num_tokens > 64)
-  for (int t = 0; t < num_tokens; ++t) {
+void write_kv(const Team& tm, const T* k, int64_t k_stride, const T* v, int64_t v_stride, T* kc, T* vc,
+              const int64_t* slots, int num_tokens, int64_t row) {
+  for (int t = tm.begin(num_tokens); t < tm.end(num_tokens); ++t) {
     std::memcpy(kc + slots[t] * row, k + t * k_stride, row * sizeof(T));
     std::memcpy(vc + slots[t] * row, v + t * v_stride, row * sizeof(T));
   }
 }
 
 template <typename T>
-void dispatch(const T* q, int64_t qs, const T* kc, const T* vc, const int32_t* bt, int mb, const int32_t* tr,
-              const int32_t* tp, T* out, int64_t os, int nt, int H, int KVH, int D, int BS, float sc, int th) {
-  if (D == 64) paged_attention<T, 64>(q, qs, kc, vc, bt, mb, tr, tp, out, os, nt, H, KVH, D, BS, sc, th);
-  else if (D == 128) paged_attention<T, 128>(q, qs, kc, vc, bt, mb, tr, tp, out, os, nt, H, KVH, D, BS, sc, th);
-  else paged_attention<T, 0>(q, qs, kc, vc, bt, mb, tr, tp, out, os, nt, H, KVH, D, BS, sc, th);
+void dispatch(const Team& tm, const T* q, int64_t qs, const T* kc, const T* vc, const int32_t* bt, int mb,
+              const int32_t* tr, const int32_t* tp, T* out, int64_t os, int nt, int H, int KVH, int D, int BS, float sc,
+              float* part) {
+  if (D == 64) paged_attention<T, 64>(tm, q, qs, kc, vc, bt, mb, tr, tp, out, os, nt, H, KVH, D, BS, sc, part);
+  else if (D == 128) paged_attention<T, 128>(tm, q, qs, kc, vc, bt, mb, tr, tp, out, os, nt, H, KVH, D, BS, sc, part);
+  else paged_attention<T, 0>(tm, q, qs, kc, vc, bt, mb, tr, tp, out, os, nt, H, KVH, D, BS, sc, part);
+}
+
+// Both dtypes' attention on a region of its own
+void attention(const void* q, int64_t qs, const void* kc, const void* vc, const int32_t* bt, int mb, const int32_t* tr,
+               const int32_t* tp, void* out, int64_t os, int nt, int H, int KVH, int D, int BS, float sc, int th,
+               int elem_size) {
+  float* part = attention_part(nt, H, D, th);
+  on_team(th, nt * token_splits(nt, th) > 1, [&](const Team& tm) {
+    team_paged_attention(tm, q, qs, kc, vc, bt, mb, tr, tp, out, os, nt, H, KVH, D, BS, sc, part, elem_size);
+  });
 }
 }  // namespace
 
@@ -283,12 +296,7 @@ extern "C" {
 
 void llmserve_write_kv(const void* k, int64_t ks, const void* v, int64_t vs, void* kc, void* vc, const int64_t* slots,
                        int nt, int64_t row, int elem_size, int th) {
-  if (elem_size == 4)
-    write_kv<float>(static_cast<const float*>(k), ks, static_cast<const float*>(v), vs, static_cast<float*>(kc),
-                    static_cast<float*>(vc), slots, nt, row, th);
-  else
-    write_kv<uint16_t>(static_cast<const uint16_t*>(k), ks, static_cast<const uint16_t*>(v), vs,
-                       static_cast<uint16_t*>(kc), static_cast<uint16_t*>(vc), slots, nt, row, th);
+  on_team(th, nt > 64, [&](const Team& tm) { team_write_kv(tm, k, ks, v, vs, kc, vc, slots, nt, row, elem_size); });
 }
 
 // Index of the first maximum of each float32 row (torch's argmax is a scalar loop: ~1.3 ms for 64 x 50257).
@@ -319,16 +327,45 @@ void llmserve_attn_limits(int* max_q, int* max_heads, int* max_block) {
 void llmserve_paged_attention_f32(const void* q, int64_t qs, const void* kc, const void* vc, const int32_t* bt,
                                   int mb, const int32_t* tr, const int32_t* tp, void* out, int64_t os, int nt, int H,
                                   int KVH, int D, int BS, float sc, int th) {
-  dispatch<float>(static_cast<const float*>(q), qs, static_cast<const float*>(kc), static_cast<const float*>(vc), bt,
-                  mb, tr, tp, static_cast<float*>(out), os, nt, H, KVH, D, BS, sc, th);
+  attention(q, qs, kc, vc, bt, mb, tr, tp, out, os, nt, H, KVH, D, BS, sc, th, 4);
 }
 
 void llmserve_paged_attention_bf16(const void* q, int64_t qs, const void* kc, const void* vc, const int32_t* bt,
                                    int mb, const int32_t* tr, const int32_t* tp, void* out, int64_t os, int nt, int H,
                                    int KVH, int D, int BS, float sc, int th) {
-  dispatch<uint16_t>(static_cast<const uint16_t*>(q), qs, static_cast<const uint16_t*>(kc),
-                     static_cast<const uint16_t*>(vc), bt, mb, tr, tp, static_cast<uint16_t*>(out), os, nt, H, KVH,
-                     D, BS, sc, th);
+  attention(q, qs, kc, vc, bt, mb, tr, tp, out, os, nt, H, KVH, D, BS, sc, th, 2);
 }
 
 }  // extern "C"
+
+void team_write_kv(const Team& tm, const void* k, int64_t ks, const void* v, int64_t vs, void* kc, void* vc,
+                   const int64_t* slots, int nt, int64_t row, int elem_size) {
+  if (elem_size == 4)
+    write_kv<float>(tm, static_cast<const float*>(k), ks, static_cast<const float*>(v), vs, static_cast<float*>(kc),
+                    static_cast<float*>(vc), slots, nt, row);
+  else
+    write_kv<uint16_t>(tm, static_cast<const uint16_t*>(k), ks, static_cast<const uint16_t*>(v), vs,
+                       static_cast<uint16_t*>(kc), static_cast<uint16_t*>(vc), slots, nt, row);
+}
+
+void team_paged_attention(const Team& tm, const void* q, int64_t qs, const void* kc, const void* vc,
+                          const int32_t* bt, int mb, const int32_t* tr, const int32_t* tp, void* out, int64_t os,
+                          int nt, int H, int KVH, int D, int BS, float sc, float* part, int elem_size) {
+  if (elem_size == 4)
+    dispatch<float>(tm, static_cast<const float*>(q), qs, static_cast<const float*>(kc),
+                    static_cast<const float*>(vc), bt, mb, tr, tp, static_cast<float*>(out), os, nt, H, KVH, D, BS, sc,
+                    part);
+  else
+    dispatch<uint16_t>(tm, static_cast<const uint16_t*>(q), qs, static_cast<const uint16_t*>(kc),
+                       static_cast<const uint16_t*>(vc), bt, mb, tr, tp, static_cast<uint16_t*>(out), os, nt, H, KVH,
+                       D, BS, sc, part);
+}
+
+float* attention_part(int nt, int H, int D, int threads) {
+  // a share's state per head: its max, its sum and its unnormalised output, merged once every share is done
+  thread_local std::vector<float> scratch;  // grown once; the calling thread's, shared with its region's members
+  const int splits = token_splits(nt, threads);
+  if (splits == 1) return nullptr;
+  scratch.resize(static_cast<size_t>(nt) * splits * H * (D + 2));
+  return scratch.data();
+}

@@ -19,6 +19,7 @@
 #endif
 
 #include "bf16.h"
+#include "kernels.h"
 
 namespace {
 
@@ -143,13 +144,14 @@ void tile_rows(const uint8_t* w, const float* scale, const float* zero, const Sp
   }
 }
 
+// This member's tiles; every member quantizes x itself (no wait for one to do it: 1-4 rows take well under a
+// microsecond)
 template <typename T>
-void int4_matmul(const T* x, int64_t xs, int rows, const uint8_t* w, const float* scale, const float* zero, T* y,
-                 int64_t ys, int N, int K, int th) {
+void int4_matmul(const Team& tm, const T* x, int64_t xs, int rows, const uint8_t* w, const float* scale,
+                 const float* zero, T* y, int64_t ys, int N, int K) {
   const int ng = K / kG4, tiles = (N + kTile - 1) / kTile;
   const Split& a = split_rows(x, xs, rows, K);
-#pragma omp parallel for num_threads(th) schedule(static)
-  for (int t = 0; t < tiles; ++t) {
+  for (int t = tm.begin(tiles); t < tm.end(tiles); ++t) {
     const int64_t off = static_cast<int64_t>(t) * ng;
     const uint8_t* wt = w + off * 256;
     const float* st = scale + off * kTile;
@@ -280,12 +282,11 @@ inline float row_dot(const uint8_t* w, const float* scale, const float* zero, co
 // w[n, 32g + j] = (q - 8) * scale[n, g] + zero[n, g], q in 0..15 packed two per byte, byte j of a group holding
 // j (low nibble) and j + 16 (high nibble). Each weight row is read from memory once for all rows of x.
 template <typename T>
-void int4_matmul(const T* x, int64_t xs, int rows, const uint8_t* w, const float* scale, const float* zero, T* y,
-                 int64_t ys, int N, int K, int th) {
+void int4_matmul(const Team& tm, const T* x, int64_t xs, int rows, const uint8_t* w, const float* scale,
+                 const float* zero, T* y, int64_t ys, int N, int K) {
   const int ng = K / kG4;
   const Acts& a = quantize_rows(x, xs, rows, K);
-#pragma omp parallel for num_threads(th) schedule(static)
-  for (int n = 0; n < N; ++n) {
+  for (int n = tm.begin(N); n < tm.end(N); ++n) {
     const int64_t off = static_cast<int64_t>(n) * ng;
     for (int r = 0; r < rows; ++r)
       store(y + r * ys + n, row_dot(w + off * 16, scale + off, zero + off, a.q.data() + static_cast<int64_t>(r) * K,
@@ -321,12 +322,16 @@ int llmserve_int4_tile() { return kTile; }
 // (a bf16 model's linears then need no cast after each call).
 void llmserve_int4_matmul(const void* x, int64_t xs, int rows, const uint8_t* w, const float* scale,
                           const float* zero, void* y, int64_t ys, int N, int K, int elem_size, int th) {
-  if (elem_size == 4)
-    int4_matmul<float>(static_cast<const float*>(x), xs, rows, w, scale, zero, static_cast<float*>(y), ys, N, K,
-                       th);
-  else
-    int4_matmul<uint16_t>(static_cast<const uint16_t*>(x), xs, rows, w, scale, zero, static_cast<uint16_t*>(y), ys,
-                          N, K, th);
+  on_team(th, true, [&](const Team& tm) { team_int4_matmul(tm, x, xs, rows, w, scale, zero, y, ys, N, K, elem_size); });
 }
 
 }  // extern "C"
+
+void team_int4_matmul(const Team& tm, const void* x, int64_t xs, int rows, const uint8_t* w, const float* scale,
+                      const float* zero, void* y, int64_t ys, int N, int K, int elem_size) {
+  if (elem_size == 4)
+    int4_matmul<float>(tm, static_cast<const float*>(x), xs, rows, w, scale, zero, static_cast<float*>(y), ys, N, K);
+  else
+    int4_matmul<uint16_t>(tm, static_cast<const uint16_t*>(x), xs, rows, w, scale, zero, static_cast<uint16_t*>(y),
+                          ys, N, K);
+}

@@ -1,0 +1,34 @@
+// The team forms of the library's kernels (team.h): each member of a parallel region does its share of one call,
+// and nothing waits for the others except where noted. Arguments as the llmserve_* C entry points that run them
+// (elem_size 4: float32, 2: bfloat16).
+#pragma once
+
+#include <cstdint>
+
+#include "team.h"
+
+// y = x · W^T, int4 groups of 32 (quant_matmul.cpp); this member's tiles of outputs
+void team_int4_matmul(const Team& tm, const void* x, int64_t xs, int rows, const uint8_t* w, const float* scale,
+                      const float* zero, void* y, int64_t ys, int N, int K, int elem_size);
+// y = x · W^T, int8 per output row, float32 out (decoder_ops.cpp); this member's outputs [tm.begin(N), tm.end(N))
+void team_int8_matmul(const Team& tm, const void* x, int64_t xs, int rows, const int8_t* w, const float* scale,
+                      float* y, int64_t ys, int N, int K, int elem_size);
+// x += delta, out = rms_norm(x) * w (decoder_ops.cpp); rows shared out, one member alone below two rows a member
+void team_add_rms_norm(const Team& tm, void* x, int64_t xs, const void* delta, int64_t ds, const void* w, void* out,
+                       int64_t os, int rows, int n, float eps, int elem_size);
+// RoPE on the first `heads` heads of each row (decoder_ops.cpp); heads shared out
+void team_rope(const Team& tm, void* qk, int64_t stride, int rows, int heads, int D, const float* cos,
+               const float* sin, int elem_size);
+// silu(gate) * up (decoder_ops.cpp); columns shared out
+void team_silu_mul(const Team& tm, const void* gu, int64_t gs, void* out, int64_t os, int rows, int inter,
+                   int elem_size);
+// K/V rows stored at their slots (paged_attention.cpp); tokens shared out
+void team_write_kv(const Team& tm, const void* k, int64_t ks, const void* v, int64_t vs, void* kc, void* vc,
+                   const int64_t* slots, int nt, int64_t row, int elem_size);
+// Paged attention (paged_attention.cpp); the members meet once inside (shares of a token merged after all are
+// done). part: attention_part(...) of the thread that opened the region.
+void team_paged_attention(const Team& tm, const void* q, int64_t qs, const void* kc, const void* vc,
+                          const int32_t* bt, int mb, const int32_t* tr, const int32_t* tp, void* out, int64_t os,
+                          int nt, int H, int KVH, int D, int BS, float sc, float* part, int elem_size);
+// The shares' scratch of a paged attention call on `threads` threads (grown once; null when tokens are not split)
+float* attention_part(int nt, int H, int D, int threads);
