@@ -133,22 +133,27 @@ def fused_stages(engine, n: int) -> dict[str, float] | None:
     return {name: t / n / 1e3 for name, t in zip(STAGES, us)} if sum(us) else None
 
 
-def run(args) -> dict:
+def start_decoding(engine, c: int, prompt_len: int, steps: int, seed: int) -> None:
+    """c sequences of random prompt_len-token prompts, prefilled (chunked if need be) until every one decodes, with
+    room for `steps` more tokens each."""
     from llmserve.request import SamplingParams
 
+    sp = SamplingParams(max_tokens=steps + 8, temperature=0.0, ignore_eos=True, detokenize=False)
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(c):
+        engine.add_request(torch.randint(0, engine.backend.vocab_size, (prompt_len,), generator=g).tolist(), sp)
+    while True:
+        so = engine.step()
+        if so.metrics is not None and so.metrics.num_prefill_tokens == 0:
+            break
+
+
+def run(args) -> dict:
     engine = build_engine(args)
     backend = engine.backend
     c = args.concurrency
     before = probe_before(backend.describe(), c, args.no_bound)  # the machine drifts: probe before and after
-    total = args.warmup + 3 * args.steps + 1
-    sp = SamplingParams(max_tokens=total + 8, temperature=0.0, ignore_eos=True, detokenize=False)
-    g = torch.Generator().manual_seed(args.seed)
-    for _ in range(c):
-        engine.add_request(torch.randint(0, backend.vocab_size, (args.prompt_len,), generator=g).tolist(), sp)
-    while True:  # prefill (chunked if need be) until every sequence decodes
-        so = engine.step()
-        if so.metrics is not None and so.metrics.num_prefill_tokens == 0:
-            break
+    start_decoding(engine, c, args.prompt_len, args.warmup + 3 * args.steps + 1, args.seed)
     decode_steps(engine, args.warmup)
     plain, _ = decode_steps(engine, args.steps)
     label_families(backend)
@@ -220,13 +225,18 @@ def print_report(r: dict) -> None:
           + ", ".join(f"{k} {v:.2f}" for k, v in r["top_other_ops_ms"].items()))
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def engine_arguments(ap: argparse.ArgumentParser, prompt_len: int) -> None:
+    """The engine and workload flags build_engine and start_decoding read (ab_layers.py takes them too)."""
     ap.add_argument("--model", default="SmolLM2-135M-Instruct", help="as model.model (default: the default model)")
     ap.add_argument("--dtype", default="auto", help="float32 | bfloat16 | auto")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's own)")
     ap.add_argument("--concurrency", "-c", type=int, default=1, help="sequences decoding in each step")
-    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--prompt-len", type=int, default=prompt_len)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    engine_arguments(ap, prompt_len=128)
     ap.add_argument("--warmup", type=int, default=16, help="decode steps before timing")
     ap.add_argument("--steps", type=int, default=32, help="decode steps timed, then as many profiled")
     ap.add_argument("--seed", type=int, default=0, help="seed of the prompts' token ids")
