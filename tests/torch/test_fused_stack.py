@@ -84,3 +84,25 @@ def test_fuse_layers_option(qwen2_dir):
     assert _backend(path, "float32", "int4", False).stack is None  # YAML's bare `off`
     with pytest.raises(ConfigError, match="fuse_layers: must be one of auto, off"):
         _backend(path, "float32", "int4", "on")
+
+
+@pytest.mark.parametrize("quantization", ["int4", "int8"])
+def test_every_thread_count_shares_the_work_out_whole(llama_dir, quantization):
+    """The call's threads split every kernel and meet at barriers (csrc/team.h). At 3 threads (uneven shares, more
+    threads than this machine's cores, so members wait at barriers while descheduled) it equals the Python path on
+    3 threads, and the one-thread call (nothing split) up to the order of attention's float sums (~2e-4 of logits
+    up to ~6; a share left undone, tried by skipping one member's last tile, is off by the logits' whole size)."""
+    def logits(threads):
+        before = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            fused, plain = (_backend(llama_dir, "float32", quantization, f) for f in ("auto", "off"))
+            return _steps(fused, 2), _steps(plain, 2)
+        finally:
+            torch.set_num_threads(before)
+
+    three, three_plain = logits(3)
+    one, _ = logits(1)
+    for got, want, alone in zip(three, three_plain, one):
+        assert torch.equal(got, want)
+        torch.testing.assert_close(got, alone, rtol=0, atol=1e-3 * float(alone.abs().max()))
