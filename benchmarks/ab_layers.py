@@ -51,6 +51,8 @@ def run(args) -> dict:
     stack = engine.backend.stack
     if stack is None:
         raise SystemExit(f"the fused layers do not run here: {engine.backend.stack_note}")
+    if not stack.covers(args.concurrency):
+        raise SystemExit(f"a step of {args.concurrency} rows runs outside the fused layers (up to {stack.max_rows})")
     with tempfile.TemporaryDirectory() as tmp:
         base = build_revision(args.base, Path(tmp)).llmserve_decode_layers
     ours = stack._fn
