@@ -3,7 +3,9 @@
 // At one sequence a SmolLM2 step is ~400 kernel calls: each a few microseconds of work behind a few
 // microseconds of Python, ctypes and torch allocation. This runs the same kernels of this library in the
 // same order on the same values (fused_stack.py builds the tables), so its results equal the Python
-// path's bit for bit; only the dispatch between them is gone. Buffers are the caller's.
+// path's bit for bit; only the dispatch between them is gone. Buffers are the caller's. The whole step is one
+// parallel region: each thread runs the kernels' team forms (team.h), meeting the others at a barrier between
+// stages, where each kernel call of the Python path opens and joins a region of its own.
 //
 // Per layer: h = rms(x) → qkv = h·Wqkv (+ bias) → RoPE on q, k → K/V stored, paged attention → o =
 // attn·Wo → x += o, h = rms(x) → gate|up = h·Wgu → silu(gate)·up → down → x += down (into the next
