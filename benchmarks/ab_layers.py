@@ -4,8 +4,10 @@ this tree's, taking turns every few decode steps of one engine.
 
 The VM this project is measured on changes its memory bandwidth between runs (the bound's probe read 55 and
 95 GB/s minutes apart), so two runs of `llmserve bench offline` compare machines as much as code. Here both
-builds run the same steps' tables in turn, so a change of machine falls on both. For revisions whose
-decode_layers.cpp tables (Model, Scratch, Step) are laid out as this tree's; the K/V each call writes is the same.
+builds run the same steps' tables in turn, four calls each in the order A B B A, so a change of machine falls on
+both (in plain alternation the build that went first was 2-3 % faster at 8 sequences with the same code on both
+sides; A B B A reads 0.995-1.016 there, 0.997-1.001 at one). For revisions whose decode_layers.cpp tables (Model,
+Scratch, Step) are laid out as this tree's; the K/V each call writes is the same.
 
     python benchmarks/ab_layers.py                      # HEAD's kernels against the working tree's
     python benchmarks/ab_layers.py --base HEAD~3 -c 8 --json
@@ -61,9 +63,9 @@ def run(args) -> dict:
     times: dict[str, list[float]] = {k: [] for k in builds}
     calls = 0
 
-    def alternate(*a):  # `--turn` calls of one build, then as many of the other
+    def alternate(*a):  # `--turn` calls of each build in the order A B B A: neither always goes first
         nonlocal calls
-        name = list(builds)[calls // args.turn % 2]
+        name = list(builds)[(0, 1, 1, 0)[calls // args.turn % 4]]
         t0 = time.perf_counter()
         builds[name](*a)
         times[name].append(time.perf_counter() - t0)
@@ -76,7 +78,7 @@ def run(args) -> dict:
             engine.step()
     finally:
         stack._fn = ours
-    skip = 2 * args.turn  # both builds' first turn: warm-up
+    skip = 2 * args.turn  # each build's first two turns: warm-up
     res = {name: {"p50_ms": statistics.median(t[skip:]) * 1e3, "mean_ms": statistics.mean(t[skip:]) * 1e3,
                   "calls": len(t) - skip} for name, t in times.items()}
     return {"base": args.base, "concurrency": args.concurrency, "contexts": [args.prompt_len,
@@ -97,7 +99,7 @@ def main() -> None:
         print(json.dumps(r, indent=2))
         return
     print(f"fused layers' C call, c = {r['concurrency']}, contexts {r['contexts'][0]}-{r['contexts'][1]} tokens, "
-          f"builds alternated every {args.turn} calls")
+          f"builds taking turns of {args.turn} calls, A B B A")
     for name, b in r["builds"].items():
         print(f"  {name:>12}: p50 {b['p50_ms']:.3f} ms  mean {b['mean_ms']:.3f} ms  ({b['calls']} calls)")
     print(f"  this tree / {r['base']}: {r['ratio_p50']:.3f} (p50)")
