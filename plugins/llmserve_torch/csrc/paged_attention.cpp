@@ -72,7 +72,7 @@ inline void stream_in(const E* kc, const E* vc, const int32_t* bt, int b0, int b
 // run from cache and the memory idles; a burst of prefetches instead stalls the core on its miss buffers. A chunk
 // too large to stream in is read from memory by its loops, which these prefetches would only compete with (GPT-2's
 // float32 heads at 64 sequences: 1-6% slower). SmolLM2 in bf16, 2 threads of a Zen 5 EPYC: 64 decode tokens at
-// 150 keys, K/V evicted first, 210 -> 167 us a layer (best of five); the fused layers at 8 sequences 3-6% faster
+// 150 keys, K/V evicted first, 210 -> 167 us a layer (best of five); the fused layers at 8 sequences 8-10% faster
 // (benchmarks/ab_layers.py); 64 sequences 1387-1396 -> 1422-1423 tok/s (bench offline). A one-token step, with no
 // next item, runs its loops without the steps (with_ahead).
 struct Ahead {
