@@ -26,7 +26,9 @@ class SpinBarrier {
     // spin, then yield: a member the OS took off its core must not be starved by the one waiting for it. With more
     // members than CPUs someone is always off its core: yield at once (4 threads on 2 cores spun at 25 tok/s where
     // libgomp's regions ran 93)
-    const int spin = members > cpus() ? 0 : 4096;  // 1024 made 8-row steps 2-5% slower (long waits then yield)
+    // (1024 pauses: ~15 us on a Zen 5, where 4096 ran no faster at 1 or 8 rows and held a core from other threads
+    // of the process, the server's event loop among them, four times as long)
+    const int spin = members > cpus() ? 0 : 1024;
     for (int spins = 0; phase_.load(std::memory_order_acquire) == phase; ++spins) {
       if (spins < spin)
         pause();
