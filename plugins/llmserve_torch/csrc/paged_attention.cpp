@@ -67,6 +67,21 @@ inline void stream_in(const E* kc, const E* vc, const int32_t* bt, int b0, int b
   sink = acc;
 }
 
+// Item `it` of a call: its query token, the token's context and block table, and the item's share of the blocks
+struct Item {
+  int t, ctx, nb, first, last;  // blocks [first, last) of the context's nb
+  const int32_t* bt;
+  Item(int it, int splits, const int32_t* block_tables, int max_blocks, const int32_t* tok_req, const int32_t* tok_pos,
+       int block_size)
+      : t(it / splits), ctx(tok_pos[t] + 1), nb((ctx + block_size - 1) / block_size),
+        first(it % splits * nb / splits), last((it % splits + 1) * nb / splits),
+        bt(block_tables + static_cast<int64_t>(tok_req[t]) * max_blocks) {}
+  // keys in blocks [b0, b1) (the context's last block holds only its first keys)
+  int keys(int b0, int b1, int block_size) const {
+    return (b1 * block_size < ctx ? b1 * block_size : ctx) - b0 * block_size;
+  }
+};
+
 // The K/V of a member's next item (its first chunk, where it is streamed in: kStreamInBytes), asked for a few cache
 // lines at a time from inside this item's score and value loops. Once an item's chunk is streamed in, those loops
 // run from cache and the memory idles; a burst of prefetches instead stalls the core on its miss buffers. A chunk
@@ -84,23 +99,18 @@ struct Ahead {
   int c = 0, b = 0;
   int64_t off = 0;
 
-  // The first chunk of item `it` of a call (as paged_attention splits them); `steps`: how often a key's loops step
+  // The first chunk of `item`; `steps`: how often a key's loops step
   template <typename T>
-  void plan(int it, int splits, const T* kc, const T* vc, const int32_t* block_tables, int max_blocks,
-            const int32_t* tok_req, const int32_t* tok_pos, int block_size, int blocks_per_chunk, int64_t blk,
+  void plan(const Item& item, const T* kc, const T* vc, int block_size, int blocks_per_chunk, int64_t blk,
             int64_t row, int steps) {
-    const int t = it / splits, share = it % splits, ctx = tok_pos[t] + 1;
-    const int nb = (ctx + block_size - 1) / block_size;
-    first = share * nb / splits;
-    const int last = (share + 1) * nb / splits;
-    end = first + blocks_per_chunk < last ? first + blocks_per_chunk : last;
-    const int keys = (end * block_size < ctx ? end * block_size : ctx) - first * block_size;
+    first = item.first;
+    end = first + blocks_per_chunk < item.last ? first + blocks_per_chunk : item.last;
     const int64_t row_bytes = row * static_cast<int64_t>(sizeof(T));
-    if (first == end || 2 * keys * row_bytes > kStreamInBytes) return;  // its loops read memory anyway
-    bt = block_tables + static_cast<int64_t>(tok_req[t]) * max_blocks;
+    if (first == end || 2 * item.keys(first, end, block_size) * row_bytes > kStreamInBytes) return;  // read anyway
+    bt = item.bt;
     cache[0] = reinterpret_cast<const char*>(kc), cache[1] = reinterpret_cast<const char*>(vc);
     block_bytes = blk * static_cast<int64_t>(sizeof(T));
-    last_block = nb - 1, last_bytes = (ctx - last_block * block_size) * row_bytes;
+    last_block = item.nb - 1, last_bytes = (item.ctx - last_block * block_size) * row_bytes;
     b = first;
     // a key's K and V rows over the score and value loops' steps (as many keys as this item's, about)
     lines = static_cast<int>((2 * row_bytes + 64 * 2 * steps - 1) / (64 * 2 * steps));
@@ -213,7 +223,9 @@ void paged_attention(const Team& tm, const T* q, int64_t q_stride, const T* kc, 
   {
     alignas(64) float s[kMaxHeads * kChunk];  // the item's heads × kChunk scores
     for (int it = tm.id; it < items; it += tm.size) {
-      const int t = it / splits, share = it % splits;
+      const Item item(it, splits, block_tables, max_blocks, tok_req, tok_pos, block_size);
+      const int t = item.t, ctx = item.ctx, nb = item.nb, first = item.first, last = item.last;
+      const int32_t* bt = item.bt;
       alignas(64) float qf[kMaxQ];
       alignas(64) float acc[kMaxQ];
       float m[kMaxHeads], l[kMaxHeads];  // running max and sum per head
@@ -226,18 +238,13 @@ void paged_attention(const Team& tm, const T* q, int64_t q_stride, const T* kc, 
         m[g] = -1e30f;  // finite: built with -ffast-math
         l[g] = 0.f;
       }
-      const int ctx = tok_pos[t] + 1;
-      const int32_t* bt = block_tables + static_cast<int64_t>(tok_req[t]) * max_blocks;
-      const int nb = (ctx + block_size - 1) / block_size;
-      const int first = share * nb / splits, last = (share + 1) * nb / splits;  // this item's blocks
       Ahead ahead;  // the fast path steps once a KV head, the other once a key
       if (it + tm.size < items)
-        ahead.plan(it + tm.size, splits, kc, vc, block_tables, max_blocks, tok_req, tok_pos, block_size,
-                   blocks_per_chunk, blk, row, kFastBf16 ? num_kv_heads : 1);
+        ahead.plan(Item(it + tm.size, splits, block_tables, max_blocks, tok_req, tok_pos, block_size), kc, vc,
+                   block_size, blocks_per_chunk, blk, row, kFastBf16 ? num_kv_heads : 1);
       for (int b0 = first; b0 < last; b0 += blocks_per_chunk) {
         const int b1 = b0 + blocks_per_chunk < last ? b0 + blocks_per_chunk : last;
-        const int c0 = b0 * block_size;
-        const int nc = (b1 * block_size < ctx ? b1 * block_size : ctx) - c0;  // keys in this chunk
+        const int nc = item.keys(b0, b1, block_size);  // keys in this chunk
         if (2 * nc * row * static_cast<int64_t>(sizeof(T)) <= kStreamInBytes)
           stream_in(kc, vc, bt, b0, b1, nb, ctx, block_size, blk, row);
         // scores: stream each block's K rows once, every head per row
