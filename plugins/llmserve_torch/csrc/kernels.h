@@ -13,7 +13,7 @@ void team_int4_matmul(const Team& tm, const void* x, int64_t xs, int rows, const
 // y = x · W^T, int8 per output row, float32 out (decoder_ops.cpp); this member's outputs [tm.begin(N), tm.end(N))
 void team_int8_matmul(const Team& tm, const void* x, int64_t xs, int rows, const int8_t* w, const float* scale,
                       float* y, int64_t ys, int N, int K, int elem_size);
-// x += delta, out = rms_norm(x) * w (decoder_ops.cpp); rows shared out, one member alone below two rows a member
+// x += delta, out = rms_norm(x) * w (decoder_ops.cpp); rows shared out (with fewer rows than members, some get none)
 void team_add_rms_norm(const Team& tm, void* x, int64_t xs, const void* delta, int64_t ds, const void* w, void* out,
                        int64_t os, int rows, int n, float eps, int elem_size);
 // RoPE on the first `heads` heads of each row (decoder_ops.cpp); heads shared out

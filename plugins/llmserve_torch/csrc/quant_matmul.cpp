@@ -144,8 +144,8 @@ void tile_rows(const uint8_t* w, const float* scale, const float* zero, const Sp
   }
 }
 
-// This member's tiles; every member quantizes x itself (no wait for one to do it: 1-4 rows take well under a
-// microsecond)
+// This member's tiles; every member quantizes x itself into its own buffers, at the same time (one thread did it
+// before the others started, which took as long, and a shared copy would need a barrier)
 template <typename T>
 void int4_matmul(const Team& tm, const T* x, int64_t xs, int rows, const uint8_t* w, const float* scale,
                  const float* zero, T* y, int64_t ys, int N, int K) {
