@@ -87,6 +87,11 @@ constexpr int kBlock = 64;  // activations are rounded to int16 with one scale p
 constexpr int kPrefetchBytes = 4096;
 
 #if defined(__AVX2__)
+// Asks for the weight row kPrefetchBytes past this one's K bytes
+inline void prefetch_ahead(const int8_t* wn, int K) {
+  for (int b = 0; b < K; b += 64) _mm_prefetch(reinterpret_cast<const char*>(wn) + kPrefetchBytes + b, _MM_HINT_T0);
+}
+
 // The activations rounded to int16 per block of 64 and multiplied with the widened int8 weights by vpmaddwd
 // (vpdpwssd with AVX512-VNNI). Not int8, as llama.cpp's Q8_0 x Q8_0: that lost SmolLM2's small activations beside
 // its outliers (see quant_matmul.cpp), and on an AVX512-VNNI EPYC its vpdpbusd path was no faster than this one up
@@ -107,7 +112,7 @@ void int8_rows(const int8_t* w, const float* scale, const int16_t (*xq)[kMaxK], 
   const int nb = K / kBlock;
   for (int n = n0; n < n1; ++n) {
     const int8_t* wn = w + static_cast<int64_t>(n) * K;
-    for (int b = 0; b < K; b += 64) _mm_prefetch(reinterpret_cast<const char*>(wn) + kPrefetchBytes + b, _MM_HINT_T0);
+    prefetch_ahead(wn, K);
     __m512 acc[RB];
     for (int r = 0; r < RB; ++r) acc[r] = _mm512_setzero_ps();
     for (int b = 0; b < nb; ++b) {  // a block's sum: at most 64 * 127 * 32767 < 2^31
@@ -157,7 +162,7 @@ void int8_matmul_i16(const Team& tm, const float* xf, int rows, const int8_t* w,
 #else
   for (int n = tm.begin(N); n < tm.end(N); ++n) {
     const int8_t* wn = w + static_cast<int64_t>(n) * K;
-    for (int b = 0; b < K; b += 64) _mm_prefetch(reinterpret_cast<const char*>(wn) + kPrefetchBytes + b, _MM_HINT_T0);
+    prefetch_ahead(wn, K);
     for (int r = 0; r < rows; ++r) {
       __m256 acc = _mm256_setzero_ps();
       for (int b = 0; b < nb; ++b) {  // a block's sum: at most 64 * 127 * 32767 < 2^31
