@@ -209,7 +209,7 @@ _SIGNATURES = {
     "llmserve_rope": (None, [_P, _L, _I, _I, _I, _P, _P, _I, _I]),
     "llmserve_silu_mul": (None, [_P, _L, _P, _L, _I, _I, _I, _I]),
     "llmserve_int8_matmul": (None, [_P, _L, _I, _P, _P, _P, _L, _I, _I, _I, _I]),
-    "llmserve_int4_matmul": (None, [_P, _L, _I, _P, _P, _P, _P, _L, _I, _I, _I, _I]),
+    "llmserve_int4_matmul": (None, [_P, _L, _I, _P, _P, _L, _I, _I, _I, _I]),
     "llmserve_decode_layers": (None, [_P, _P, _P]),
     "llmserve_quant_isa": (ctypes.c_char_p, []),
     "llmserve_int4_tile": (_I, []),

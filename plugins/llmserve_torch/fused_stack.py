@@ -19,7 +19,7 @@ FUSE_LAYERS = ("auto", "off")
 
 class _QLinear(ctypes.Structure):
     _fields_ = [("kind", ctypes.c_int32), ("n", ctypes.c_int32), ("k", ctypes.c_int32), ("w", ctypes.c_void_p),
-                ("scale", ctypes.c_void_p), ("zero", ctypes.c_void_p), ("bias", ctypes.c_void_p)]
+                ("scale", ctypes.c_void_p), ("bias", ctypes.c_void_p)]
 
 
 class _Layer(ctypes.Structure):
@@ -105,9 +105,9 @@ class FusedStack:
         if lin.bias is not None:
             bias = lin.bias.to(self.model.dtype).contiguous()
             self._keep.append(bias)
-        w, scale, zero = lin.kernel_tensors()
+        w, scale = lin.kernel_tensors()
         return _QLinear(4 if lin.kind == "int4" else 8, lin.out_features, lin.in_features, w.data_ptr(),
-                        scale.data_ptr(), 0 if zero is None else zero.data_ptr(), 0 if bias is None else bias.data_ptr())
+                        0 if scale is None else scale.data_ptr(), 0 if bias is None else bias.data_ptr())
 
     def covers(self, rows: int) -> bool:
         """Whether a step of this many rows runs here."""

@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from llmserve_torch.quant import QuantWeight, int4_from_affine, quantize_int8
+from llmserve_torch.quant import QuantWeight, quantize_int8
 
 INT4_TYPES = ("Q4_0", "Q4_1", "Q4_K")
 INT8_TYPES = ("Q8_0", "Q5_0", "Q5_1", "Q5_K", "Q6_K")
@@ -54,7 +54,7 @@ def repack(tensor: Any) -> QuantWeight | None:
         _, type_size = GGML_QUANT_SIZES[tensor.tensor_type]
         q, scale, offset = _int4_parts(qtype, np.asarray(tensor.data).reshape(-1, type_size))
         as_rows = lambda a: torch.from_numpy(np.ascontiguousarray(a)).reshape(rows, -1)  # noqa: E731
-        return int4_from_affine(as_rows(q), as_rows(scale), as_rows(offset), qtype)
+        return QuantWeight("int4", as_rows(q), as_rows(scale).float(), as_rows(offset).float(), qtype)
     if qtype in INT8_TYPES:
         from gguf.quants import dequantize
 

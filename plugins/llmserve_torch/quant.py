@@ -24,14 +24,14 @@ MODES = ("auto", "none", "int8", "int4")
 class QuantWeight:
     """A linear's weight, [out, in], stored quantized.
 
-    int8: q int8 [out, in], scale [out]:                     w = q * scale
-    int4: q uint8 0..15 [out, in], scale, zero [out, in/32]: w = (q - 8) * scale + zero (the kernel's form)
+    int8: q int8 [out, in], scale [out]:                       w = q * scale
+    int4: q uint8 0..15 [out, in], scale, offset [out, in/32]: w = q * scale + offset (llama.cpp's Q4_1 form)
     """
 
     kind: str
     q: torch.Tensor
     scale: torch.Tensor  # float32
-    zero: torch.Tensor | None = None  # float32, int4 only
+    offset: torch.Tensor | None = None  # float32, int4 only
     source: str = "rtn"  # where the values came from: a GGUF type (Q4_1, ...) or rtn (rounded at load)
 
     @property
@@ -43,12 +43,11 @@ class QuantWeight:
         """The float32 matrix."""
         if self.kind == "int8":
             return self.q.float() * self.scale[:, None]
-        return ((self.q.float() - 8).unflatten(1, (-1, GROUP)) * self.scale[..., None]
-                + self.zero[..., None]).flatten(1)
+        return (self.q.float().unflatten(1, (-1, GROUP)) * self.scale[..., None] + self.offset[..., None]).flatten(1)
 
     def map_rows(self, fn) -> QuantWeight:
         """The same weight with fn (a reordering of axis 0, e.g. llama.cpp's Q/K permutation undone) applied."""
-        return QuantWeight(self.kind, fn(self.q), fn(self.scale), None if self.zero is None else fn(self.zero),
+        return QuantWeight(self.kind, fn(self.q), fn(self.scale), None if self.offset is None else fn(self.offset),
                            self.source)
 
 
@@ -60,21 +59,26 @@ def quantize_int8(w: torch.Tensor, source: str = "rtn") -> QuantWeight:
     return QuantWeight("int8", q, scale, source=source)
 
 
+def _half(x: torch.Tensor, up: bool) -> torch.Tensor:
+    """x rounded to a float16 value (as float32) no lower (up) or no higher than x."""
+    h = x.half()
+    off = h.float() < x if up else h.float() > x
+    return torch.where(off, torch.nextafter(h, torch.full_like(h, float("inf") if up else float("-inf"))), h).float()
+
+
 def quantize_int4(w: torch.Tensor) -> QuantWeight:
-    """Round-to-nearest, asymmetric (min/max), one scale and offset per group of 32 inputs."""
+    """Round-to-nearest, asymmetric (min/max), one scale and offset per group of 32 inputs.
+
+    Scale and offset are float16 values, as in llama.cpp's Q4_1, so the kernel's float16 copy of them is exact; the
+    offset rounds down and the scale up, so the 16 steps still span the group."""
     w = w.float()
     if w.shape[1] % GROUP:
         raise ValueError(f"int4 needs a number of inputs divisible by {GROUP}, got {w.shape[1]}")
     g = w.unflatten(1, (-1, GROUP))
-    lo, hi = g.amin(-1), g.amax(-1)
-    scale = ((hi - lo) / 15).clamp_min(1e-12)
+    lo = _half(g.amin(-1), up=False)
+    scale = _half(((g.amax(-1) - lo) / 15).clamp_min(2.0 ** -14), up=True)
     q = torch.round((g - lo[..., None]) / scale[..., None]).clamp(0, 15).to(torch.uint8).flatten(1)
-    return int4_from_affine(q, scale, lo, "rtn")
-
-
-def int4_from_affine(q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, source: str) -> QuantWeight:
-    """An int4 weight from w = q * scale + offset per group (llama.cpp's form), q in 0..15."""
-    return QuantWeight("int4", q, scale.float(), offset.float() + 8 * scale.float(), source)
+    return QuantWeight("int4", q, scale, lo, "rtn")
 
 
 def to_kind(w: torch.Tensor | QuantWeight, kind: str) -> QuantWeight:
@@ -90,9 +94,9 @@ def cat_rows(parts: list[QuantWeight]) -> QuantWeight:
     """Stack weights along the output axis (fused q|k|v, gate|up); mixed kinds meet at int8."""
     kind = parts[0].kind if len({p.kind for p in parts}) == 1 else "int8"
     parts = [to_kind(p, kind) for p in parts]
-    zero = torch.cat([p.zero for p in parts]) if kind == "int4" else None
+    offset = torch.cat([p.offset for p in parts]) if kind == "int4" else None
     sources = sorted({p.source for p in parts})
-    return QuantWeight(kind, torch.cat([p.q for p in parts]), torch.cat([p.scale for p in parts]), zero,
+    return QuantWeight(kind, torch.cat([p.q for p in parts]), torch.cat([p.scale for p in parts]), offset,
                        "+".join(sources))
 
 
@@ -132,24 +136,31 @@ def own_int4_tile() -> int:
     return _own_kernels().llmserve_int4_tile()
 
 
-def pack_int4_own(qw: QuantWeight) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """csrc/quant_matmul.cpp's form of an int4 weight: values, scales, zeros (w = (q - 8) * scale + zero).
+def pack_int4_own(qw: QuantWeight) -> torch.Tensor:
+    """csrc/quant_matmul.cpp's form of an int4 weight: one byte tensor, [tiles, 20 * t * groups] for tiles of t rows.
 
-    Values two a byte, byte j of a group of 32 holding inputs j (low nibble) and j + 16 (high). With tiles of t > 1
-    rows (AVX-512), the rows are padded to a whole tile with zeros and each tile's group is t rows' 16 bytes as
-    four chunks, chunk c holding each row's bytes 4c..4c+3 in turn; scales and zeros [tiles, groups, t]."""
+    A tile's values, then its scales, then its offsets (w = q * scale + offset), each [groups, t] in float16: 5 bits
+    a weight, as llama.cpp's Q4_1 (float32 scales and offsets made it 6). Values two a byte, byte j of a group of 32
+    holding inputs j (low nibble) and j + 16 (high). With tiles of t > 1 rows (AVX-512), the rows are padded to a
+    whole tile with zeros and each tile's group is t rows' 16 bytes as four chunks, chunk c holding each row's bytes
+    4c..4c+3 in turn; with t = 1 (rows in order) a row's groups follow each other."""
     g = qw.q.view(qw.q.shape[0], -1, 2, GROUP // 2)
     packed = (g[:, :, 0] | (g[:, :, 1] << 4)).flatten(1)  # [out, in/2]
-    scale, zero = qw.scale.float(), qw.zero.float()
+    scale, offset = qw.scale.half(), qw.offset.half()
+    if not (scale.isfinite().all() and offset.isfinite().all()):
+        raise ValueError("int4 scales or offsets beyond float16's range")
     t = own_int4_tile()
-    if t > 1:
-        pad = -packed.shape[0] % t
-        packed, scale, zero = (F.pad(v, (0, 0, 0, pad)) for v in (packed, scale, zero))
-        tiles, groups = packed.shape[0] // t, scale.shape[1]
-        # [tiles, t rows, groups, 4 chunks, 4 bytes] → [tiles, groups, chunks, rows, bytes]
-        packed = packed.view(tiles, t, groups, 4, 4).permute(0, 2, 3, 1, 4).reshape(tiles, -1)
-        scale, zero = (v.view(tiles, t, groups).transpose(1, 2) for v in (scale, zero))
-    return packed.contiguous(), scale.contiguous(), zero.contiguous()
+    pad = -packed.shape[0] % t
+    packed, scale, offset = (F.pad(v, (0, 0, 0, pad)) for v in (packed, scale, offset))
+    tiles, groups = packed.shape[0] // t, scale.shape[1]
+    # [tiles, t rows, groups, 4 chunks, 4 bytes] → [tiles, groups, chunks, rows, bytes]
+    packed = packed.view(tiles, t, groups, 4, 4).permute(0, 2, 3, 1, 4).reshape(tiles, groups, -1)
+    scale, offset = (v.view(tiles, t, groups).transpose(1, 2).reshape(tiles, -1).view(torch.uint8).view(tiles, groups, -1)
+                     for v in (scale, offset))
+    parts = [packed, scale, offset]  # each [tiles, groups, bytes]
+    if t > 1:  # group after group
+        return torch.cat(parts, dim=2).reshape(tiles, -1).contiguous()
+    return torch.cat([v.reshape(tiles, -1) for v in parts], dim=1).contiguous()  # a row's values, scales, offsets
 
 
 class QuantLinear:
@@ -170,11 +181,12 @@ class QuantLinear:
         if qw.kind == "int8":
             self._w = qw.q.contiguous()
         self._own4 = qw.kind == "int4" and _own_kernels() is not None
-        self._scale, self._zero = qw.scale, qw.zero
-        if self._own4:  # our kernel: its own layout of the values, scales and zeros (float32)
-            self._w, self._scale, self._zero = pack_int4_own(qw)
+        self._scale, self._zero = qw.scale, None
+        if self._own4:  # our kernel: values, scales and offsets in one tensor of its own layout
+            self._w, self._scale = pack_int4_own(qw), None
         elif qw.kind == "int4":
-            # the CPU packing takes int32 values 0..15 and stores two per byte, [out, in/2]
+            # torch's form: w = (q - 8) * scale + zero; its CPU packing takes int32 values 0..15, two a byte, [out, in/2]
+            self._zero = qw.offset + 8 * qw.scale
             self._w = torch.ops.aten._convert_weight_to_int4pack_for_cpu(qw.q.to(torch.int32).contiguous(), 1)
         self._scales = {}  # activation dtype → scales in it (torch's kernels want them in the activation dtype)
 
@@ -184,8 +196,8 @@ class QuantLinear:
         n = self._w.numel() * self._w.element_size()
         if self.kind == "int8":
             return n + self.out_features * 2
-        if self._own4:  # (scale, offset) per group, float32, rows padded to the kernel's tile
-            return n + self._scale.numel() * 4 * 2
+        if self._own4:  # its scales and offsets are in it (rows padded to the kernel's tile)
+            return n
         return n + self.out_features * (self.in_features // GROUP) * 2 * 2  # in the bf16 activations for torch's
 
     @property
@@ -218,9 +230,9 @@ class QuantLinear:
 
         return self.plan.choice(self.kind)[1] if self.dense is not None else NEVER
 
-    def kernel_tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """What our kernels read: packed values, float32 scales, and (int4) float32 offsets."""
-        return self._w, self._scale, self._zero if self._own4 else None
+    def kernel_tensors(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """What our kernels read: int8 values and their float32 scales, or (int4) pack_int4_own's tensor and None."""
+        return self._w, self._scale
 
     def scales_for(self, dtype: torch.dtype) -> torch.Tensor:
         """The kernel's scale tensor in the activation dtype (made once per dtype)."""
@@ -249,9 +261,8 @@ class QuantLinear:
             xc = x.contiguous() if x.dtype in OWN_DTYPES else x.float().contiguous()
             y = torch.empty((xc.shape[0], self.out_features), dtype=xc.dtype)  # it writes x's dtype
             _own_kernels().llmserve_int4_matmul(xc.data_ptr(), xc.stride(0), xc.shape[0], self._w.data_ptr(),
-                                                self._scale.data_ptr(), self._zero.data_ptr(), y.data_ptr(),
-                                                y.stride(0), self.out_features, self.in_features, xc.element_size(),
-                                                torch.get_num_threads())
+                                                y.data_ptr(), y.stride(0), self.out_features, self.in_features,
+                                                xc.element_size(), torch.get_num_threads())
             return y
         xa = (x if x.dtype == act else x.to(act)).contiguous()
         if self.kind == "int8":

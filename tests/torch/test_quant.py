@@ -84,6 +84,29 @@ def test_round_to_nearest_stays_within_half_a_step():
     assert torch.equal(flat.dequantize(), torch.zeros(2, 64))
 
 
+def _is_half(t: torch.Tensor) -> bool:
+    return torch.equal(t.half().float(), t)
+
+
+@pytest.mark.parametrize("source", ["rtn", "Q4_0", "Q4_1"])
+def test_int4_scales_and_offsets_are_float16_values_the_kernel_keeps_exactly(source):
+    """pack_int4_own stores them in float16: exact for Q4_0 / Q4_1 blocks (their d and m are float16) and for our
+    own rounding, which picks float16 values (offset rounded down, scale up, so the 16 steps still span a group)."""
+    w = _weights()
+    qw = quantize_int4(torch.from_numpy(w)) if source == "rtn" else repack(_gguf_tensor(w, source))
+    assert qw.kind == "int4" and _is_half(qw.scale) and _is_half(qw.offset)
+    if source == "rtn":  # (llama.cpp's Q4_0 clips a group's far end: -8 d .. 7 d)
+        g = torch.from_numpy(w).unflatten(1, (-1, GROUP))
+        assert (qw.offset <= g.amin(-1)).all() and (qw.offset + 15 * qw.scale >= g.amax(-1)).all()
+
+
+def test_int4_scales_beyond_float16_are_refused_not_turned_into_infinities():
+    qw = quantize_int4(torch.from_numpy(_weights()))
+    qw.scale[0, 0] = 1e6
+    with pytest.raises(ValueError, match="float16"):
+        quant.pack_int4_own(qw)
+
+
 def test_mixed_kinds_meet_at_int8_when_fused():
     a, b = torch.from_numpy(_weights(16, 64, 1)), torch.from_numpy(_weights(8, 64, 2))
     fused = cat_rows([quantize_int4(a), quantize_int8(b)])
@@ -157,8 +180,8 @@ def test_our_int4_kernel_matches_the_reference_at_any_rows(rows, serving, k):
 
 # each SIMD path of the int4 kernel, with the CPU flags it needs: scalar, AVX2, AVX-512 without VNNI (the build here
 # takes one path, -march=native: an AVX512-VNNI machine's CI would never run the others)
-MARCHES = {"x86-64": set(), "x86-64-v3": {"avx2", "fma", "bmi2"},
-           "x86-64-v4": {"avx2", "fma", "bmi2", "avx512f", "avx512bw", "avx512vl", "avx512dq"}}
+MARCHES = {"x86-64": set(), "x86-64-v3": {"avx2", "fma", "bmi2", "f16c"},
+           "x86-64-v4": {"avx2", "fma", "bmi2", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq"}}
 
 
 @pytest.mark.parametrize("march", MARCHES)
@@ -179,9 +202,9 @@ def test_every_simd_path_of_the_int4_kernel_matches_the_reference(tmp_path, monk
         packed = quant.pack_int4_own(qw)  # kept alive while the kernel reads it
         x = torch.randn(rows, k)
         y = torch.full((rows, n), float("nan"))
-        w, scale, zero = (ctypes.c_void_p(t.data_ptr()) for t in packed)
-        lib.llmserve_int4_matmul(ctypes.c_void_p(x.data_ptr()), ctypes.c_int64(k), rows, w, scale, zero,
-                                 ctypes.c_void_p(y.data_ptr()), ctypes.c_int64(n), n, k, 4, 2)
+        lib.llmserve_int4_matmul(ctypes.c_void_p(x.data_ptr()), ctypes.c_int64(k), rows,
+                                 ctypes.c_void_p(packed.data_ptr()), ctypes.c_void_p(y.data_ptr()), ctypes.c_int64(n),
+                                 n, k, 4, 2)
         assert ((y - F.linear(x, qw.dequantize())).abs() <= _rounding_bound(x, qw) + 1e-5).all()
 
 

@@ -1,4 +1,4 @@
-// float32 / bfloat16 (stored as uint16_t) loads and stores shared by the CPU kernels.
+// float32 / bfloat16 (stored as uint16_t) loads and stores shared by the CPU kernels; float16 loads.
 #pragma once
 
 #include <cstdint>
@@ -7,6 +7,17 @@
 inline float load(float x) { return x; }
 inline float load(uint16_t x) {  // bfloat16 -> float
   uint32_t u = static_cast<uint32_t>(x) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+inline float load_half(uint16_t h) {  // float16 -> float, exactly (subnormals, infinities and NaNs too)
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16, exp = (h >> 10) & 0x1Fu, man = h & 0x3FFu;
+  if (exp == 0) {  // zero or subnormal: man * 2^-24
+    const float f = static_cast<float>(man) * 5.9604644775390625e-8f;
+    return sign ? -f : f;
+  }
+  const uint32_t u = sign | (exp == 31 ? 0x7F800000u : (exp + 112) << 23) | (man << 13);
   float f;
   std::memcpy(&f, &u, 4);
   return f;

@@ -21,10 +21,9 @@
 namespace {
 
 struct QLinear {  // y[rows, n] = x[rows, k] · W^T (+ bias)
-  int32_t kind, n, k;  // kind 4: int4 (w, scale, zero); 8: int8 per row (w, scale)
+  int32_t kind, n, k;  // kind 4: int4 (w, its scales inside); 8: int8 per row (w, scale)
   const void* w;
   const float* scale;
-  const float* zero;
   const void* bias;  // in the activations' dtype, or null
 };
 
@@ -90,7 +89,7 @@ void linear(const Team& tm, const QLinear& L, const void* x, int rows, void* y, 
   const int elem = sizeof(T);
   T* yt = static_cast<T*>(y);
   if (L.kind == 4) {
-    team_int4_matmul(tm, x, L.k, rows, static_cast<const uint8_t*>(L.w), L.scale, L.zero, y, L.n, L.n, L.k, elem);
+    team_int4_matmul(tm, x, L.k, rows, static_cast<const uint8_t*>(L.w), y, L.n, L.n, L.k, elem);
   } else {  // float32 out, then the activations' dtype (torch: y.to(x.dtype))
     team_int8_matmul(tm, x, L.k, rows, static_cast<const int8_t*>(L.w), L.scale, f32, L.n, L.n, L.k, elem);
     for (int64_t r = 0; r < rows; ++r)

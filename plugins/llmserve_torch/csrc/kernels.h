@@ -7,9 +7,9 @@
 
 #include "team.h"
 
-// y = x · W^T, int4 groups of 32 (quant_matmul.cpp); this member's tiles of outputs
-void team_int4_matmul(const Team& tm, const void* x, int64_t xs, int rows, const uint8_t* w, const float* scale,
-                      const float* zero, void* y, int64_t ys, int N, int K, int elem_size);
+// y = x · W^T, int4 groups of 32 with float16 scales and offsets (quant_matmul.cpp); this member's tiles of outputs
+void team_int4_matmul(const Team& tm, const void* x, int64_t xs, int rows, const uint8_t* w, void* y, int64_t ys,
+                      int N, int K, int elem_size);
 // y = x · W^T, int8 per output row, float32 out (decoder_ops.cpp); this member's outputs [tm.begin(N), tm.end(N))
 void team_int8_matmul(const Team& tm, const void* x, int64_t xs, int rows, const int8_t* w, const float* scale,
                       float* y, int64_t ys, int N, int K, int elem_size);

@@ -29,18 +29,45 @@ constexpr int kG4 = 32;  // int4 group: one scale and zero per 32 inputs (llama.
 // (xh = (q + 128) >> 8 stays <= 127) for the AVX-512 path
 constexpr float kQMax = 32639.f;
 
+// Rows a tile of the weights' layout holds: 16 with AVX-512 (one output per lane), else 1 (rows in order)
+#if defined(__AVX512BW__)
+constexpr int kTile = 16;
+#else
+constexpr int kTile = 1;
+#endif
+// Tile t of pack_int4_own's layout: 20 bytes a row and group, as llama.cpp's Q4_1 block. In tiles of 16, group
+// after group: its values (16 bytes a row), its float16 scales [16], its offsets [16], so a tile is read in one
+// sequential stream (values, scales and offsets in three regions of a tile ran 24 % slower at one row). Rows in
+// order (kTile 1): a row's values, then its scales, then its offsets (the AVX2 path reads eight groups' scales
+// at once).
+struct Block {
+  const uint8_t* base;
+  int ng;
+  Block(const uint8_t* w, int64_t t, int K) : base(w + t * (K / kG4) * kTile * 20), ng(K / kG4) {}
+#if defined(__AVX512BW__)
+  const uint8_t* values(int g) const { return base + g * 320; }
+  const uint16_t* scales(int g) const { return reinterpret_cast<const uint16_t*>(base + g * 320 + 256); }
+  const uint16_t* offsets(int g) const { return scales(g) + 16; }
+#else
+  const uint8_t* values(int g) const { return base + g * 16; }
+  const uint16_t* scales(int g) const { return reinterpret_cast<const uint16_t*>(base + ng * 16) + g; }
+  const uint16_t* offsets(int g) const { return scales(g) + ng; }
+#endif
+};
+
 #if defined(__AVX512BW__)
 // ---- AVX-512: weight rows in tiles of 16, one output per lane ---------------------------------------------------
 //
 // The layout (pack_int4_own in quant.py makes it): rows in tiles of kTile, the last padded with zero rows; a tile's
 // group g is 256 bytes, four 64-byte chunks, dword r of chunk c holding bytes 4c..4c+3 of row r's group (so the
-// low nibbles are inputs 4c..4c+3 and the high ones 16 + 4c..16 + 4c + 3); scales and zeros [tiles][groups][16].
+// low nibbles are inputs 4c..4c+3 and the high ones 16 + 4c..16 + 4c + 3); after a tile's groups its float16
+// scales [groups][16], then its offsets (Block).
 // A 4-byte piece of the activations, broadcast, meets all 16 rows in one vpdpbusd: no horizontal sums, no
 // per-row tails (576 inputs are 18 groups: a per-row layout had 2 left over after blocks of four), one scale
 // vector per group. 120 SmolLM2-shaped matrices at one row, from memory, 2 threads of a Zen 5 EPYC: 1.80 ms in
 // the per-row layout (44 GB/s), 1.30 ms in tiles (61 GB/s).
-constexpr int kTile = 16;
 constexpr int kRowBlock = 4;  // rows of x that share one unpacking of a tile's group
+
 
 // Rows of activations, per group of 32: x ≈ d * q with q in -kQMax..kQMax, each q as two signed bytes q = 256 * h +
 // l (vpdpbusd multiplies unsigned by signed bytes: the 4-bit weights 64 at a time, no widening, the same integer
@@ -51,6 +78,9 @@ struct Split {
 };
 
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16_half(const uint16_t* p) {  // 16 float16 as float
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
 inline __m512 load16(const uint16_t* p) {  // 16 bfloat16 as float: the 16 bits become the top half
   const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16));
@@ -104,23 +134,21 @@ constexpr int kPrefetchBytes = 4096;
 
 // One tile against RB rows of x from row r0: y[r0.., n0..n0+15] (outputs past N are padding, not stored)
 template <int RB, typename T>
-void tile_rows(const uint8_t* w, const float* scale, const float* zero, const Split& a, int r0, int K, T* y,
-               int64_t ys, int n0, int N) {
+void tile_rows(const Block& b, const Split& a, int r0, int K, T* y, int64_t ys, int n0, int N) {
   const int ng = K / kG4;
   const __m512i m4 = _mm512_set1_epi8(0x0F);
   __m512 acc[RB], zacc[RB];  // two chains per row: the scale and the zero terms
   for (int r = 0; r < RB; ++r) acc[r] = _mm512_setzero_ps(), zacc[r] = _mm512_setzero_ps();
   for (int g = 0; g < ng; ++g) {
-    const uint8_t* wg = w + g * 256;
-    for (int b = 0; b < 256; b += 64) _mm_prefetch(reinterpret_cast<const char*>(wg) + kPrefetchBytes + b, _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(scale + g * kTile) + kPrefetchBytes / 4, _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(zero + g * kTile) + kPrefetchBytes / 4, _MM_HINT_T0);
+    const uint8_t* wg = b.values(g);
+    for (int c = 0; c < 320; c += 64) _mm_prefetch(reinterpret_cast<const char*>(wg) + kPrefetchBytes + c, _MM_HINT_T0);
     __m512i lo[4], hi[4];
     for (int c = 0; c < 4; ++c) {
       const __m512i p = _mm512_loadu_si512(wg + 64 * c);
       lo[c] = _mm512_and_si512(p, m4), hi[c] = _mm512_and_si512(_mm512_srli_epi16(p, 4), m4);
     }
-    const __m512 sc = _mm512_loadu_ps(scale + g * kTile), zc = _mm512_loadu_ps(zero + g * kTile);
+    const __m512 sc = load16_half(b.scales(g));
+    const __m512 zc = _mm512_fmadd_ps(_mm512_set1_ps(8.f), sc, load16_half(b.offsets(g)));  // the zero point
     for (int r = 0; r < RB; ++r) {
       const int64_t row = r0 + r, at = row * ng + g;
       const int8_t* h = a.h.data() + row * K + g * kG4;
@@ -147,21 +175,17 @@ void tile_rows(const uint8_t* w, const float* scale, const float* zero, const Sp
 // This member's tiles; every member quantizes x itself into its own buffers, at the same time (one thread did it
 // before the others started, which took as long, and a shared copy would need a barrier)
 template <typename T>
-void int4_matmul(const Team& tm, const T* x, int64_t xs, int rows, const uint8_t* w, const float* scale,
-                 const float* zero, T* y, int64_t ys, int N, int K) {
-  const int ng = K / kG4, tiles = (N + kTile - 1) / kTile;
+void int4_matmul(const Team& tm, const T* x, int64_t xs, int rows, const uint8_t* w, T* y, int64_t ys, int N, int K) {
+  const int tiles = (N + kTile - 1) / kTile;
   const Split& a = split_rows(x, xs, rows, K);
   for (int t = tm.begin(tiles); t < tm.end(tiles); ++t) {
-    const int64_t off = static_cast<int64_t>(t) * ng;
-    const uint8_t* wt = w + off * 256;
-    const float* st = scale + off * kTile;
-    const float* zt = zero + off * kTile;
+    const Block b(w, t, K);
     int r0 = 0;
-    for (; r0 + kRowBlock <= rows; r0 += kRowBlock) tile_rows<kRowBlock>(wt, st, zt, a, r0, K, y, ys, t * kTile, N);
+    for (; r0 + kRowBlock <= rows; r0 += kRowBlock) tile_rows<kRowBlock>(b, a, r0, K, y, ys, t * kTile, N);
     switch (rows - r0) {
-      case 3: tile_rows<3>(wt, st, zt, a, r0, K, y, ys, t * kTile, N); break;
-      case 2: tile_rows<2>(wt, st, zt, a, r0, K, y, ys, t * kTile, N); break;
-      case 1: tile_rows<1>(wt, st, zt, a, r0, K, y, ys, t * kTile, N); break;
+      case 3: tile_rows<3>(b, a, r0, K, y, ys, t * kTile, N); break;
+      case 2: tile_rows<2>(b, a, r0, K, y, ys, t * kTile, N); break;
+      case 1: tile_rows<1>(b, a, r0, K, y, ys, t * kTile, N); break;
       default: break;
     }
   }
@@ -169,7 +193,6 @@ void int4_matmul(const Team& tm, const T* x, int64_t xs, int rows, const uint8_t
 
 #else
 // ---- AVX2 and scalar: one weight row at a time, in its natural packing ------------------------------------------
-constexpr int kTile = 1;
 
 // One row of activations, per group of 32: x ≈ d * q with q in -kQMax..kQMax, qsum = sum(q), xsum = the exact sum
 // (the zero term needs no rounding: llama.cpp's Q8_1 keeps d * sum(q) there instead)
@@ -246,10 +269,25 @@ inline __m256i group_dot(const uint8_t* p16, const int16_t* x32) {
 }
 #endif
 
+// A group's zero point: w = q * scale + offset = (q - 8) * scale + zero
+inline float zero_point(float scale, float offset) { return 8.f * scale + offset; }
+
+#if defined(__AVX2__)
+inline __m256 load8_half(const uint16_t* p) {  // 8 float16 as float
+#if defined(__F16C__)
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+#else
+  alignas(32) float f[8];
+  for (int i = 0; i < 8; ++i) f[i] = load_half(p[i]);
+  return _mm256_load_ps(f);
+#endif
+}
+#endif
+
 // One output: sum over groups of scale * d * (sum(q * x) - 8 * qsum) + zero * xsum. The -8 centres the weights
 // exactly (integers): the rounded activations meet w - zero = (q - 8) * scale, half as large as q * scale + min.
-inline float row_dot(const uint8_t* w, const float* scale, const float* zero, const int16_t* x, const float* d,
-                     const int32_t* qsum, const float* xsum, int ng) {
+inline float row_dot(const Block& b, const int16_t* x, const float* d, const int32_t* qsum, const float* xsum,
+                     int ng) {
   int g = 0;
   float tail = 0.f;
 #if defined(__AVX2__)
@@ -257,40 +295,44 @@ inline float row_dot(const uint8_t* w, const float* scale, const float* zero, co
   __m256 acc = _mm256_setzero_ps();
   for (; g + 8 <= ng; g += 8) {
     __m256i v[8];
-    for (int j = 0; j < 8; ++j) v[j] = group_dot(w + (g + j) * 16, x + (g + j) * kG4);
+    for (int j = 0; j < 8; ++j) v[j] = group_dot(b.values(g + j), x + (g + j) * kG4);
     const __m256i qs = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qsum + g));
     const __m256i s = _mm256_sub_epi32(hsum8(v), _mm256_slli_epi32(qs, 3));
-    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(_mm256_loadu_ps(scale + g), _mm256_loadu_ps(d + g)),
-                          acc);
-    acc = _mm256_fmadd_ps(_mm256_loadu_ps(zero + g), _mm256_loadu_ps(xsum + g), acc);
+    const __m256 scale = load8_half(b.scales(g));
+    const __m256 zero = _mm256_fmadd_ps(_mm256_set1_ps(8.f), scale, load8_half(b.offsets(g)));
+    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(scale, _mm256_loadu_ps(d + g)), acc);
+    acc = _mm256_fmadd_ps(zero, _mm256_loadu_ps(xsum + g), acc);
   }
   for (; g < ng; ++g) {  // the groups left over (576 inputs are 18 groups): one at a time, still in SIMD
-    tail += group_term(hsum_i32(group_dot(w + g * 16, x + g * kG4)) - 8 * qsum[g], scale[g], d[g], zero[g], xsum[g]);
+    const float scale = load_half(*b.scales(g));
+    tail += group_term(hsum_i32(group_dot(b.values(g), x + g * kG4)) - 8 * qsum[g], scale, d[g],
+                       zero_point(scale, load_half(*b.offsets(g))), xsum[g]);
   }
   tail += hsum(acc);
 #endif
   for (; g < ng; ++g) {
-    const uint8_t* p = w + g * 16;
+    const uint8_t* p = b.values(g);
     const int16_t* xg = x + g * kG4;
     int s = 0;
     for (int j = 0; j < 16; ++j) s += (p[j] & 15) * xg[j] + (p[j] >> 4) * xg[j + 16];
-    tail += group_term(s - 8 * qsum[g], scale[g], d[g], zero[g], xsum[g]);
+    const float scale = load_half(*b.scales(g));
+    tail += group_term(s - 8 * qsum[g], scale, d[g], zero_point(scale, load_half(*b.offsets(g))), xsum[g]);
   }
   return tail;
 }
 
-// w[n, 32g + j] = (q - 8) * scale[n, g] + zero[n, g], q in 0..15 packed two per byte, byte j of a group holding
-// j (low nibble) and j + 16 (high nibble). Each weight row is read from memory once for all rows of x.
+// w[n, 32g + j] = q * scale[n, g] + offset[n, g], q in 0..15 packed two per byte, byte j of a group holding
+// j (low nibble) and j + 16 (high nibble); a row's groups, then its float16 scales, then its offsets (Block). Each
+// weight row is read from memory once for all rows of x.
 template <typename T>
-void int4_matmul(const Team& tm, const T* x, int64_t xs, int rows, const uint8_t* w, const float* scale,
-                 const float* zero, T* y, int64_t ys, int N, int K) {
+void int4_matmul(const Team& tm, const T* x, int64_t xs, int rows, const uint8_t* w, T* y, int64_t ys, int N, int K) {
   const int ng = K / kG4;
   const Acts& a = quantize_rows(x, xs, rows, K);
   for (int n = tm.begin(N); n < tm.end(N); ++n) {
-    const int64_t off = static_cast<int64_t>(n) * ng;
+    const Block b(w, n, K);
     for (int r = 0; r < rows; ++r)
-      store(y + r * ys + n, row_dot(w + off * 16, scale + off, zero + off, a.q.data() + static_cast<int64_t>(r) * K,
-                                    a.d.data() + r * ng, a.qsum.data() + r * ng, a.xsum.data() + r * ng, ng));
+      store(y + r * ys + n, row_dot(b, a.q.data() + static_cast<int64_t>(r) * K, a.d.data() + r * ng,
+                                    a.qsum.data() + r * ng, a.xsum.data() + r * ng, ng));
   }
 }
 #endif
@@ -317,21 +359,20 @@ const char* llmserve_quant_isa() {
 // The int4 weights' row tile of this build: 16 (AVX-512: tiles, see kTile) or 1 (rows in their natural packing)
 int llmserve_int4_tile() { return kTile; }
 
-// x: [rows, K] float32 (elem_size 4) or bf16 (2), row stride xs; K a multiple of 32; w, scale, zero (float32) as
-// pack_int4_own lays them out for llmserve_int4_tile() (N rows, padded to a whole tile); y: [rows, N] in x's dtype
-// (a bf16 model's linears then need no cast after each call).
-void llmserve_int4_matmul(const void* x, int64_t xs, int rows, const uint8_t* w, const float* scale,
-                          const float* zero, void* y, int64_t ys, int N, int K, int elem_size, int th) {
-  on_team(th, true, [&](const Team& tm) { team_int4_matmul(tm, x, xs, rows, w, scale, zero, y, ys, N, K, elem_size); });
+// x: [rows, K] float32 (elem_size 4) or bf16 (2), row stride xs; K a multiple of 32; w as pack_int4_own lays it out
+// for llmserve_int4_tile() (N rows, padded to a whole tile); y: [rows, N] in x's dtype (a bf16 model's linears then
+// need no cast after each call).
+void llmserve_int4_matmul(const void* x, int64_t xs, int rows, const uint8_t* w, void* y, int64_t ys, int N, int K,
+                          int elem_size, int th) {
+  on_team(th, true, [&](const Team& tm) { team_int4_matmul(tm, x, xs, rows, w, y, ys, N, K, elem_size); });
 }
 
 }  // extern "C"
 
-void team_int4_matmul(const Team& tm, const void* x, int64_t xs, int rows, const uint8_t* w, const float* scale,
-                      const float* zero, void* y, int64_t ys, int N, int K, int elem_size) {
+void team_int4_matmul(const Team& tm, const void* x, int64_t xs, int rows, const uint8_t* w, void* y, int64_t ys,
+                      int N, int K, int elem_size) {
   if (elem_size == 4)
-    int4_matmul<float>(tm, static_cast<const float*>(x), xs, rows, w, scale, zero, static_cast<float*>(y), ys, N, K);
+    int4_matmul<float>(tm, static_cast<const float*>(x), xs, rows, w, static_cast<float*>(y), ys, N, K);
   else
-    int4_matmul<uint16_t>(tm, static_cast<const uint16_t*>(x), xs, rows, w, scale, zero, static_cast<uint16_t*>(y),
-                          ys, N, K);
+    int4_matmul<uint16_t>(tm, static_cast<const uint16_t*>(x), xs, rows, w, static_cast<uint16_t*>(y), ys, N, K);
 }
