@@ -155,8 +155,8 @@ def pack_int4_own(qw: QuantWeight) -> torch.Tensor:
     tiles, groups = packed.shape[0] // t, scale.shape[1]
     # [tiles, t rows, groups, 4 chunks, 4 bytes] → [tiles, groups, chunks, rows, bytes]
     packed = packed.view(tiles, t, groups, 4, 4).permute(0, 2, 3, 1, 4).reshape(tiles, groups, -1)
-    scale, offset = (v.view(tiles, t, groups).transpose(1, 2).reshape(tiles, -1).view(torch.uint8).view(tiles, groups, -1)
-                     for v in (scale, offset))
+    scale, offset = (v.view(tiles, t, groups).transpose(1, 2).reshape(tiles, -1).view(torch.uint8)
+                     .view(tiles, groups, -1) for v in (scale, offset))
     parts = [packed, scale, offset]  # each [tiles, groups, bytes]
     if t > 1:  # group after group
         return torch.cat(parts, dim=2).reshape(tiles, -1).contiguous()
@@ -185,7 +185,8 @@ class QuantLinear:
         if self._own4:  # our kernel: values, scales and offsets in one tensor of its own layout
             self._w, self._scale = pack_int4_own(qw), None
         elif qw.kind == "int4":
-            # torch's form: w = (q - 8) * scale + zero; its CPU packing takes int32 values 0..15, two a byte, [out, in/2]
+            # torch's form: w = (q - 8) * scale + zero; its CPU packing takes int32 values 0..15, two a byte,
+            # [out, in/2]
             self._zero = qw.offset + 8 * qw.scale
             self._w = torch.ops.aten._convert_weight_to_int4pack_for_cpu(qw.q.to(torch.int32).contiguous(), 1)
         self._scales = {}  # activation dtype → scales in it (torch's kernels want them in the activation dtype)

@@ -40,13 +40,15 @@ constexpr int kTile = 1;
 // sequential stream (values, scales and offsets in three regions of a tile ran 24 % slower at one row). Rows in
 // order (kTile 1): a row's values, then its scales, then its offsets (the AVX2 path reads eight groups' scales
 // at once).
+constexpr int kGroupBytes = kTile * 20;  // a tile's group: values, scales, offsets
+
 struct Block {
   const uint8_t* base;
   int ng;
-  Block(const uint8_t* w, int64_t t, int K) : base(w + t * (K / kG4) * kTile * 20), ng(K / kG4) {}
+  Block(const uint8_t* w, int64_t t, int K) : base(w + t * (K / kG4) * kGroupBytes), ng(K / kG4) {}
 #if defined(__AVX512BW__)
-  const uint8_t* values(int g) const { return base + g * 320; }
-  const uint16_t* scales(int g) const { return reinterpret_cast<const uint16_t*>(base + g * 320 + 256); }
+  const uint8_t* values(int g) const { return base + g * kGroupBytes; }
+  const uint16_t* scales(int g) const { return reinterpret_cast<const uint16_t*>(values(g) + 256); }
   const uint16_t* offsets(int g) const { return scales(g) + 16; }
 #else
   const uint8_t* values(int g) const { return base + g * 16; }
@@ -141,7 +143,8 @@ void tile_rows(const Block& b, const Split& a, int r0, int K, T* y, int64_t ys, 
   for (int r = 0; r < RB; ++r) acc[r] = _mm512_setzero_ps(), zacc[r] = _mm512_setzero_ps();
   for (int g = 0; g < ng; ++g) {
     const uint8_t* wg = b.values(g);
-    for (int c = 0; c < 320; c += 64) _mm_prefetch(reinterpret_cast<const char*>(wg) + kPrefetchBytes + c, _MM_HINT_T0);
+    for (int c = 0; c < kGroupBytes; c += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(wg) + kPrefetchBytes + c, _MM_HINT_T0);
     __m512i lo[4], hi[4];
     for (int c = 0; c < 4; ++c) {
       const __m512i p = _mm512_loadu_si512(wg + 64 * c);
