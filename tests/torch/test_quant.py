@@ -348,3 +348,15 @@ def test_our_int8_kernel_rounds_only_the_activations(rows):
     w_abs = qw.dequantize().abs().unflatten(1, (-1, 64)).sum(-1)
     bound = x.abs().unflatten(1, (-1, 64)).amax(-1) / 65534 @ w_abs.T
     assert ((lin(x) - want).abs() <= bound + 1e-5).all()
+
+
+def test_torchs_int4_kernel_runs_where_ours_does_not_build(monkeypatch):
+    """Without our kernel library (no C++ compiler) an int4 linear runs aten's kernel on torch's own packing, its
+    zero points made from our offsets."""
+    monkeypatch.setattr(quant, "_own_kernels", lambda: None)
+    qw = quantize_int4(torch.from_numpy(_weights()))
+    lin = QuantLinear(qw, None, _plan("int4", torch.bfloat16, NEVER))
+    assert not lin.own_int4 and lin.kernel == "aten int4"
+    x = torch.randn(3, qw.shape[1]).bfloat16()
+    want = F.linear(x.float(), qw.dequantize())
+    torch.testing.assert_close(lin(x).float(), want, atol=0.02 * want.abs().max().item(), rtol=0)
