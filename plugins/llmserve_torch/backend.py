@@ -268,11 +268,10 @@ class TorchBackend(ModelBackend):
     def _forward(self, batch: SchedulerOutput):
         """Metadata once per step, then the model over every flattened token: hidden [T, hidden]."""
         ids, meta, sample_rows = self._metadata(batch)
-        step = self.model.prepare_step(meta.tok_pos.long())
         if self.stack is not None and self.stack.covers(meta.num_tokens):
-            return self.stack.forward(ids, step, meta), meta, sample_rows
+            return self.stack.forward(ids, meta), meta, sample_rows
         self.attention.begin_step(meta)
-        return self.model.forward(ids, step, self.attention), meta, sample_rows
+        return self.model.forward(ids, self.model.prepare_step(meta.tok_pos.long()), self.attention), meta, sample_rows
 
     def _graph_step(self, batch: SchedulerOutput) -> torch.Tensor | None:
         """Logits of every request of a decode-only step replayed from a CUDA graph, or None where the step runs

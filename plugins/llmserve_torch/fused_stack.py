@@ -94,6 +94,9 @@ class FusedStack:
                              a.intermediate_size, kv.block_size, model.dtype.itemsize, a.norm_eps, attention.scale,
                              layers)
         self._widest_int8 = max((lin.out_features for lin in linears if lin.kind == "int8"), default=0)
+        # RoPE's cos/sin at every position, in the form the Python path's rows take: the call reads each token's
+        # row itself (no per-step gather)
+        self._cos, self._sin = model.ops.tables(model.cos, model.sin, model.dtype)
         self._rows = 0
         self._scratch = None
         # None, or float64 [len(STAGES)] that each call adds its kernels' microseconds to (profiling only: a clock
@@ -123,16 +126,15 @@ class FusedStack:
         self._scratch = _Scratch(*(bufs[k].data_ptr() for k, _ in _Scratch._fields_))
         self._rows = rows
 
-    def forward(self, input_ids: torch.Tensor, step: dict, meta) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, meta) -> torch.Tensor:
         """Hidden states before the final norm, [T, hidden], as Qwen2Model.forward returns them."""
         T = input_ids.shape[0]
         if T > self._rows:  # grow-only, from room for a few rows
             self._buffers(max(T, min(self.max_rows, 8)))
         x = torch.nn.functional.embedding(input_ids, self.model.embed)
-        cos, sin = step["cos"], step["sin"]
         bt = meta.block_tables
-        st = _Step(x.data_ptr(), T, cos.data_ptr(), sin.data_ptr(), meta.slots.data_ptr(), bt.data_ptr(), bt.shape[1],
-                   meta.tok_req.data_ptr(), meta.tok_pos.data_ptr(), torch.get_num_threads(),
+        st = _Step(x.data_ptr(), T, self._cos.data_ptr(), self._sin.data_ptr(), meta.slots.data_ptr(), bt.data_ptr(),
+                   bt.shape[1], meta.tok_req.data_ptr(), meta.tok_pos.data_ptr(), torch.get_num_threads(),
                    None if self.stage_us is None else self.stage_us.data_ptr())
         self._fn(ctypes.addressof(self._model), ctypes.addressof(self._scratch), ctypes.addressof(st))
         return x

@@ -49,7 +49,7 @@ struct Scratch {  // each [max rows, its width], contiguous; f32: [max rows, wid
 struct Step {
   void* x;  // [rows, hidden], the embeddings in, the last layer's output out
   int32_t rows;
-  const float* cos;  // [rows, head_dim / 2], as CpuOps.tables makes them
+  const float* cos;  // the model's tables [positions, head_dim / 2], as CpuOps.tables makes them, read at tok_pos
   const float* sin;
   const int64_t* slots;
   const int32_t* block_tables;
@@ -119,7 +119,7 @@ void run(const Team& tm, const Model& m, const Scratch& s, const Step& st, float
     linear<T>(tm, L.qkv, s.h, R, s.qkv, s.f32);
     tm.sync();
     clock.mark(kQkv);
-    team_rope(tm, s.qkv, qkv_w, R, m.heads + m.kv_heads, m.head_dim, st.cos, st.sin, E);
+    team_rope(tm, s.qkv, qkv_w, R, m.heads + m.kv_heads, m.head_dim, st.cos, st.sin, st.tok_pos, E);
     tm.sync();  // K roped before it is stored
     T* k = static_cast<T*>(s.qkv) + q;
     team_write_kv(tm, k, qkv_w, k + kv, qkv_w, L.k_cache, L.v_cache, st.slots, R, kv, E);

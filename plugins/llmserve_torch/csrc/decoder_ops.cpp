@@ -48,12 +48,14 @@ void add_rms_norm(const Team& tm, T* x, int64_t xs, const T* delta, int64_t ds, 
 // cos/sin: [rows, D/2] float32 holding values already rounded to T (HF casts its tables to T). This member's share
 // of the rows' heads.
 template <typename T>
-void rope(const Team& tm, T* qk, int64_t stride, int rows, int heads, int D, const float* cos, const float* sin) {
+void rope(const Team& tm, T* qk, int64_t stride, int rows, int heads, int D, const float* cos, const float* sin,
+          const int32_t* pos) {
   const int half = D / 2;
   for (int item = tm.begin(rows * heads); item < tm.end(rows * heads); ++item) {
     const int r = item / heads, h = item % heads;
-    const float* c = cos + static_cast<int64_t>(r) * half;
-    const float* s = sin + static_cast<int64_t>(r) * half;
+    const int64_t at = static_cast<int64_t>(pos != nullptr ? pos[r] : r) * half;
+    const float* c = cos + at;
+    const float* s = sin + at;
     T* p = qk + r * stride + static_cast<int64_t>(h) * D;
     for (int i = 0; i < half; ++i) {
       const float x1 = load(p[i]), x2 = load(p[i + half]);
@@ -227,7 +229,8 @@ void llmserve_add_rms_norm(void* x, int64_t xs, const void* delta, int64_t ds, c
 
 void llmserve_rope(void* qk, int64_t stride, int rows, int heads, int D, const float* cos, const float* sin,
                    int elem_size, int th) {
-  on_team(th, rows > 8, [&](const Team& tm) { team_rope(tm, qk, stride, rows, heads, D, cos, sin, elem_size); });
+  on_team(th, rows > 8,
+          [&](const Team& tm) { team_rope(tm, qk, stride, rows, heads, D, cos, sin, nullptr, elem_size); });
 }
 
 void llmserve_silu_mul(const void* gu, int64_t gs, void* out, int64_t os, int rows, int inter, int elem_size,
@@ -256,11 +259,11 @@ void team_add_rms_norm(const Team& tm, void* x, int64_t xs, const void* delta, i
 }
 
 void team_rope(const Team& tm, void* qk, int64_t stride, int rows, int heads, int D, const float* cos,
-               const float* sin, int elem_size) {
+               const float* sin, const int32_t* pos, int elem_size) {
   if (elem_size == 4)
-    rope<float>(tm, static_cast<float*>(qk), stride, rows, heads, D, cos, sin);
+    rope<float>(tm, static_cast<float*>(qk), stride, rows, heads, D, cos, sin, pos);
   else
-    rope<uint16_t>(tm, static_cast<uint16_t*>(qk), stride, rows, heads, D, cos, sin);
+    rope<uint16_t>(tm, static_cast<uint16_t*>(qk), stride, rows, heads, D, cos, sin, pos);
 }
 
 void team_silu_mul(const Team& tm, const void* gu, int64_t gs, void* out, int64_t os, int rows, int inter,

@@ -16,9 +16,10 @@ void team_int8_matmul(const Team& tm, const void* x, int64_t xs, int rows, const
 // x += delta, out = rms_norm(x) * w (decoder_ops.cpp); rows shared out (with fewer rows than members, some get none)
 void team_add_rms_norm(const Team& tm, void* x, int64_t xs, const void* delta, int64_t ds, const void* w, void* out,
                        int64_t os, int rows, int n, float eps, int elem_size);
-// RoPE on the first `heads` heads of each row (decoder_ops.cpp); heads shared out
+// RoPE on the first `heads` heads of each row (decoder_ops.cpp); heads shared out. cos/sin: [rows, D/2], or with
+// pos the tables [positions, D/2] read at row r's pos[r]
 void team_rope(const Team& tm, void* qk, int64_t stride, int rows, int heads, int D, const float* cos,
-               const float* sin, int elem_size);
+               const float* sin, const int32_t* pos, int elem_size);
 // silu(gate) * up (decoder_ops.cpp); columns shared out
 void team_silu_mul(const Team& tm, const void* gu, int64_t gs, void* out, int64_t os, int rows, int inter,
                    int elem_size);
