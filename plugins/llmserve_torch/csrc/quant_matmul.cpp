@@ -62,14 +62,13 @@ struct Block {
 //
 // The layout (pack_int4_own in quant.py makes it): rows in tiles of kTile, the last padded with zero rows; a tile's
 // group g is 256 bytes, four 64-byte chunks, dword r of chunk c holding bytes 4c..4c+3 of row r's group (so the
-// low nibbles are inputs 4c..4c+3 and the high ones 16 + 4c..16 + 4c + 3); after a tile's groups its float16
-// scales [groups][16], then its offsets (Block).
+// low nibbles are inputs 4c..4c+3 and the high ones 16 + 4c..16 + 4c + 3), then the group's 16 float16 scales and
+// 16 offsets (Block).
 // A 4-byte piece of the activations, broadcast, meets all 16 rows in one vpdpbusd: no horizontal sums, no
 // per-row tails (576 inputs are 18 groups: a per-row layout had 2 left over after blocks of four), one scale
 // vector per group. 120 SmolLM2-shaped matrices at one row, from memory, 2 threads of a Zen 5 EPYC: 1.80 ms in
 // the per-row layout (44 GB/s), 1.30 ms in tiles (61 GB/s).
 constexpr int kRowBlock = 4;  // rows of x that share one unpacking of a tile's group
-
 
 // Rows of activations, per group of 32: x ≈ d * q with q in -kQMax..kQMax, each q as two signed bytes q = 256 * h +
 // l (vpdpbusd multiplies unsigned by signed bytes: the 4-bit weights 64 at a time, no widening, the same integer
