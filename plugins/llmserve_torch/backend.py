@@ -17,8 +17,11 @@ from llmserve_torch.cuda_graphs import DecodeGraphs, batch_buckets, table_width
 from llmserve_torch.footprint import footprint
 from llmserve_torch.fused import DECODER_OPS
 from llmserve_torch.fused_stack import FUSE_LAYERS, FusedStack, build_stack
+from llmserve_torch.huge_pages import MODES as HUGE_PAGE_MODES
+from llmserve_torch.huge_pages import place_linears, unavailable
 from llmserve_torch.kv_cache import KVCache, budget_bytes, bytes_per_block
 from llmserve_torch.loader import load_model
+from llmserve_torch.quant import QuantLinear
 from llmserve_torch.sampling import Sampler, prompt_logprobs
 
 log = logging.getLogger("llmserve.torch")
@@ -37,6 +40,8 @@ OPTIONS = {
     "decoder_ops": "auto",
     # every layer of a quantized Llama-style model in one C call for steps of a few rows (fused_stack.py): auto | off
     "fuse_layers": "auto",
+    # the quantized linears' weights in one arena of 2 MiB pages on CPU (huge_pages.py): auto | off
+    "huge_pages": "auto",
     # decode steps replayed from CUDA graphs: auto (on CUDA with the triton attention, batches up to
     # max_num_seqs) | off | the largest batch captured (off CUDA the padded step runs uncaptured: for tests)
     "cuda_graphs": "auto",
@@ -68,12 +73,13 @@ class TorchBackend(ModelBackend):
         quant_rows = self.options["quant_rows"]
         if quant_rows != "auto" and (isinstance(quant_rows, bool) or not isinstance(quant_rows, int) or quant_rows < 0):
             raise ConfigError(f"backend.options.quant_rows: must be auto or a number of rows >= 0, got {quant_rows!r}")
-        for key in ("fuse_layers", "cuda_graphs"):  # YAML reads a bare off / on as false / true
+        for key in ("fuse_layers", "huge_pages", "cuda_graphs"):  # YAML reads a bare off / on as false / true
             if isinstance(self.options[key], bool):
                 self.options[key] = "auto" if self.options[key] else "off"
-        if self.options["fuse_layers"] not in FUSE_LAYERS:
-            raise ConfigError(f"backend.options.fuse_layers: must be one of {', '.join(FUSE_LAYERS)}, "
-                              f"got {self.options['fuse_layers']!r}")
+        for key, allowed in (("fuse_layers", FUSE_LAYERS), ("huge_pages", HUGE_PAGE_MODES)):
+            if self.options[key] not in allowed:
+                raise ConfigError(f"backend.options.{key}: must be one of {', '.join(allowed)}, "
+                                  f"got {self.options[key]!r}")
         graphs = self.options["cuda_graphs"]
         if graphs not in ("auto", "off") and (isinstance(graphs, bool) or not isinstance(graphs, int) or graphs < 1):
             raise ConfigError(f"backend.options.cuda_graphs: must be auto, off or the largest batch to capture "
@@ -89,6 +95,7 @@ class TorchBackend(ModelBackend):
         self.dtype = loaded.dtype
         # bytes and multiply-accumulates of a decode step, for the limit `bench offline` prints
         self.footprint = footprint(self.model, self.arch, self.dtype)
+        self.huge_pages, self.huge_pages_note = self._place_weights()
         self.vocab_size = self.arch.vocab_size
         limit = self.arch.max_position_embeddings
         if mc.max_model_len is not None:
@@ -113,6 +120,18 @@ class TorchBackend(ModelBackend):
         self.stack_note = "no KV cache yet"
         self._kv_peak = {"reserved_slots": 0, "used_slots": 0}
         self._steps = 0
+
+    def _place_weights(self):
+        """backend.options.huge_pages: the quantized linears' weights in one huge-page arena, or why not (None)."""
+        why = unavailable()
+        if self.options["huge_pages"] == "off" or self.device.type != "cpu" or why:
+            return None, "off" if self.options["huge_pages"] == "off" else why or "the weights are not on the CPU"
+        arena = place_linears([lin for lin in self.model.linears() if isinstance(lin, QuantLinear)])
+        if arena is None:
+            return None, "no quantized linears"
+        log.info("quantized weights: %.1f MiB in huge pages (%.1f MiB granted)", arena.used / 2**20,
+                 arena.granted / 2**20)
+        return arena, "on"
 
     # --- KV cache -----------------------------------------------------------------------------
 
@@ -376,6 +395,9 @@ class TorchBackend(ModelBackend):
             "decoder_ops": self.model.ops.name if self.model.ops is not None else "torch",
             "max_model_len": self.max_model_len,
             "threads": torch.get_num_threads(),
+            # (granted: as the kernel backed the arena at load; reading it again costs ~25 ms)
+            "huge_pages": ({"weights_bytes": self.huge_pages.used, "granted_bytes": self.huge_pages.granted}
+                           if self.huge_pages is not None else self.huge_pages_note),
             "torch": torch.__version__,
             **self.footprint,
         }
@@ -389,8 +411,6 @@ class TorchBackend(ModelBackend):
     def _quantization(self) -> dict[str, Any]:
         """The asked mode, how many linears run in each form (and from which source type), the kernel plan."""
         from collections import Counter
-
-        from llmserve_torch.quant import QuantLinear
 
         forms = Counter(f"{lin.kind} ({lin.source})" if isinstance(lin, QuantLinear) else "dense"
                         for lin in self.model.linears())

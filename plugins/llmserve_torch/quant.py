@@ -235,6 +235,12 @@ class QuantLinear:
         """What our kernels read: int8 values and their float32 scales, or (int4) pack_int4_own's tensor and None."""
         return self._w, self._scale
 
+    def relocate(self, place) -> None:
+        """The kernel tensors replaced by place(t), a copy of t elsewhere (huge_pages.Arena.copy); values unchanged."""
+        self._w = place(self._w)
+        if self._scale is not None:
+            self._scale = place(self._scale)
+
     def scales_for(self, dtype: torch.dtype) -> torch.Tensor:
         """The kernel's scale tensor in the activation dtype (made once per dtype)."""
         s = self._scales.get(dtype)
