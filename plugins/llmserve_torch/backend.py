@@ -126,7 +126,11 @@ class TorchBackend(ModelBackend):
         why = unavailable()
         if self.options["huge_pages"] == "off" or self.device.type != "cpu" or why:
             return None, "off" if self.options["huge_pages"] == "off" else why or "the weights are not on the CPU"
-        arena = place_linears([lin for lin in self.model.linears() if isinstance(lin, QuantLinear)])
+        try:  # (the mapping is made before any tensor moves: a failure leaves torch's tensors in place)
+            arena = place_linears([lin for lin in self.model.linears() if isinstance(lin, QuantLinear)])
+        except OSError as e:
+            log.warning("quantized weights stay in torch's tensors: the huge-page mapping failed: %s", e)
+            return None, f"the huge-page mapping failed: {e}"
         if arena is None:
             return None, "no quantized linears"
         log.info("quantized weights: %.1f MiB in huge pages (%.1f MiB granted)", arena.used / 2**20,

@@ -63,3 +63,23 @@ def test_huge_pages_option(qwen2_dir):
     assert dense.describe()["huge_pages"] == (unavailable() or "no quantized linears")
     with pytest.raises(ConfigError, match="huge_pages: must be one of auto, off"):
         make_backend(str(path), quantization="int4", options={"huge_pages": "on"})
+
+
+def test_a_failed_mapping_leaves_the_weights_where_they_were(qwen2_dir, monkeypatch, caplog):
+    """An mmap or madvise refused (no memory, a kernel without THP support): a warning, torch's tensors, the same
+    logits."""
+    import llmserve_torch.backend as backend
+    import llmserve_torch.huge_pages as hp
+
+    def refuse(nbytes):
+        raise OSError(12, "Cannot allocate memory")
+
+    monkeypatch.setattr(backend, "unavailable", lambda: None)  # as if this platform had them
+    monkeypatch.setattr(hp, "Arena", refuse)
+    path, _ = qwen2_dir
+    b = make_backend(str(path), quantization="int4", options={"huge_pages": "auto"})
+    assert b.huge_pages is None and "mapping failed" in b.describe()["huge_pages"]
+    assert "huge-page mapping failed" in caplog.text
+    plain = make_backend(str(path), quantization="int4", options={"huge_pages": "off"})
+    for got, want in zip(_logits(b), _logits(plain)):
+        assert torch.equal(got, want)
