@@ -123,9 +123,11 @@ class TorchBackend(ModelBackend):
 
     def _place_weights(self):
         """backend.options.huge_pages: the quantized linears' weights in one huge-page arena, or why not (None)."""
-        why = unavailable()
-        if self.options["huge_pages"] == "off" or self.device.type != "cpu" or why:
-            return None, "off" if self.options["huge_pages"] == "off" else why or "the weights are not on the CPU"
+        if self.options["huge_pages"] == "off":
+            return None, "off"
+        why = "the weights are not on the CPU" if self.device.type != "cpu" else unavailable()
+        if why:
+            return None, why
         try:  # (the mapping is made before any tensor moves: a failure leaves torch's tensors in place)
             arena = place_linears([lin for lin in self.model.linears() if isinstance(lin, QuantLinear)])
         except OSError as e:
