@@ -21,6 +21,11 @@ MODES = ("auto", "off")
 _THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 
 
+def _slot(t: torch.Tensor) -> int:
+    """Bytes t takes in an arena: its own, rounded up to 64 so the next tensor starts on a cache line."""
+    return -(-t.numel() * t.element_size() // 64) * 64
+
+
 def unavailable() -> str | None:
     """Why weights cannot be put in huge pages here (None when they can)."""
     if not hasattr(mmap, "MADV_HUGEPAGE"):
@@ -52,7 +57,7 @@ class Arena:
         n = t.numel() * t.element_size()
         view = self._buf[self._at:self._at + n].view(t.dtype).view(t.shape)
         view.copy_(t)
-        self._at += -(-n // 64) * 64
+        self._at += _slot(t)
         self.used += n
         return view
 
@@ -79,7 +84,7 @@ def place_linears(linears: list) -> Arena | None:
     tensors = [t for lin in linears for t in lin.kernel_tensors() if t is not None]
     if not tensors:
         return None
-    arena = Arena(sum(-(-t.numel() * t.element_size() // 64) * 64 for t in tensors))
+    arena = Arena(sum(_slot(t) for t in tensors))
     for lin in linears:
         lin.relocate(arena.copy)
     arena.granted = arena.granted_bytes()

@@ -45,8 +45,8 @@ void add_rms_norm(const Team& tm, T* x, int64_t xs, const T* delta, int64_t ds, 
 }
 
 // Rotate-half RoPE in place on the first `heads` heads of each row (the Q heads, then the K heads);
-// cos/sin: [rows, D/2] float32 holding values already rounded to T (HF casts its tables to T). This member's share
-// of the rows' heads.
+// cos/sin: [rows, D/2] float32 holding values already rounded to T (HF casts its tables to T), or with pos the
+// whole tables, row r reading position pos[r]. This member's share of the rows' heads.
 template <typename T>
 void rope(const Team& tm, T* qk, int64_t stride, int rows, int heads, int D, const float* cos, const float* sin,
           const int32_t* pos) {
