@@ -35,7 +35,8 @@ class ServerState:
     async def stats_snapshot(self, max_age: float = 0.1) -> dict:
         """The engine's /stats body, recomputed on the engine thread at most every max_age seconds."""
         async with self._snapshot_lock:  # many pollers at once still cost one engine call
-            if self._snapshot is None or time.monotonic() - self._snapshot[0] >= max_age:
+            # (never a cached body once the engine has stopped: a dead engine process answers 503, not its last 200)
+            if self._snapshot is None or not self.aengine.running or time.monotonic() - self._snapshot[0] >= max_age:
                 # a callable that pickles (the engine may be in another process) and calls the engine's own stats()
                 snap = await self.aengine.call(_STATS)
                 snap["server"] = {"ready": self.ready, "draining": self.draining,
