@@ -84,14 +84,16 @@ void silu_mul(const Team& tm, const T* gu, int64_t gs, T* out, int64_t os, int r
 constexpr int kMaxRows = 8;
 constexpr int kMaxK = 8192;
 constexpr int kBlock = 64;  // activations are rounded to int16 with one scale per 64
-// How far ahead each thread asks for its weight rows (its rows are contiguous): SmolLM2's 28 MB LM head at one row,
-// from memory, 2 threads of a Zen 5 EPYC: 0.58 ms on the hardware prefetcher alone, 0.50-0.55 with this
-constexpr int kPrefetchBytes = 4096;
 
 #if defined(__AVX2__)
-// Asks for the weight row kPrefetchBytes past this one's K bytes
-inline void prefetch_ahead(const int8_t* wn, int K) {
-  for (int b = 0; b < K; b += 64) _mm_prefetch(reinterpret_cast<const char*>(wn) + kPrefetchBytes + b, _MM_HINT_T0);
+// Asks for the weight row prefetch_distance(rows, 12 KiB) past this one's K bytes. SmolLM2's 28 MB LM head, from
+// memory (in huge pages), 2 threads of a Zen 5 EPYC: at one row 0.58 ms on the hardware prefetcher alone, 0.50-0.55
+// with 4 KiB (in 4 KiB pages); in an engine, step after step alternated with 4 KiB, where the VM read ~90 GB/s 12 KiB
+// took 0.75-0.83 of the time at one row (0.37-0.40 -> 0.28-0.35 ms), 0.84 at two, 0.97 at four, 1.00 at eight;
+// where it read ~55, 1.01 at one row
+inline void prefetch_ahead(const int8_t* wn, int K, int rows) {
+  const int ahead = prefetch_distance(rows, 12288);
+  for (int b = 0; b < K; b += 64) _mm_prefetch(reinterpret_cast<const char*>(wn) + ahead + b, _MM_HINT_T0);
 }
 
 // The activations rounded to int16 per block of 64 and multiplied with the widened int8 weights by vpmaddwd
@@ -114,7 +116,7 @@ void int8_rows(const int8_t* w, const float* scale, const int16_t (*xq)[kMaxK], 
   const int nb = K / kBlock;
   for (int n = n0; n < n1; ++n) {
     const int8_t* wn = w + static_cast<int64_t>(n) * K;
-    prefetch_ahead(wn, K);
+    prefetch_ahead(wn, K, RB);
     __m512 acc[RB];
     for (int r = 0; r < RB; ++r) acc[r] = _mm512_setzero_ps();
     for (int b = 0; b < nb; ++b) {  // a block's sum: at most 64 * 127 * 32767 < 2^31
@@ -164,7 +166,7 @@ void int8_matmul_i16(const Team& tm, const float* xf, int rows, const int8_t* w,
 #else
   for (int n = tm.begin(N); n < tm.end(N); ++n) {
     const int8_t* wn = w + static_cast<int64_t>(n) * K;
-    prefetch_ahead(wn, K);
+    prefetch_ahead(wn, K, rows);
     for (int r = 0; r < rows; ++r) {
       __m256 acc = _mm256_setzero_ps();
       for (int b = 0; b < nb; ++b) {  // a block's sum: at most 64 * 127 * 32767 < 2^31

@@ -7,6 +7,13 @@
 
 #include "team.h"
 
+// How far ahead (bytes) a matmul's thread asks for its weights (each thread's are contiguous). The bytes in flight
+// must cover a memory latency at the rate the kernel reads them, so with a few rows of activations (a kernel then
+// reads fastest) it asks `few_rows` bytes ahead, each kernel its own distance (quant_matmul.cpp, decoder_ops.cpp);
+// with more rows 4 KiB. Where the VM reads ~55 GB/s the farther distances were no faster nor slower; where it reads
+// ~90 they are what reaches it (with the weights in huge pages: no TLB miss at each 4 KiB page).
+inline int prefetch_distance(int rows, int few_rows) { return rows <= 4 ? few_rows : 4096; }
+
 // y = x · W^T, int4 groups of 32 with float16 scales and offsets (quant_matmul.cpp); this member's tiles of outputs
 void team_int4_matmul(const Team& tm, const void* x, int64_t xs, int rows, const uint8_t* w, void* y, int64_t ys,
                       int N, int K, int elem_size);
