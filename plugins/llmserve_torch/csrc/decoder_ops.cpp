@@ -89,7 +89,7 @@ constexpr int kBlock = 64;  // activations are rounded to int16 with one scale p
 // Asks for the weight row prefetch_distance(rows, 12 KiB) past this one's K bytes. SmolLM2's 28 MB LM head, from
 // memory (in huge pages), 2 threads of a Zen 5 EPYC: at one row 0.58 ms on the hardware prefetcher alone, 0.50-0.55
 // with 4 KiB (in 4 KiB pages); in an engine, step after step alternated with 4 KiB, where the VM read ~90 GB/s 12 KiB
-// took 0.75-0.83 of the time at one row (0.37-0.40 -> 0.28-0.35 ms), 0.84 at two, 0.97 at four, 1.00 at eight;
+// took 0.74-0.83 of the time at one row (0.37-0.42 -> 0.28-0.35 ms), 0.84 at two, 0.97 at four, 1.00 at eight;
 // where it read ~55, 1.01 at one row
 inline void prefetch_ahead(const int8_t* wn, int K, int rows) {
   const int ahead = prefetch_distance(rows, 12288);

@@ -179,8 +179,8 @@ void int4_matmul(const Team& tm, const T* x, int64_t xs, int rows, const uint8_t
   const int tiles = (N + kTile - 1) / kTile;
   const Split& a = split_rows(x, xs, rows, K);
   // SmolLM2's fused layers, builds alternated in one process (2 threads of a Zen 5 EPYC, weights in huge pages), 8
-  // KiB against 4 KiB where the VM read ~90 GB/s: 0.91-0.92 at one sequence, 0.95 at two, 0.98 at three and four,
-  // 1.02 at eight (so more rows keep 4 KiB); where it read ~55: 0.98-1.00 at one to four
+  // KiB against 4 KiB where the VM read ~90 GB/s: 0.91-0.94 at one sequence, 0.95 at two, 0.98 at three and four,
+  // 1.02 at eight (so more rows keep 4 KiB); where it read ~55: 0.97-1.01 at one to four (docs/benchmarks.md)
   const int ahead = prefetch_distance(rows, 8192);
   for (int t = tm.begin(tiles); t < tm.end(tiles); ++t) {
     const Block b(w, t, K);
@@ -332,8 +332,15 @@ template <typename T>
 void int4_matmul(const Team& tm, const T* x, int64_t xs, int rows, const uint8_t* w, T* y, int64_t ys, int N, int K) {
   const int ng = K / kG4;
   const Acts& a = quantize_rows(x, xs, rows, K);
+  // Each thread asks for its rows 4 KiB ahead at one row of x. More rows redo the unpacking for each, so arithmetic
+  // binds this path (8 GB/s at four rows) and prefetches only cost instructions. 48 matrices of 3072 x 576 from
+  // memory, the x86-64-v3 build on a Zen 5 EPYC, against no prefetch: 0.82-0.95 at one row (8 KiB no better);
+  // asked at every row count, 0.99-1.05 at two to eight rows (this test's noise: ~3 %)
+  const bool ask = rows == 1;
   for (int n = tm.begin(N); n < tm.end(N); ++n) {
     const Block b(w, n, K);
+    if (ask)
+      for (int c = 0; c < ng * kGroupBytes; c += 64) __builtin_prefetch(b.base + 4096 + c);
     for (int r = 0; r < rows; ++r)
       store(y + r * ys + n, row_dot(b, a.q.data() + static_cast<int64_t>(r) * K, a.d.data() + r * ng,
                                     a.qsum.data() + r * ng, a.xsum.data() + r * ng, ng));
