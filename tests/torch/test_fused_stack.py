@@ -25,8 +25,9 @@ def _backend(path, dtype, quantization, fuse):
 
 
 def _steps(backend, seed):
-    """Prompt chunks of 3 rows (fused) and 5 (above the quantized kernels' 4: the Python path), a mixed step, then
-    decodes of two sequences: float32 logits of every row of every step."""
+    """Prompt chunks of 3 rows (fused) and 5 (above the quantized kernels' 4: the Python path), a mixed step,
+    decodes of two sequences, then of one alone (its keys shared out between the threads): float32 logits of every
+    row of every step."""
     d = Driver(backend, seed=seed)
     g = torch.Generator().manual_seed(seed)
     a, b = torch.randint(0, 200, (10,), generator=g).tolist(), torch.randint(0, 200, (6,), generator=g).tolist()
@@ -34,6 +35,7 @@ def _steps(backend, seed):
             [d.request("a", a, 8, 2), d.request("b", b, 0, 1, do_sample=False)]]
     plan += [[d.request("a", a + [5] * (k + 1), 10 + k, 1), d.request("b", b, 1 + k, 1, do_sample=False)]
              for k in range(3)]
+    plan += [[d.request("a", a + [5] * 4, 13, 1)]]
     return [backend.compute_logits(batch_of(reqs)) for reqs in plan]
 
 
@@ -51,7 +53,7 @@ def test_fused_layers_equal_the_python_path(request, model, quantization, dtype)
     fused.stack.forward = lambda ids, *rest: used.append(ids.shape[0]) or forward(ids, *rest)
     for got, want in zip(_steps(fused, 1), _steps(plain, 1)):
         assert torch.equal(got, want)
-    assert used == [3, 3, 2, 2, 2]  # every step but the 5-row chunk ran fused
+    assert used == [3, 3, 2, 2, 2, 1]  # every step but the 5-row chunk ran fused
 
 
 def test_the_fused_call_times_its_kernels_when_asked(llama_dir):

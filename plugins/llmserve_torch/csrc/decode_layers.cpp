@@ -3,7 +3,8 @@
 // At one sequence a SmolLM2 step is ~400 kernel calls: each a few microseconds of work behind a few
 // microseconds of Python, ctypes and torch allocation. This runs the same kernels of this library in the
 // same order on the same values (fused_stack.py builds the tables), so its results equal the Python
-// path's bit for bit; only the dispatch between them is gone. Buffers are the caller's. The whole step is one
+// path's bit for bit; only the dispatch between them is gone. Buffers are the caller's (with one or two rows, the
+// residual stream and the elementwise stages' outputs are each member's own: Flow). The whole step is one
 // parallel region: each thread runs the kernels' team forms (team.h), meeting the others at a barrier between
 // stages, where each kernel call of the Python path opens and joins a region of its own.
 //
@@ -14,6 +15,8 @@
 
 #include <chrono>
 #include <cstdint>
+#include <cstring>
+#include <vector>
 
 #include "bf16.h"
 #include "kernels.h"
@@ -104,19 +107,59 @@ void linear(const Team& tm, const QLinear& L, const void* x, int rows, void* y, 
   }
 }
 
+// With this many rows or fewer, each member keeps its own copy of the residual stream (Flow)
+constexpr int kOwnRows = 2;
+
+// Where the elementwise stages' outputs live. With many rows the stages are shared out and the members meet after
+// each. With a few rows each member keeps its own copy of the residual stream and makes the norms', SiLU·up's and
+// (one token's keys shared out) the attention merge's whole outputs itself: the same arithmetic on the same values,
+// so the same results, and the next matmul reads this member's copy. A barrier a stage goes (four a layer), and the
+// wait while one member did a row alone. That pays where the VM's two CPUs are far apart (a barrier then takes
+// 200-650 ns against 25-65): builds alternated in one process, SmolLM2's fused layers at ~90 GB/s (the far
+// placement) 0.956-0.968 of the time at one sequence, 0.960 at two; at ~55 GB/s 1.000-1.005 and 0.978-0.998; at
+// four sequences the repeated work lost (1.031 at ~55).
+template <typename T>
+struct Flow {
+  Team ew;        // the team the elementwise stages run on: tm, or this member alone
+  T* x;           // the residual stream: the caller's, or this member's copy
+  void* h;        // the norms' output, the next matmul's input
+  void* act;      // SiLU·up's output, the down matmul's input
+  void* attn;     // the attention's output, the o matmul's input
+  bool own;       // each member its own copies
+  bool own_attn;  // and, where the attention shares one token's keys out, its own merge of every head
+
+  Flow(const Team& tm, const Scratch& s, const Step& st, const Model& m)
+      : ew(tm), x(static_cast<T*>(st.x)), h(s.h), act(s.act), attn(s.attn), own(tm.size > 1 && st.rows <= kOwnRows),
+        own_attn(own && st.rows < tm.size) {
+    if (!own) return;
+    thread_local std::vector<T> buf;  // this member's; grown once
+    const int64_t xn = static_cast<int64_t>(st.rows) * m.hidden, an = static_cast<int64_t>(st.rows) * m.inter;
+    const int64_t qn = static_cast<int64_t>(st.rows) * m.heads * m.head_dim;
+    if (buf.size() < static_cast<size_t>(2 * xn + an + qn)) buf.resize(2 * xn + an + qn);
+    std::memcpy(buf.data(), st.x, xn * sizeof(T));
+    ew = Team{0, 1, nullptr};
+    x = buf.data(), h = buf.data() + xn, act = buf.data() + 2 * xn;
+    if (own_attn) attn = buf.data() + 2 * xn + an;
+  }
+  // After an elementwise stage: the members meet where they share its output
+  void sync(const Team& tm) const {
+    if (!own) tm.sync();
+  }
+};
+
 // One member's part of the step; members meet (tm.sync) wherever a kernel reads what the one before wrote
 template <typename T>
 void run(const Team& tm, const Model& m, const Scratch& s, const Step& st, float* part) {
   const int R = st.rows, E = sizeof(T), H = m.hidden;
   const int q = m.heads * m.head_dim, kv = m.kv_heads * m.head_dim, qkv_w = q + 2 * kv;
-  T* x = static_cast<T*>(st.x);
+  Flow<T> f(tm, s, st, m);
   Clock clock(tm.lead() ? st.stage_us : nullptr);  // the lead's clock: its stage times include its waits
-  team_add_rms_norm(tm, x, H, nullptr, 0, m.layer[0].in_norm, s.h, H, R, H, m.eps, E);
-  tm.sync();
+  team_add_rms_norm(f.ew, f.x, H, nullptr, 0, m.layer[0].in_norm, f.h, H, R, H, m.eps, E);
+  f.sync(tm);
   clock.mark(kNorms);
   for (int li = 0; li < m.layers; ++li) {
     const Layer& L = m.layer[li];
-    linear<T>(tm, L.qkv, s.h, R, s.qkv, s.f32);
+    linear<T>(tm, L.qkv, f.h, R, s.qkv, s.f32);
     tm.sync();
     clock.mark(kQkv);
     team_rope(tm, s.qkv, qkv_w, R, m.heads + m.kv_heads, m.head_dim, st.cos, st.sin, st.tok_pos, E);
@@ -126,31 +169,33 @@ void run(const Team& tm, const Model& m, const Scratch& s, const Step& st, float
     tm.sync();
     clock.mark(kRopeKv);
     team_paged_attention(tm, s.qkv, qkv_w, L.k_cache, L.v_cache, st.block_tables, st.max_blocks, st.tok_req,
-                         st.tok_pos, s.attn, q, R, m.heads, m.kv_heads, m.head_dim, m.block_size, m.attn_scale, part, E);
-    tm.sync();
+                         st.tok_pos, f.attn, q, R, m.heads, m.kv_heads, m.head_dim, m.block_size, m.attn_scale, part, E,
+                         f.own_attn);
+    if (!f.own_attn) tm.sync();
     clock.mark(kAttention);
-    linear<T>(tm, L.o, s.attn, R, s.o, s.f32);
+    linear<T>(tm, L.o, f.attn, R, s.o, s.f32);
     tm.sync();
     clock.mark(kO);
-    team_add_rms_norm(tm, x, H, s.o, H, L.post_norm, s.h, H, R, H, m.eps, E);
-    tm.sync();
+    team_add_rms_norm(f.ew, f.x, H, s.o, H, L.post_norm, f.h, H, R, H, m.eps, E);
+    f.sync(tm);
     clock.mark(kNorms);
-    linear<T>(tm, L.gate_up, s.h, R, s.gu, s.f32);
+    linear<T>(tm, L.gate_up, f.h, R, s.gu, s.f32);
     tm.sync();
     clock.mark(kGateUp);
-    team_silu_mul(tm, s.gu, 2 * m.inter, s.act, m.inter, R, m.inter, E);
-    tm.sync();
+    team_silu_mul(f.ew, s.gu, 2 * m.inter, f.act, m.inter, R, m.inter, E);
+    f.sync(tm);
     clock.mark(kSiluMul);
-    linear<T>(tm, L.down, s.act, R, s.down, s.f32);
+    linear<T>(tm, L.down, f.act, R, s.down, s.f32);
     tm.sync();
     clock.mark(kDown);
     if (li + 1 < m.layers) {
-      team_add_rms_norm(tm, x, H, s.down, H, m.layer[li + 1].in_norm, s.h, H, R, H, m.eps, E);
+      team_add_rms_norm(f.ew, f.x, H, s.down, H, m.layer[li + 1].in_norm, f.h, H, R, H, m.eps, E);
     } else {  // x += down
       const T* d = static_cast<const T*>(s.down);
-      for (int64_t i = tm.begin(R * H); i < tm.end(R * H); ++i) store(x + i, load(x[i]) + load(d[i]));
+      for (int64_t i = f.ew.begin(R * H); i < f.ew.end(R * H); ++i) store(f.x + i, load(f.x[i]) + load(d[i]));
+      if (f.own && tm.lead()) std::memcpy(st.x, f.x, static_cast<size_t>(R) * H * sizeof(T));
     }
-    tm.sync();
+    f.sync(tm);
     clock.mark(kNorms);
   }
 }

@@ -34,9 +34,11 @@ void team_silu_mul(const Team& tm, const void* gu, int64_t gs, void* out, int64_
 void team_write_kv(const Team& tm, const void* k, int64_t ks, const void* v, int64_t vs, void* kc, void* vc,
                    const int64_t* slots, int nt, int64_t row, int elem_size);
 // Paged attention (paged_attention.cpp); the members meet once inside (shares of a token merged after all are
-// done). part: attention_part(...) of the thread that opened the region.
+// done). part: attention_part(...) of the thread that opened the region. merge_all: where a token's keys are
+// shared out, every member merges every head into its own `out` (else each its share of them into the one `out`)
 void team_paged_attention(const Team& tm, const void* q, int64_t qs, const void* kc, const void* vc,
                           const int32_t* bt, int mb, const int32_t* tr, const int32_t* tp, void* out, int64_t os,
-                          int nt, int H, int KVH, int D, int BS, float sc, float* part, int elem_size);
+                          int nt, int H, int KVH, int D, int BS, float sc, float* part, int elem_size,
+                          bool merge_all = false);
 // The shares' scratch of a paged attention call on `threads` threads (grown once; null when tokens are not split)
 float* attention_part(int nt, int H, int D, int threads);

@@ -205,7 +205,7 @@ template <typename T, int DC>
 void paged_attention(const Team& tm, const T* q, int64_t q_stride, const T* kc, const T* vc,
                      const int32_t* block_tables, int max_blocks, const int32_t* tok_req, const int32_t* tok_pos,
                      T* out, int64_t out_stride, int num_tokens, int num_heads, int num_kv_heads, int head_dim,
-                     int block_size, float scale, float* part) {
+                     int block_size, float scale, float* part, bool merge_all) {
   const int G = num_heads / num_kv_heads;
   const int D = DC > 0 ? DC : head_dim;
   const int64_t row = static_cast<int64_t>(num_kv_heads) * D;
@@ -326,11 +326,13 @@ void paged_attention(const Team& tm, const T* q, int64_t q_stride, const T* kc, 
       }
     }
   }
-  if (splits > 1) {  // each token's shares, rescaled to their common max, summed into the first share's state
+  if (splits > 1) {  // each token's shares, rescaled to their common max and summed (every head: merge_all)
     tm.sync();
-    for (int tg = tm.begin(num_tokens * GH); tg < tm.end(num_tokens * GH); ++tg) {
+    const Team mt = merge_all ? Team{0, 1, nullptr} : tm;
+    alignas(64) float o[kMaxQ];
+    for (int tg = mt.begin(num_tokens * GH); tg < mt.end(num_tokens * GH); ++tg) {
       const int t = tg / GH, g = tg % GH;
-      float* p0 = part + (static_cast<size_t>(t) * splits * GH + g) * (D + 2);
+      const float* p0 = part + (static_cast<size_t>(t) * splits * GH + g) * (D + 2);
       const size_t step = static_cast<size_t>(GH) * (D + 2);  // the next share's state for this head
       float mx = -1e30f;
       for (int sp = 0; sp < splits; ++sp) mx = p0[sp * step] > mx ? p0[sp * step] : mx;
@@ -339,10 +341,10 @@ void paged_attention(const Team& tm, const T* q, int64_t q_stride, const T* kc, 
         const float* ps = p0 + sp * step;
         const float w = expf(ps[0] - mx);
         l += ps[1] * w;
-        for (int d = 0; d < D; ++d) p0[2 + d] = sp == 0 ? ps[2 + d] * w : p0[2 + d] + ps[2 + d] * w;
+        for (int d = 0; d < D; ++d) o[d] = sp == 0 ? ps[2 + d] * w : o[d] + ps[2 + d] * w;
       }
       T* ot = out + t * out_stride + static_cast<int64_t>(g) * D;
-      for (int d = 0; d < D; ++d) store(ot + d, p0[2 + d] / l);
+      for (int d = 0; d < D; ++d) store(ot + d, o[d] / l);
     }
   }
 }
@@ -360,10 +362,11 @@ void write_kv(const Team& tm, const T* k, int64_t k_stride, const T* v, int64_t 
 template <typename T>
 void dispatch(const Team& tm, const T* q, int64_t qs, const T* kc, const T* vc, const int32_t* bt, int mb,
               const int32_t* tr, const int32_t* tp, T* out, int64_t os, int nt, int H, int KVH, int D, int BS, float sc,
-              float* part) {
-  if (D == 64) paged_attention<T, 64>(tm, q, qs, kc, vc, bt, mb, tr, tp, out, os, nt, H, KVH, D, BS, sc, part);
-  else if (D == 128) paged_attention<T, 128>(tm, q, qs, kc, vc, bt, mb, tr, tp, out, os, nt, H, KVH, D, BS, sc, part);
-  else paged_attention<T, 0>(tm, q, qs, kc, vc, bt, mb, tr, tp, out, os, nt, H, KVH, D, BS, sc, part);
+              float* part, bool all) {
+  if (D == 64) paged_attention<T, 64>(tm, q, qs, kc, vc, bt, mb, tr, tp, out, os, nt, H, KVH, D, BS, sc, part, all);
+  else if (D == 128)
+    paged_attention<T, 128>(tm, q, qs, kc, vc, bt, mb, tr, tp, out, os, nt, H, KVH, D, BS, sc, part, all);
+  else paged_attention<T, 0>(tm, q, qs, kc, vc, bt, mb, tr, tp, out, os, nt, H, KVH, D, BS, sc, part, all);
 }
 
 // Both dtypes' attention on a region of its own
@@ -435,15 +438,16 @@ void team_write_kv(const Team& tm, const void* k, int64_t ks, const void* v, int
 
 void team_paged_attention(const Team& tm, const void* q, int64_t qs, const void* kc, const void* vc,
                           const int32_t* bt, int mb, const int32_t* tr, const int32_t* tp, void* out, int64_t os,
-                          int nt, int H, int KVH, int D, int BS, float sc, float* part, int elem_size) {
+                          int nt, int H, int KVH, int D, int BS, float sc, float* part, int elem_size,
+                          bool merge_all) {
   if (elem_size == 4)
     dispatch<float>(tm, static_cast<const float*>(q), qs, static_cast<const float*>(kc),
                     static_cast<const float*>(vc), bt, mb, tr, tp, static_cast<float*>(out), os, nt, H, KVH, D, BS, sc,
-                    part);
+                    part, merge_all);
   else
     dispatch<uint16_t>(tm, static_cast<const uint16_t*>(q), qs, static_cast<const uint16_t*>(kc),
                        static_cast<const uint16_t*>(vc), bt, mb, tr, tp, static_cast<uint16_t*>(out), os, nt, H, KVH,
-                       D, BS, sc, part);
+                       D, BS, sc, part, merge_all);
 }
 
 float* attention_part(int nt, int H, int D, int threads) {
