@@ -130,7 +130,7 @@ struct Flow {
 
   Flow(const Team& tm, const Scratch& s, const Step& st, const Model& m)
       : ew(tm), x(static_cast<T*>(st.x)), h(s.h), act(s.act), attn(s.attn), own(tm.size > 1 && st.rows <= kOwnRows),
-        own_attn(own && st.rows < tm.size) {
+        own_attn(own && token_splits(st.rows, tm.size) > 1) {
     if (!own) return;
     thread_local std::vector<T> buf;  // this member's; grown once
     const int64_t xn = static_cast<int64_t>(st.rows) * m.hidden, an = static_cast<int64_t>(st.rows) * m.inter;

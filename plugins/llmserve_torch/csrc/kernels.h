@@ -40,5 +40,10 @@ void team_paged_attention(const Team& tm, const void* q, int64_t qs, const void*
                           const int32_t* bt, int mb, const int32_t* tr, const int32_t* tp, void* out, int64_t os,
                           int nt, int H, int KVH, int D, int BS, float sc, float* part, int elem_size,
                           bool merge_all = false);
+// How many shares paged attention splits each query token's keys into: one, unless there are fewer tokens than
+// threads
+inline int token_splits(int num_tokens, int threads) {
+  return num_tokens >= threads ? 1 : (threads + num_tokens - 1) / num_tokens;
+}
 // The shares' scratch of a paged attention call on `threads` threads (grown once; null when tokens are not split)
 float* attention_part(int nt, int H, int D, int threads);

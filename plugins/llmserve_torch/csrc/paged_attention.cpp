@@ -185,11 +185,6 @@ inline void values_bf16_d64(int G, const uint16_t* vc, const int32_t* bt, int b0
 }
 #endif
 
-// How many shares each query token's keys are split into: one, unless there are fewer tokens than threads
-inline int token_splits(int num_tokens, int threads) {
-  return num_tokens >= threads ? 1 : (threads + num_tokens - 1) / num_tokens;
-}
-
 // DC: head_dim fixed at compile time (64, 128) so the inner loops unroll; 0 = runtime head_dim.
 //
 // Shares of the keys rather than items per KV head (what a one-sequence step ran before): a thread then reads
@@ -329,7 +324,7 @@ void paged_attention(const Team& tm, const T* q, int64_t q_stride, const T* kc, 
   if (splits > 1) {  // each token's shares, rescaled to their common max and summed (every head: merge_all)
     tm.sync();
     const Team mt = merge_all ? Team{0, 1, nullptr} : tm;
-    alignas(64) float o[kMaxQ];
+    alignas(64) float o[kMaxQ];  // one head's D sums
     for (int tg = mt.begin(num_tokens * GH); tg < mt.end(num_tokens * GH); ++tg) {
       const int t = tg / GH, g = tg % GH;
       const float* p0 = part + (static_cast<size_t>(t) * splits * GH + g) * (D + 2);
