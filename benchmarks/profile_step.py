@@ -37,9 +37,10 @@ from llmserve_bench.report import machine_info  # noqa: E402
 
 PREFIX = "llmserve::"
 # our own int8 matmul (csrc, via ctypes) is invisible to the profiler: under lm_head it counts there, elsewhere
-# it lands in python / other
-FAMILIES = ["layers (fused: one C call)", "linear", "attention", "norm", "norm (+ residual add)", "rope", "silu·up",
-            "elementwise & other ops", "sampling", "lm_head", "step set-up"]
+# it lands in python / other. Where every row of a fused step samples, the final norm and the LM head run in the
+# fused call (and greedy tokens too: no sampling), so lm_head and sampling read 0 there
+FAMILIES = ["fused call (layers; LM head, greedy token)", "linear", "attention", "norm", "norm (+ residual add)",
+            "rope", "silu·up", "elementwise & other ops", "sampling", "lm_head", "step set-up"]
 LINEAR_OPS = {"aten::linear", "aten::addmm", "aten::mm", "aten::matmul", "aten::bmm", "mkldnn::_linear_pointwise",
               "aten::_weight_int4pack_mm_for_cpu", "aten::_weight_int8pack_mm"}
 NORM_OPS = {"aten::layer_norm", "aten::native_layer_norm"}
@@ -78,7 +79,7 @@ def label_families(backend) -> None:
     label(backend.sampler, "sample", "sampling")
     label(model, "logits", "lm_head")  # the final norm inside it counts as a norm
     if backend.stack is not None:  # every layer in one call (fused_stack.py): its kernels are not separable here
-        label(backend.stack, "forward", "layers (fused: one C call)")
+        label(backend.stack, "forward", "fused call (layers; LM head, greedy token)")
     if model.ops is not None:  # Llama-style models; GPT-2's norms are torch ops, counted by name
         for attr, family in (("add_rms", "norm (+ residual add)"), ("rope", "rope"), ("silu_mul", "silu·up")):
             label(model.ops, attr, family)

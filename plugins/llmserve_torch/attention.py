@@ -210,7 +210,7 @@ _SIGNATURES = {
     "llmserve_silu_mul": (None, [_P, _L, _P, _L, _I, _I, _I, _I]),
     "llmserve_int8_matmul": (None, [_P, _L, _I, _P, _P, _P, _L, _I, _I, _I, _I]),
     "llmserve_int4_matmul": (None, [_P, _L, _I, _P, _P, _L, _I, _I, _I, _I]),
-    "llmserve_decode_layers": (None, [_P, _P, _P]),
+    "llmserve_decode_layers": (_I, [_P, _P, _P]),
     "llmserve_quant_isa": (ctypes.c_char_p, []),
     "llmserve_int4_tile": (_I, []),
 }

@@ -276,7 +276,8 @@ class TorchBackend(ModelBackend):
         dev = self.device
 
         def tensor(values: list[int], dtype) -> torch.Tensor:  # through numpy: 3x faster than torch.tensor(list)
-            return torch.from_numpy(np.array(values, dtype=dtype)).to(dev, non_blocking=True)
+            t = torch.from_numpy(np.array(values, dtype=dtype))
+            return t if dev.type == "cpu" else t.to(dev, non_blocking=True)  # (a no-op .to still costs ~3 us)
 
         meta = StepMetadata(
             slots=tensor(slots, np.int64), tok_req=tensor(tok_req, np.int32), tok_pos=tensor(pos, np.int32),
@@ -290,13 +291,18 @@ class TorchBackend(ModelBackend):
         if reserved > self._kv_peak["reserved_slots"]:
             self._kv_peak = {"reserved_slots": reserved, "used_slots": used}
 
-    def _forward(self, batch: SchedulerOutput):
-        """Metadata once per step, then the model over every flattened token: hidden [T, hidden]."""
+    def _forward(self, batch: SchedulerOutput, greedy: bool = False):
+        """Metadata once per step, then the model over every flattened token: hidden [T, hidden], meta, the rows
+        to sample, and where the fused layers made them in the same call (every row samples), the logits of every
+        row (else None) and, asked for `greedy` (Sampler.plain_greedy), each row's token (else None)."""
         ids, meta, sample_rows = self._metadata(batch)
-        if self.stack is not None and self.stack.covers(meta.num_tokens):
-            return self.stack.forward(ids, meta), meta, sample_rows
+        T = meta.num_tokens
+        if self.stack is not None and self.stack.covers(T):
+            head = len(sample_rows) == T and self.stack.covers_head(T)
+            return *self.stack.forward(ids, meta, logits=head, argmax=greedy), meta, sample_rows
         self.attention.begin_step(meta)
-        return self.model.forward(ids, self.model.prepare_step(meta.tok_pos.long()), self.attention), meta, sample_rows
+        hidden = self.model.forward(ids, self.model.prepare_step(meta.tok_pos.long()), self.attention)
+        return hidden, None, None, meta, sample_rows
 
     def _graph_step(self, batch: SchedulerOutput) -> torch.Tensor | None:
         """Logits of every request of a decode-only step replayed from a CUDA graph, or None where the step runs
@@ -318,7 +324,7 @@ class TorchBackend(ModelBackend):
         if self.kv is None:
             raise RuntimeError("init_kv_cache() must be called before compute_logits()")
         with torch.inference_mode():
-            hidden, _, _ = self._forward(batch)
+            hidden = self._forward(batch)[0]
             return self.model.logits(hidden)
 
     def execute(self, batch: SchedulerOutput) -> ModelOutput:
@@ -330,25 +336,32 @@ class TorchBackend(ModelBackend):
             return ModelOutput(sampled_token_ids=[])
         with torch.inference_mode():
             graphed = self._graph_step(batch)
+            sample_reqs = [r for r in reqs if r.do_sample]
+            logits = tokens = None
             if graphed is None:
-                hidden, meta, sample_rows = self._forward(batch)
+                greedy = self.sampler.plain_greedy(sample_reqs, batch.token_bitmask)
+                hidden, logits, tokens, meta, sample_rows = self._forward(batch, greedy)
             sampled: list[int | None] = [None] * len(reqs)
             logprobs = None
-            sample_reqs = [r for r in reqs if r.do_sample]
             if sample_reqs:
                 if graphed is not None:  # logits of every row; a one-token prompt chunk may not sample
                     logits = graphed if len(sample_reqs) == len(reqs) else graphed[
                         torch.tensor([i for i, r in enumerate(reqs) if r.do_sample], device=self.device)]
+                elif logits is not None:  # the fused call made them (every row samples)
+                    pass
                 elif len(sample_rows) == hidden.shape[0]:  # every row samples (decodes): no gather
                     logits = self.model.logits(hidden)
                 else:
                     rows = torch.tensor(sample_rows, dtype=torch.long, device=self.device)
                     logits = self.model.logits(hidden.index_select(0, rows))
-                mask_rows = ()
-                if batch.token_bitmask is not None:  # the mask's rows index reqs; the sampler's, sample_reqs
-                    pos = {i: j for j, i in enumerate(i for i, r in enumerate(reqs) if r.do_sample)}
-                    mask_rows = [pos[i] for i in batch.bitmask_rows]
-                toks, lps = self.sampler.sample(logits, sample_reqs, batch.token_bitmask, mask_rows)
+                if tokens is not None:  # and its greedy tokens: the sampler would take the same argmax
+                    toks, lps = tokens, [None] * len(tokens)
+                else:
+                    mask_rows = ()
+                    if batch.token_bitmask is not None:  # the mask's rows index reqs; the sampler's, sample_reqs
+                        pos = {i: j for j, i in enumerate(i for i, r in enumerate(reqs) if r.do_sample)}
+                        mask_rows = [pos[i] for i in batch.bitmask_rows]
+                    toks, lps = self.sampler.sample(logits, sample_reqs, batch.token_bitmask, mask_rows)
                 it = iter(zip(toks, lps))
                 if any(lp is not None for lp in lps):
                     logprobs = [None] * len(reqs)

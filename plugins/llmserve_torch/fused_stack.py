@@ -31,7 +31,9 @@ class _Layer(ctypes.Structure):
 class _Model(ctypes.Structure):
     _fields_ = [(f, ctypes.c_int32) for f in ("layers", "hidden", "heads", "kv_heads", "head_dim", "inter",
                                                "block_size", "elem_size")] + \
-               [("eps", ctypes.c_float), ("attn_scale", ctypes.c_float), ("layer", ctypes.POINTER(_Layer))]
+               [("eps", ctypes.c_float), ("attn_scale", ctypes.c_float), ("layer", ctypes.POINTER(_Layer)),
+                ("head", _QLinear), ("final_norm", ctypes.c_void_p), ("embed", ctypes.c_void_p),
+                ("vocab", ctypes.c_int32)]
 
 
 class _Scratch(ctypes.Structure):
@@ -39,15 +41,16 @@ class _Scratch(ctypes.Structure):
 
 
 class _Step(ctypes.Structure):
-    _fields_ = [("x", ctypes.c_void_p), ("rows", ctypes.c_int32), ("cos", ctypes.c_void_p), ("sin", ctypes.c_void_p),
+    _fields_ = [("x", ctypes.c_void_p), ("ids", ctypes.c_void_p), ("rows", ctypes.c_int32), ("cos", ctypes.c_void_p),
+                ("sin", ctypes.c_void_p),
                 ("slots", ctypes.c_void_p), ("block_tables", ctypes.c_void_p), ("max_blocks", ctypes.c_int32),
                 ("tok_req", ctypes.c_void_p), ("tok_pos", ctypes.c_void_p), ("threads", ctypes.c_int32),
-                ("stage_us", ctypes.c_void_p)]
+                ("stage_us", ctypes.c_void_p), ("logits", ctypes.c_void_p), ("tokens", ctypes.c_void_p)]
 
 
 # what the C call can time a step's layers by (its enum Stage, in order): FusedStack.stage_us
 STAGES = ("q|k|v matmul", "RoPE + K/V store", "attention", "o matmul", "residual add + RMSNorm", "gate|up matmul",
-          "SiLU·up", "down matmul")
+          "SiLU·up", "down matmul", "final norm + LM head")
 
 
 def _why_not(model, attention, lib) -> str | None:
@@ -90,9 +93,18 @@ class FusedStack:
                                self._linear(L["down"]), L["in_norm"].data_ptr(), L["post_norm"].data_ptr(),
                                kv.k[i].data_ptr(), kv.v[i].data_ptr())
         self._layers = layers
+        # the LM head in the same call where it is int8 for our kernel (a Q8_0 file's, or int4 quantization's):
+        # the most rows it takes there, 0 where it runs in Python
+        head = model.lm_head
+        self.head_rows = (min(head.max_quantized_rows(), OWN_INT8_MAX_ROWS)
+                          if isinstance(head, QuantLinear) and head.own_int8 and head.bias is None else 0)
+        # the embedding rows copied in the call too (a torch embedding was ~25 us of a step's Python)
+        embed = model.embed
+        self._embed_here = embed.dtype == model.dtype and embed.is_contiguous()
         self._model = _Model(a.num_layers, a.hidden_size, a.num_heads, a.num_kv_heads, a.head_dim,
                              a.intermediate_size, kv.block_size, model.dtype.itemsize, a.norm_eps, attention.scale,
-                             layers)
+                             layers, self._linear(head) if self.head_rows else _QLinear(), model.norm.data_ptr(),
+                             embed.data_ptr(), embed.shape[0])
         self._widest_int8 = max((lin.out_features for lin in linears if lin.kind == "int8"), default=0)
         # RoPE's cos/sin at every position, in the form the Python path's rows take: the call reads each token's
         # row itself (no per-step gather)
@@ -122,22 +134,40 @@ class FusedStack:
                   "gu": 2 * a.intermediate_size, "act": a.intermediate_size, "down": a.hidden_size}
         bufs = {k: torch.empty((rows, w), dtype=dt) for k, w in widths.items()}
         bufs["f32"] = torch.empty((rows, max(self._widest_int8, 1)), dtype=torch.float32)
+        # the head's out: 192 KiB a row for a 49k vocabulary, which a fresh tensor each step paid in page faults
+        bufs["logits"] = torch.empty((min(rows, self.head_rows), self.model.lm_head.out_features), dtype=torch.float32)
+        bufs["tokens"] = torch.empty(rows, dtype=torch.int64)
+        bufs["x"] = torch.empty((rows, a.hidden_size), dtype=dt)
         self._bufs = bufs  # kept alive: the struct holds raw pointers
         self._scratch = _Scratch(*(bufs[k].data_ptr() for k, _ in _Scratch._fields_))
         self._rows = rows
 
-    def forward(self, input_ids: torch.Tensor, meta) -> torch.Tensor:
-        """Hidden states before the final norm, [T, hidden], as Qwen2Model.forward returns them."""
+    def covers_head(self, rows: int) -> bool:
+        """Whether a step of this many rows can have its logits made here too (forward's `logits`)."""
+        return 0 < rows <= self.head_rows
+
+    def forward(self, input_ids: torch.Tensor, meta, logits: bool = False,
+                argmax: bool = False) -> tuple[torch.Tensor, torch.Tensor | None, list[int] | None]:
+        """Hidden states before the final norm, [T, hidden], as Qwen2Model.forward returns them; with `logits`
+        (covers_head) every row's float32 logits as Qwen2Model.logits makes them, with `argmax` too each row's
+        first largest logit (the sampler's greedy token), else None for each. Hidden states and logits are this
+        stack's buffers: valid until its next call."""
         T = input_ids.shape[0]
         if T > self._rows:  # grow-only, from room for a few rows
             self._buffers(max(T, min(self.max_rows, 8)))
-        x = torch.nn.functional.embedding(input_ids, self.model.embed)
+        bufs = self._bufs
+        x = bufs["x"][:T] if self._embed_here else torch.nn.functional.embedding(input_ids, self.model.embed)
         bt = meta.block_tables
-        st = _Step(x.data_ptr(), T, self._cos.data_ptr(), self._sin.data_ptr(), meta.slots.data_ptr(), bt.data_ptr(),
-                   bt.shape[1], meta.tok_req.data_ptr(), meta.tok_pos.data_ptr(), torch.get_num_threads(),
-                   None if self.stage_us is None else self.stage_us.data_ptr())
-        self._fn(ctypes.addressof(self._model), ctypes.addressof(self._scratch), ctypes.addressof(st))
-        return x
+        out = bufs["logits"][:T] if logits else None
+        tokens = bufs["tokens"] if logits and argmax else None
+        st = _Step(x.data_ptr(), input_ids.data_ptr() if self._embed_here else None, T, self._cos.data_ptr(),
+                   self._sin.data_ptr(), meta.slots.data_ptr(), bt.data_ptr(), bt.shape[1], meta.tok_req.data_ptr(),
+                   meta.tok_pos.data_ptr(), torch.get_num_threads(),
+                   None if self.stage_us is None else self.stage_us.data_ptr(),
+                   None if out is None else out.data_ptr(), None if tokens is None else tokens.data_ptr())
+        if self._fn(ctypes.addressof(self._model), ctypes.addressof(self._scratch), ctypes.addressof(st)):
+            raise IndexError("index out of range in self")  # a token id past the embedding, as torch says it
+        return x, out, None if tokens is None else tokens[:T].tolist()
 
 
 def build_stack(option: str, model, attention, lib, max_batch_rows: int) -> tuple[FusedStack | None, str]:

@@ -144,6 +144,13 @@ class Sampler:
         # GPU with Triton); used where no row filters by rank or min-p
         self.fast_race = None
 
+    @staticmethod
+    def plain_greedy(reqs: Sequence[ScheduledRequest], bitmask: torch.Tensor | None) -> bool:
+        """Whether each row's token is its first largest raw logit and nothing else is asked: greedy, no logprobs,
+        no logit processing, no constraint mask (the backend's fused call then takes the argmax itself)."""
+        return bitmask is None and all(r.sampling.temperature == 0.0 and r.sampling.logprobs is None
+                                       and not _needs_processing(r.sampling, r.num_output_tokens) for r in reqs)
+
     def _uniforms(self, sub: list[SamplingParams], reqs: Sequence[ScheduledRequest], s_rows: list[int], V: int,
                   device: torch.device) -> torch.Tensor:
         """One uniform draw per vocabulary entry of each sampled row: seeded rows from (seed, output index), the

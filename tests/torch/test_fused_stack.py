@@ -9,6 +9,7 @@ import torch
 from torch_helpers import Driver, batch_of, make_backend, make_llama
 
 from llmserve.errors import ConfigError
+from llmserve.request import SamplingParams
 from llmserve_torch.fused_stack import STAGES
 
 
@@ -50,10 +51,89 @@ def test_fused_layers_equal_the_python_path(request, model, quantization, dtype)
     assert plain.stack is None and plain.describe()["fused_layers"] == "off"
     used = []
     forward = fused.stack.forward
-    fused.stack.forward = lambda ids, *rest: used.append(ids.shape[0]) or forward(ids, *rest)
+    fused.stack.forward = lambda ids, *rest, **kw: used.append(ids.shape[0]) or forward(ids, *rest, **kw)
     for got, want in zip(_steps(fused, 1), _steps(plain, 1)):
         assert torch.equal(got, want)
     assert used == [3, 3, 2, 2, 2, 1]  # every step but the 5-row chunk ran fused
+
+
+def _head_steps(backend, seed, sampling=None):
+    """A prompt chunk in the call (no row samples), one above its rows (Python), one of four rows whose last
+    samples, decodes of two sequences, then of one: per step _forward's (hidden, logits, tokens) as execute asks
+    for them (greedy tokens where the sampler's plain_greedy holds for its rows)."""
+    d = Driver(backend, seed=seed)
+    g = torch.Generator().manual_seed(seed)
+    a, b = torch.randint(0, 200, (10,), generator=g).tolist(), torch.randint(0, 200, (4,), generator=g).tolist()
+    plan = [[d.request("a", a, 0, 3, do_sample=False)], [d.request("a", a, 3, 7, sampling)],
+            [d.request("b", b, 0, 4, sampling)]]
+    plan += [[d.request("a", a + [5] * (k + 1), 10 + k, 1, sampling), d.request("b", b + [7] * (k + 1), 4 + k, 1,
+                                                                                  sampling)] for k in range(3)]
+    plan += [[d.request("a", a + [5] * 4, 13, 1, sampling)]]
+    out = []
+    for reqs in plan:
+        greedy = backend.sampler.plain_greedy([r for r in reqs if r.do_sample], None)
+        hidden, logits, tokens = backend._forward(batch_of(reqs), greedy)[:3]
+        out.append((hidden.clone(), None if logits is None else logits.clone(), tokens))  # the stack's buffers
+    return out
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("quantization", ["int4", "int8"])
+@pytest.mark.parametrize("model", ["qwen2_dir", "llama_dir"])
+def test_the_fused_call_makes_the_python_paths_logits_and_greedy_tokens(request, model, quantization, dtype):
+    """Where every row of a step samples, the final norm and the int8 LM head (int4 keeps the head at int8) run in
+    the same call: float32 logits equal to Qwen2Model.logits' (its bf16 rounding included), and for greedy rows
+    the sampler's argmax. A row that samples at a temperature or asks for logprobs gets logits, not a token."""
+    path = request.getfixturevalue(model)
+    path = path[0] if isinstance(path, tuple) else path
+    fused, plain = _backend(path, dtype, quantization, "auto"), _backend(path, dtype, quantization, "off")
+    assert fused.stack.head_rows == 4 and fused.stack._embed_here  # the embedding rows are copied in the call too
+    made = []
+    for (hidden, logits, tokens), (plain_hidden, _, _) in zip(_head_steps(fused, 1), _head_steps(plain, 1)):
+        want = plain.model.logits(plain_hidden)
+        assert torch.equal(hidden, plain_hidden)
+        if logits is None:
+            assert tokens is None
+            made.append(0)
+            continue
+        assert torch.equal(logits, want) and tokens == want.argmax(dim=-1).tolist()
+        made.append(len(tokens))
+    assert made == [0, 0, 0, 2, 2, 2, 1]
+    for sampling in (SamplingParams(temperature=1.0), SamplingParams(temperature=0.0, logprobs=2)):
+        steps = _head_steps(_backend(path, dtype, quantization, "auto"), 1, sampling)
+        assert [logits is not None for _, logits, _ in steps] == [False] * 3 + [True] * 4
+        assert all(tokens is None for _, _, tokens in steps)
+
+
+@pytest.mark.parametrize("threads", [2, 3])
+def test_the_fused_argmax_takes_the_first_of_equal_logits(tmp_path, threads):
+    """An LM head whose rows are all one row: every logit of a step is equal, and the token is 0 (the first, as
+    the sampler's argmax takes it), though the threads' shares of the vocabulary each find their own first."""
+    hf = make_llama({"rope_type": "default", "rope_theta": 10000.0})
+    with torch.no_grad():
+        hf.lm_head.weight.copy_(hf.lm_head.weight[:1].expand_as(hf.lm_head.weight))
+    hf.save_pretrained(tmp_path)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for dtype in ("float32", "bfloat16"):
+            steps = _head_steps(_backend(tmp_path, dtype, "int8", "auto"), 4)
+            assert [tokens for _, _, tokens in steps] == [None] * 3 + [[0, 0]] * 3 + [[0]]
+            assert all(bool((logits == logits[:, :1]).all()) for _, logits, _ in steps[3:])
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_a_token_id_past_the_embedding_raises_as_torch_does(llama_dir):
+    """The call checks the ids before it runs anything (it copies their embedding rows itself): IndexError as
+    torch's embedding raises (the engine fails that request alone), and the next step runs as before."""
+    fused, plain = _backend(llama_dir, "bfloat16", "int4", "auto"), _backend(llama_dir, "bfloat16", "int4", "off")
+    for b in (fused, plain):
+        d = Driver(b, seed=5)
+        with pytest.raises(IndexError, match="index out of range"):
+            b._forward(batch_of([d.request("bad", [1, 2, 211], 0, 3)]))
+    got, want = (b.compute_logits(batch_of([Driver(b, seed=6).request("a", [3, 4, 5], 0, 3)])) for b in (fused, plain))
+    assert torch.equal(got, want)
 
 
 def test_the_fused_call_times_its_kernels_when_asked(llama_dir):

@@ -11,7 +11,11 @@
 // Per layer: h = rms(x) → qkv = h·Wqkv (+ bias) → RoPE on q, k → K/V stored, paged attention → o =
 // attn·Wo → x += o, h = rms(x) → gate|up = h·Wgu → silu(gate)·up → down → x += down (into the next
 // layer's norm). Linears: kind 4 (int4 groups of 32, our packing) or 8 (int8 per row, float32 out,
-// rounded to the activations' dtype as torch's .to() does).
+// rounded to the activations' dtype as torch's .to() does). Where the caller asks, the token ids' embedding rows
+// are copied in first (Step::ids), and the final norm and an int8 LM head follow in the same region (Step::logits),
+// then each row's greedy token (Step::tokens): the Python path's logits with QuantLinear's and lm_head's roundings,
+// then the argmax of the sampler's fast path. At one sequence the torch calls and Python around those were ~0.1 ms
+// of a ~1.6 ms step.
 
 #include <chrono>
 #include <cstdint>
@@ -42,6 +46,10 @@ struct Model {
   int32_t layers, hidden, heads, kv_heads, head_dim, inter, block_size, elem_size;
   float eps, attn_scale;
   const Layer* layer;
+  QLinear head;  // the LM head (kind 8), or kind 0 where the caller never asks for logits
+  const void* final_norm;
+  const void* embed;  // [vocab, hidden] in the activations' dtype: Step::ids' rows
+  int32_t vocab;
 };
 
 struct Scratch {  // each [max rows, its width], contiguous; f32: [max rows, widest int8 output]
@@ -50,7 +58,8 @@ struct Scratch {  // each [max rows, its width], contiguous; f32: [max rows, wid
 };
 
 struct Step {
-  void* x;  // [rows, hidden], the embeddings in, the last layer's output out
+  void* x;  // [rows, hidden], the embeddings in (or made here: ids), the last layer's output out
+  const int64_t* ids;  // null, or [rows]: the tokens whose embedding rows x starts as
   int32_t rows;
   const float* cos;  // the model's tables [positions, head_dim / 2], as CpuOps.tables makes them, read at tok_pos
   const float* sin;
@@ -61,10 +70,12 @@ struct Step {
   const int32_t* tok_pos;
   int32_t threads;
   double* stage_us;  // null, or kStages sums in microseconds this call adds to (benchmarks/profile_step.py)
+  float* logits;     // null, or [rows, head.n]: every row's float32 logits
+  int64_t* tokens;   // null, or [rows]: each row's first largest logit (with logits)
 };
 
 // What a step's time is split into when the caller asks (Step::stage_us), in this order
-enum Stage { kQkv, kRopeKv, kAttention, kO, kNorms, kGateUp, kSiluMul, kDown, kStages };
+enum Stage { kQkv, kRopeKv, kAttention, kO, kNorms, kGateUp, kSiluMul, kDown, kHead, kStages };
 
 // Adds the time since the last mark to a stage; does nothing unless asked (a clock read per kernel otherwise)
 class Clock {
@@ -147,11 +158,57 @@ struct Flow {
   }
 };
 
+// Each member's largest logit of each row in its share of the vocabulary, and where (the first such)
+struct Best {
+  float value;
+  int64_t at;
+};
+
+// The final norm, the int8 LM head (float32 out, rounded through T as QuantLinear's y.to(x.dtype) does before
+// lm_head's .float()), and where asked each row's argmax: first within each member's share of the vocabulary, then
+// over the members in order (a later share wins only with a larger value: the first maximum, as
+// llmserve_argmax_f32 finds it). best: [members, rows]
+template <typename T>
+void head(const Team& tm, const Model& m, const Flow<T>& f, const Step& st, Best* best) {
+  const int R = st.rows, H = m.hidden, V = m.head.n;
+  team_add_rms_norm(f.ew, f.x, H, nullptr, 0, m.final_norm, f.h, H, R, H, m.eps, sizeof(T));
+  f.sync(tm);
+  team_int8_matmul(tm, f.h, H, R, static_cast<const int8_t*>(m.head.w), m.head.scale, st.logits, V, V, H, sizeof(T));
+  const int j0 = tm.begin(V), j1 = tm.end(V);
+  for (int r = 0; r < R; ++r) {
+    float* y = st.logits + static_cast<int64_t>(r) * V;
+    for (int j = j0; j < j1; ++j) y[j] = round_to<T>(y[j]);
+    if (st.tokens == nullptr || j0 == j1) continue;
+    float mx = y[j0];
+    for (int j = j0; j < j1; ++j) mx = y[j] > mx ? y[j] : mx;
+    int at = j0;
+    while (y[at] != mx && at + 1 < j1) ++at;
+    best[tm.id * R + r] = {mx, at};
+  }
+  if (st.tokens == nullptr) return;
+  tm.sync();
+  if (!tm.lead()) return;
+  for (int r = 0; r < R; ++r) {
+    Best b = best[r];
+    for (int id = 1; id < tm.size; ++id) {
+      const Team other{id, tm.size, nullptr};
+      if (other.end(V) > other.begin(V) && best[id * R + r].value > b.value) b = best[id * R + r];
+    }
+    st.tokens[r] = b.at;
+  }
+}
+
 // One member's part of the step; members meet (tm.sync) wherever a kernel reads what the one before wrote
 template <typename T>
-void run(const Team& tm, const Model& m, const Scratch& s, const Step& st, float* part) {
+void run(const Team& tm, const Model& m, const Scratch& s, const Step& st, float* part, Best* best) {
   const int R = st.rows, E = sizeof(T), H = m.hidden;
   const int q = m.heads * m.head_dim, kv = m.kv_heads * m.head_dim, qkv_w = q + 2 * kv;
+  if (st.ids != nullptr) {  // x = the ids' embedding rows (the caller checked them: llmserve_decode_layers)
+    for (int r = tm.begin(R); r < tm.end(R); ++r)
+      std::memcpy(static_cast<char*>(st.x) + static_cast<int64_t>(r) * H * E,
+                  static_cast<const char*>(m.embed) + st.ids[r] * H * E, static_cast<size_t>(H) * E);
+    tm.sync();
+  }
   Flow<T> f(tm, s, st, m);
   Clock clock(tm.lead() ? st.stage_us : nullptr);  // the lead's clock: its stage times include its waits
   team_add_rms_norm(f.ew, f.x, H, nullptr, 0, m.layer[0].in_norm, f.h, H, R, H, m.eps, E);
@@ -198,20 +255,33 @@ void run(const Team& tm, const Model& m, const Scratch& s, const Step& st, float
     f.sync(tm);
     clock.mark(kNorms);
   }
+  if (st.logits != nullptr) head<T>(tm, m, f, st, best);
+  clock.mark(kHead);
 }
 
 }  // namespace
 
 extern "C" {
 
-void llmserve_decode_layers(const Model* m, const Scratch* s, const Step* st) {
+// 0, or -1 (nothing run) where an id is not a row of the embedding, as torch's embedding raises then
+int llmserve_decode_layers(const Model* m, const Scratch* s, const Step* st) {
+  if (st->ids != nullptr)
+    for (int r = 0; r < st->rows; ++r)
+      if (st->ids[r] < 0 || st->ids[r] >= m->vocab) return -1;
   float* part = attention_part(st->rows, m->heads, m->head_dim, st->threads);
+  // each member's best logits: the calling thread's, shared with its region's members by pointer (a thread_local
+  // named inside the region would be each member's own); grown once
+  thread_local std::vector<Best> best_of;
+  const size_t n_best = static_cast<size_t>(st->threads) * st->rows;
+  if (best_of.size() < n_best) best_of.resize(n_best);
+  Best* best = best_of.data();
   on_team(st->threads, true, [&](const Team& tm) {
     if (m->elem_size == 4)
-      run<float>(tm, *m, *s, *st, part);
+      run<float>(tm, *m, *s, *st, part, best);
     else
-      run<uint16_t>(tm, *m, *s, *st, part);
+      run<uint16_t>(tm, *m, *s, *st, part, best);
   });
+  return 0;
 }
 
 }  // extern "C"
