@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ctypes
 
+import numpy as np
 import torch
 
 from llmserve_torch.quant import OWN_INT8_MAX_ROWS, QuantLinear
@@ -66,6 +67,8 @@ def _why_not(model, attention, lib) -> str | None:
         return "it needs the cpu decoder ops and the cpu attention kernel"
     if model.dtype not in (torch.float32, torch.bfloat16):
         return f"it runs float32 and bfloat16, not {model.dtype}"
+    if model.embed.dtype != model.dtype or not model.embed.is_contiguous():
+        return "it copies embedding rows as they are: the table must be contiguous, in the activations' dtype"
     for lin in (L[k] for L in model.layers for k in ("qkv", "o", "gate_up", "down")):
         if not isinstance(lin, QuantLinear) or not (lin.own_int4 or (lin.kind == "int8" and lin.own_int8)):
             return "every linear of the layers must be quantized for llmserve's int4 or int8 kernels"
@@ -98,9 +101,8 @@ class FusedStack:
         head = model.lm_head
         self.head_rows = (min(head.max_quantized_rows(), OWN_INT8_MAX_ROWS)
                           if isinstance(head, QuantLinear) and head.own_int8 and head.bias is None else 0)
-        # the embedding rows copied in the call too (a torch embedding was ~25 us of a step's Python)
+        # the embedding rows are copied in the call too (a torch embedding was ~25 us of a step's Python)
         embed = model.embed
-        self._embed_here = embed.dtype == model.dtype and embed.is_contiguous()
         self._model = _Model(a.num_layers, a.hidden_size, a.num_heads, a.num_kv_heads, a.head_dim,
                              a.intermediate_size, kv.block_size, model.dtype.itemsize, a.norm_eps, attention.scale,
                              layers, self._linear(head) if self.head_rows else _QLinear(), model.norm.data_ptr(),
@@ -109,6 +111,7 @@ class FusedStack:
         # RoPE's cos/sin at every position, in the form the Python path's rows take: the call reads each token's
         # row itself (no per-step gather)
         self._cos, self._sin = model.ops.tables(model.cos, model.sin, model.dtype)
+        self._cos_at, self._sin_at = self._cos.data_ptr(), self._sin.data_ptr()
         self._rows = 0
         self._scratch = None
         # None, or float64 [len(STAGES)] that each call adds its kernels' microseconds to (profiling only: a clock
@@ -136,11 +139,22 @@ class FusedStack:
         bufs["f32"] = torch.empty((rows, max(self._widest_int8, 1)), dtype=torch.float32)
         # the head's out: 192 KiB a row for a 49k vocabulary, which a fresh tensor each step paid in page faults
         bufs["logits"] = torch.empty((min(rows, self.head_rows), self.model.lm_head.out_features), dtype=torch.float32)
-        bufs["tokens"] = torch.empty(rows, dtype=torch.int64)
+        self._tokens = np.empty(rows, dtype=np.int64)  # numpy: its slice and tolist cost ~0.1 us, torch's ~1
+        self._tokens_at = self._tokens.ctypes.data  # (.ctypes itself costs ~10 us a step)
         bufs["x"] = torch.empty((rows, a.hidden_size), dtype=dt)
         self._bufs = bufs  # kept alive: the struct holds raw pointers
         self._scratch = _Scratch(*(bufs[k].data_ptr() for k, _ in _Scratch._fields_))
         self._rows = rows
+        self._views: dict[int, tuple] = {}
+
+    def _outputs(self, rows: int) -> tuple:
+        """The hidden-state and logits buffers' first `rows` rows and their addresses (made once per row count:
+        slicing and data_ptr each step cost more than the dict)."""
+        v = self._views.get(rows)
+        if v is None:
+            x, lg = self._bufs["x"][:rows], self._bufs["logits"][:rows]
+            v = self._views[rows] = (x, x.data_ptr(), lg, lg.data_ptr())
+        return v
 
     def covers_head(self, rows: int) -> bool:
         """Whether a step of this many rows can have its logits made here too (forward's `logits`)."""
@@ -155,19 +169,15 @@ class FusedStack:
         T = input_ids.shape[0]
         if T > self._rows:  # grow-only, from room for a few rows
             self._buffers(max(T, min(self.max_rows, 8)))
-        bufs = self._bufs
-        x = bufs["x"][:T] if self._embed_here else torch.nn.functional.embedding(input_ids, self.model.embed)
+        x, x_at, out, out_at = self._outputs(T)
         bt = meta.block_tables
-        out = bufs["logits"][:T] if logits else None
-        tokens = bufs["tokens"] if logits and argmax else None
-        st = _Step(x.data_ptr(), input_ids.data_ptr() if self._embed_here else None, T, self._cos.data_ptr(),
-                   self._sin.data_ptr(), meta.slots.data_ptr(), bt.data_ptr(), bt.shape[1], meta.tok_req.data_ptr(),
-                   meta.tok_pos.data_ptr(), torch.get_num_threads(),
-                   None if self.stage_us is None else self.stage_us.data_ptr(),
-                   None if out is None else out.data_ptr(), None if tokens is None else tokens.data_ptr())
+        st = _Step(x_at, input_ids.data_ptr(), T, self._cos_at, self._sin_at,
+                   meta.slots.data_ptr(), bt.data_ptr(), bt.shape[1], meta.tok_req.data_ptr(), meta.tok_pos.data_ptr(),
+                   torch.get_num_threads(), None if self.stage_us is None else self.stage_us.data_ptr(),
+                   out_at if logits else None, self._tokens_at if logits and argmax else None)
         if self._fn(ctypes.addressof(self._model), ctypes.addressof(self._scratch), ctypes.addressof(st)):
             raise IndexError("index out of range in self")  # a token id past the embedding, as torch says it
-        return x, out, None if tokens is None else tokens[:T].tolist()
+        return x, out if logits else None, self._tokens[:T].tolist() if logits and argmax else None
 
 
 def build_stack(option: str, model, attention, lib, max_batch_rows: int) -> tuple[FusedStack | None, str]:

@@ -11,8 +11,8 @@
 // Per layer: h = rms(x) → qkv = h·Wqkv (+ bias) → RoPE on q, k → K/V stored, paged attention → o =
 // attn·Wo → x += o, h = rms(x) → gate|up = h·Wgu → silu(gate)·up → down → x += down (into the next
 // layer's norm). Linears: kind 4 (int4 groups of 32, our packing) or 8 (int8 per row, float32 out,
-// rounded to the activations' dtype as torch's .to() does). Where the caller asks, the token ids' embedding rows
-// are copied in first (Step::ids), and the final norm and an int8 LM head follow in the same region (Step::logits),
+// rounded to the activations' dtype as torch's .to() does). The token ids' embedding rows are copied in first
+// (Step::ids); where the caller asks, the final norm and an int8 LM head follow in the same region (Step::logits),
 // then each row's greedy token (Step::tokens): the Python path's logits with QuantLinear's and lm_head's roundings,
 // then the argmax of the sampler's fast path. At one sequence the torch calls and Python around those were ~0.1 ms
 // of a ~1.6 ms step.
@@ -58,8 +58,8 @@ struct Scratch {  // each [max rows, its width], contiguous; f32: [max rows, wid
 };
 
 struct Step {
-  void* x;  // [rows, hidden], the embeddings in (or made here: ids), the last layer's output out
-  const int64_t* ids;  // null, or [rows]: the tokens whose embedding rows x starts as
+  void* x;  // [rows, hidden]: the ids' embedding rows (copied in here), the last layer's output out
+  const int64_t* ids;  // [rows], the step's tokens
   int32_t rows;
   const float* cos;  // the model's tables [positions, head_dim / 2], as CpuOps.tables makes them, read at tok_pos
   const float* sin;
@@ -203,12 +203,11 @@ template <typename T>
 void run(const Team& tm, const Model& m, const Scratch& s, const Step& st, float* part, Best* best) {
   const int R = st.rows, E = sizeof(T), H = m.hidden;
   const int q = m.heads * m.head_dim, kv = m.kv_heads * m.head_dim, qkv_w = q + 2 * kv;
-  if (st.ids != nullptr) {  // x = the ids' embedding rows (the caller checked them: llmserve_decode_layers)
-    for (int r = tm.begin(R); r < tm.end(R); ++r)
-      std::memcpy(static_cast<char*>(st.x) + static_cast<int64_t>(r) * H * E,
-                  static_cast<const char*>(m.embed) + st.ids[r] * H * E, static_cast<size_t>(H) * E);
-    tm.sync();
-  }
+  // x = the ids' embedding rows (llmserve_decode_layers checked them)
+  for (int r = tm.begin(R); r < tm.end(R); ++r)
+    std::memcpy(static_cast<char*>(st.x) + static_cast<int64_t>(r) * H * E,
+                static_cast<const char*>(m.embed) + st.ids[r] * H * E, static_cast<size_t>(H) * E);
+  tm.sync();
   Flow<T> f(tm, s, st, m);
   Clock clock(tm.lead() ? st.stage_us : nullptr);  // the lead's clock: its stage times include its waits
   team_add_rms_norm(f.ew, f.x, H, nullptr, 0, m.layer[0].in_norm, f.h, H, R, H, m.eps, E);
@@ -265,9 +264,8 @@ extern "C" {
 
 // 0, or -1 (nothing run) where an id is not a row of the embedding, as torch's embedding raises then
 int llmserve_decode_layers(const Model* m, const Scratch* s, const Step* st) {
-  if (st->ids != nullptr)
-    for (int r = 0; r < st->rows; ++r)
-      if (st->ids[r] < 0 || st->ids[r] >= m->vocab) return -1;
+  for (int r = 0; r < st->rows; ++r)
+    if (st->ids[r] < 0 || st->ids[r] >= m->vocab) return -1;
   float* part = attention_part(st->rows, m->heads, m->head_dim, st->threads);
   // each member's best logits: the calling thread's, shared with its region's members by pointer (a thread_local
   // named inside the region would be each member's own); grown once
