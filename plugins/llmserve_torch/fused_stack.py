@@ -42,11 +42,11 @@ class _Scratch(ctypes.Structure):
 
 
 class _Step(ctypes.Structure):
-    _fields_ = [("x", ctypes.c_void_p), ("ids", ctypes.c_void_p), ("rows", ctypes.c_int32), ("cos", ctypes.c_void_p),
-                ("sin", ctypes.c_void_p),
-                ("slots", ctypes.c_void_p), ("block_tables", ctypes.c_void_p), ("max_blocks", ctypes.c_int32),
-                ("tok_req", ctypes.c_void_p), ("tok_pos", ctypes.c_void_p), ("threads", ctypes.c_int32),
-                ("stage_us", ctypes.c_void_p), ("logits", ctypes.c_void_p), ("tokens", ctypes.c_void_p)]
+    _fields_ = [("x", ctypes.c_void_p), ("ids", ctypes.c_void_p), ("rows", ctypes.c_int32),
+                ("cos", ctypes.c_void_p), ("sin", ctypes.c_void_p), ("slots", ctypes.c_void_p),
+                ("block_tables", ctypes.c_void_p), ("max_blocks", ctypes.c_int32), ("tok_req", ctypes.c_void_p),
+                ("tok_pos", ctypes.c_void_p), ("threads", ctypes.c_int32), ("stage_us", ctypes.c_void_p),
+                ("logits", ctypes.c_void_p), ("tokens", ctypes.c_void_p)]
 
 
 # what the C call can time a step's layers by (its enum Stage, in order): FusedStack.stage_us

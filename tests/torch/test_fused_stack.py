@@ -105,6 +105,26 @@ def test_the_fused_call_makes_the_python_paths_logits_and_greedy_tokens(request,
         assert all(tokens is None for _, _, tokens in steps)
 
 
+def test_execute_samples_the_same_tokens_from_the_fused_logits(llama_dir):
+    """Through execute: greedy decodes (the call's tokens), seeded sampling at a temperature and logprobs (the
+    sampler on the call's logits) give the Python path's tokens and logprobs."""
+    fused, plain = _backend(llama_dir, "bfloat16", "int4", "auto"), _backend(llama_dir, "bfloat16", "int4", "off")
+    mixes = [(SamplingParams(temperature=0.0), SamplingParams(temperature=0.0)),
+             (SamplingParams(temperature=0.8, seed=3), SamplingParams(temperature=0.0, logprobs=3))]
+    for first, second in mixes:
+        got, want = [], []
+        for backend, out in ((fused, got), (plain, want)):
+            d = Driver(backend, seed=7)
+            a, b = [3, 14, 15, 92, 65], [35, 89, 79]
+            backend.execute(batch_of([d.request("a", a, 0, 5, first), d.request("b", b, 0, 3, second)]))
+            for k in range(4):
+                a, b = a + [11 + k], b + [22 + k]
+                mo = backend.execute(batch_of([d.request("a", a, len(a) - 1, 1, first),
+                                               d.request("b", b, len(b) - 1, 1, second)]))
+                out.append((mo.sampled_token_ids, mo.logprobs))
+        assert got == want
+
+
 @pytest.mark.parametrize("threads", [2, 3])
 def test_the_fused_argmax_takes_the_first_of_equal_logits(tmp_path, threads):
     """An LM head whose rows are all one row: every logit of a step is equal, and the token is 0 (the first, as
