@@ -347,13 +347,12 @@ class TorchBackend(ModelBackend):
                 if graphed is not None:  # logits of every row; a one-token prompt chunk may not sample
                     logits = graphed if len(sample_reqs) == len(reqs) else graphed[
                         torch.tensor([i for i, r in enumerate(reqs) if r.do_sample], device=self.device)]
-                elif logits is not None:  # the fused call made them (every row samples)
-                    pass
-                elif len(sample_rows) == hidden.shape[0]:  # every row samples (decodes): no gather
-                    logits = self.model.logits(hidden)
-                else:
-                    rows = torch.tensor(sample_rows, dtype=torch.long, device=self.device)
-                    logits = self.model.logits(hidden.index_select(0, rows))
+                elif logits is None:  # (the fused call makes them where every row samples)
+                    if len(sample_rows) == hidden.shape[0]:  # every row samples (decodes): no gather
+                        logits = self.model.logits(hidden)
+                    else:
+                        rows = torch.tensor(sample_rows, dtype=torch.long, device=self.device)
+                        logits = self.model.logits(hidden.index_select(0, rows))
                 if tokens is not None:  # and its greedy tokens: the sampler would take the same argmax
                     toks, lps = tokens, [None] * len(tokens)
                 else:
