@@ -179,11 +179,8 @@ void head(const Team& tm, const Model& m, const Flow<T>& f, const Step& st, Best
     float* y = st.logits + static_cast<int64_t>(r) * V;
     for (int j = j0; j < j1; ++j) y[j] = round_to<T>(y[j]);
     if (st.tokens == nullptr || j0 == j1) continue;
-    float mx = y[j0];
-    for (int j = j0; j < j1; ++j) mx = y[j] > mx ? y[j] : mx;
-    int at = j0;
-    while (y[at] != mx && at + 1 < j1) ++at;
-    best[tm.id * R + r] = {mx, at};
+    const int at = j0 + first_max(y + j0, j1 - j0);
+    best[tm.id * R + r] = {y[at], at};
   }
   if (st.tokens == nullptr) return;
   tm.sync();

@@ -14,6 +14,17 @@
 // ~90 they are what reaches it (with the weights in huge pages: no TLB miss at each 4 KiB page).
 inline int prefetch_distance(int rows, int few_rows) { return rows <= 4 ? few_rows : 4096; }
 
+// Index of the first largest of x[0..n) (n > 0): the greedy token of a row of logits (llmserve_argmax_f32, and
+// each member's share in the fused call's head)
+inline int first_max(const float* x, int n) {
+  float mx = x[0];
+#pragma omp simd reduction(max : mx)
+  for (int c = 0; c < n; ++c) mx = x[c] > mx ? x[c] : mx;
+  for (int c = 0; c < n; ++c)
+    if (x[c] == mx) return c;
+  return 0;  // none equal (a NaN, under -ffast-math)
+}
+
 // y = x · W^T, int4 groups of 32 with float16 scales and offsets (quant_matmul.cpp); this member's tiles of outputs
 void team_int4_matmul(const Team& tm, const void* x, int64_t xs, int rows, const uint8_t* w, void* y, int64_t ys,
                       int N, int K, int elem_size);

@@ -385,20 +385,7 @@ void llmserve_write_kv(const void* k, int64_t ks, const void* v, int64_t vs, voi
 // Index of the first maximum of each float32 row (torch's argmax is a scalar loop: ~1.3 ms for 64 x 50257).
 void llmserve_argmax_f32(const float* x, int rows, int cols, int64_t stride, int64_t* out, int th) {
 #pragma omp parallel for num_threads(th)
-  for (int r = 0; r < rows; ++r) {
-    const float* xr = x + r * stride;
-    float mx = xr[0];
-#pragma omp simd reduction(max : mx)
-    for (int c = 0; c < cols; ++c) mx = xr[c] > mx ? xr[c] : mx;
-    int64_t idx = 0;
-    for (int c = 0; c < cols; ++c) {
-      if (xr[c] == mx) {
-        idx = c;
-        break;
-      }
-    }
-    out[r] = idx;
-  }
+  for (int r = 0; r < rows; ++r) out[r] = first_max(x + r * stride, cols);
 }
 
 void llmserve_attn_limits(int* max_q, int* max_heads, int* max_block) {
