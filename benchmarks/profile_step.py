@@ -56,7 +56,8 @@ def build_engine(args):
     c = args.concurrency
     return Engine.from_config(config_from_dict({
         "model": model, "backend": {"name": "torch", "kv_cache_memory": "1GiB"}, "tokenizer": {"name": "none"},
-        "scheduler": {"max_num_seqs": c, "max_num_batched_tokens": max(2048, c)},
+        # a forward a step: this profiles one forward and the Python around it (not a run of several)
+        "scheduler": {"max_num_seqs": c, "max_num_batched_tokens": max(2048, c), "num_scheduler_steps": 1},
     }, "<profile_step>"))
 
 

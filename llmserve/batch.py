@@ -44,6 +44,9 @@ class SchedulerOutput:
     # row k says which tokens requests[bitmask_rows[k]] may sample (bit t % 32 of word t // 32)
     token_bitmask: Any = None
     bitmask_rows: list[int] = field(default_factory=list)
+    # a batch of decodes only: the backend may run up to this many forwards back to back, each on the tokens the
+    # one before sampled (ModelBackend.max_decode_forwards); every sequence's blocks cover them all
+    num_steps: int = 1
 
     @property
     def num_tokens(self) -> int:
@@ -63,7 +66,7 @@ class SchedulerOutput:
             block_size=self.block_size, finished_request_ids=self.finished_request_ids,
             preempted_request_ids=self.preempted_request_ids,
             token_bitmask=self.token_bitmask[keep] if keep else None,
-            bitmask_rows=[self.bitmask_rows[k] - idx.start for k in keep])
+            bitmask_rows=[self.bitmask_rows[k] - idx.start for k in keep], num_steps=self.num_steps)
 
 
 @dataclass(slots=True)
@@ -76,3 +79,6 @@ class ModelOutput:
     # for requests with sampling.prompt_logprobs: one entry per computed token of this chunk,
     # the logprob of the *next* prompt token at that position (None past the prompt's end)
     prompt_logprobs: list[list[Logprob | None] | None] | None = None
+    # where the backend ran more forwards than one (SchedulerOutput.num_steps): each later forward's tokens, aligned
+    # with the requests like sampled_token_ids (the engine ends a sequence at its stop and drops what follows)
+    more_token_ids: list[list[int]] | None = None

@@ -59,6 +59,9 @@ class SchedulerConfig:
     max_num_seqs: int = 64  # sequences in one batch
     max_num_batched_tokens: int = 512  # the per-step token budget (decodes + prefill chunks)
     enable_chunked_prefill: bool = True
+    # forwards one step may run on a batch of decodes when nothing waits (where the backend can: greedy rows of the
+    # torch backend's fused call): the Python between forwards is paid once for them (docs/configuration.md)
+    num_scheduler_steps: int = 8
     options: dict[str, Any] = field(default_factory=dict)
 
 
@@ -165,6 +168,8 @@ class EngineConfig:
              f"must be >= 1, got {s.max_num_batched_tokens}")
         need(s.max_num_batched_tokens >= s.max_num_seqs, "scheduler.max_num_batched_tokens",
              f"must be >= scheduler.max_num_seqs ({s.max_num_seqs}) so every running sequence can decode")
+        need(1 <= s.num_scheduler_steps <= 64, "scheduler.num_scheduler_steps",
+             f"must be 1 to 64, got {s.num_scheduler_steps}")
         need(c.block_size >= 1 and (c.block_size & (c.block_size - 1)) == 0, "cache.block_size",
              f"must be a power of two, got {c.block_size}")
         need(c.num_blocks is None or c.num_blocks >= 1, "cache.num_blocks", f"must be >= 1, got {c.num_blocks}")

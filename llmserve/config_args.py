@@ -28,6 +28,8 @@ CONFIG_FLAGS: dict[str, tuple[str, type, str]] = {
     "--policy": ("scheduler.policy", str, "fcfs | priority"),
     "--max-num-seqs": ("scheduler.max_num_seqs", int, "sequences per batch"),
     "--max-num-batched-tokens": ("scheduler.max_num_batched_tokens", int, "token budget per step"),
+    "--num-scheduler-steps": ("scheduler.num_scheduler_steps", int,
+                              "forwards a step may run on a batch of decodes when nothing waits (1: one)"),
     "--cache": ("cache.name", str, "KV-cache allocator plugin"),
     "--block-size": ("cache.block_size", int, "tokens per KV block"),
     "--num-blocks": ("cache.num_blocks", int, "KV blocks (default: from --kv-cache-memory)"),

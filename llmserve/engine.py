@@ -88,6 +88,33 @@ def build_sinks(config: EngineConfig, plugins: PluginSet) -> list[MetricSink]:
     return [plugins.get("metric_sink", s.name).factory(config, dict(s.options)) for s in config.metrics.sinks]
 
 
+def _forwards(batch: SchedulerOutput, mo: ModelOutput, live: dict[str, Request]):
+    """The backend's answer as (batch, output) per forward: the first as it came, then each later forward's tokens
+    (ModelOutput.more_token_ids) for the sequences still live after the forwards before it."""
+    yield batch, mo
+    for toks in mo.more_token_ids or ():
+        rows = [i for i, sr in enumerate(batch.requests) if sr.request_id in live]
+        if not rows:
+            return
+        reqs = [batch.requests[i] for i in rows]
+        yield (SchedulerOutput(requests=reqs, num_decode_tokens=len(reqs), block_size=batch.block_size),
+               ModelOutput(sampled_token_ids=[toks[i] for i in rows]))
+
+
+def _one_delta_each(outputs: list[RequestOutput]) -> list[RequestOutput]:
+    """A step's outputs with each sequence's deltas joined into its first (a step of several forwards)."""
+    first: dict[tuple[str, int], RequestOutput] = {}
+    joined = []
+    for o in outputs:
+        key = (o.request_id, o.index)
+        if key in first:
+            first[key].extend(o)
+        else:
+            first[key] = o
+            joined.append(o)
+    return joined
+
+
 class Engine:
     """Owns the plugin manager, the components built from it, and every request's state."""
 
@@ -108,6 +135,7 @@ class Engine:
         # the scheduler owns the KV cache built for it: the engine never calls it
         kv_cache = self._factory("cache", cc.name)(config, num_blocks)
         self.scheduler: Scheduler = self._factory("scheduler", config.scheduler.name)(config, kv_cache)
+        self.scheduler.limit_forwards(max(1, self.backend.max_decode_forwards))
         self.tokenizer: Tokenizer | None = build_tokenizer(config, plugins, self.backend.default_tokenizer,
                                                            self.backend.tokenizer_path)
         self.metric_sinks: list[MetricSink] = build_sinks(config, plugins)
@@ -303,7 +331,7 @@ class Engine:
         self.threads.check()
         outputs, self._pending = self._pending, []
         batch = self.scheduler.schedule()
-        backend_s, sampled = 0.0, 0
+        backend_s, sampled, forwards = 0.0, 0, 1
         if batch.requests:
             self.constraints.fill(batch, self._seqs)
             tb = time.perf_counter()
@@ -311,14 +339,21 @@ class Engine:
             now = time.perf_counter()
             backend_s = now - tb
             for part, mo in done:
-                self.scheduler.update_from_output(part, mo)
-                sampled += len(mo.sampled_token_ids) - mo.sampled_token_ids.count(None)
-                self._postprocess(part, mo, now, t0, outputs)
+                f = 1 + len(mo.more_token_ids or ())
+                forwards = max(forwards, f)
+                # a forward at a time, as if each had been a step: stops, blocks and text as one forward a step; each
+                # forward's tokens stamped when it ended (its even share of the backend's time: equal work each)
+                for j, (fpart, fmo) in enumerate(_forwards(part, mo, self._seqs)):
+                    self.scheduler.update_from_output(fpart, fmo)
+                    sampled += len(fmo.sampled_token_ids) - fmo.sampled_token_ids.count(None)
+                    self._postprocess(fpart, fmo, now if f == 1 else tb + backend_s * (j + 1) / f, t0, outputs)
+            if forwards > 1:
+                outputs = _one_delta_each(outputs)
             if self._holding:
                 self._release_held()
         outputs.extend(self._pending)
         self._pending = []
-        return StepOutput(outputs, self._report_step(batch, t0, backend_s, sampled))
+        return StepOutput(outputs, self._report_step(batch, t0, backend_s, sampled, forwards))
 
     def _execute(self, batch: SchedulerOutput) -> list[tuple[SchedulerOutput, ModelOutput]]:
         """Run the batch; when the backend fails it, halve it until the failing sequences are alone, fail
@@ -391,7 +426,7 @@ class Engine:
                 continue
             outputs.append(self._delta(r, text))
 
-    def _report_step(self, batch, t0: float, backend_s: float, sampled: int) -> StepMetrics | None:
+    def _report_step(self, batch, t0: float, backend_s: float, sampled: int, forwards: int) -> StepMetrics | None:
         if not batch.requests and not batch.preempted_request_ids:
             return None
         self._step_no += 1
@@ -408,6 +443,7 @@ class Engine:
             num_preempted=len(batch.preempted_request_ids), step_seconds=step_s,
             backend_seconds=backend_s, overhead_seconds=step_s - backend_s,
             kv_cache_usage=c.usage, prefix_cache_queries=dq, prefix_cache_hits=dh, num_output_tokens=sampled,
+            num_forwards=forwards,
         )
         self.collector.on_step(m)
         for s in self.metric_sinks:

@@ -89,6 +89,9 @@ class Scheduler(ABC):
     def stats(self) -> SchedulerStats:
         """Queue lengths, preemptions and the cache's stats, as declared types."""
 
+    def limit_forwards(self, most: int) -> None:  # noqa: B027 - optional
+        """Offer no batch more forwards than this (SchedulerOutput.num_steps): the backend's max_decode_forwards."""
+
     @property
     @abstractmethod
     def num_waiting(self) -> int:
@@ -118,6 +121,9 @@ class ModelBackend(ABC):
     # a local directory of tokenizer files the backend's model source produced (a GGUF's, say); the engine
     # hands it to the tokenizer as model.tokenizer when the config names none
     tokenizer_path: str | None = None
+    # the most forwards one execute() may run on a batch of decodes, each on the tokens the one before sampled
+    # (SchedulerOutput.num_steps, ModelOutput.more_token_ids); 1: one forward a step. Read after init_kv_cache
+    max_decode_forwards: int = 1
 
     @abstractmethod
     def num_kv_blocks(self, block_size: int) -> int:

@@ -196,3 +196,15 @@ class RequestOutput:
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0  # so far, in total
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+
+    def extend(self, later: RequestOutput) -> None:
+        """Join a later delta of the same sequence onto this one (its tokens, text and logprobs after these; its
+        state, which is the newer)."""
+        self.new_token_ids = self.new_token_ids + later.new_token_ids
+        self.new_text += later.new_text
+        if later.logprobs:
+            self.logprobs = (self.logprobs or []) + later.logprobs
+        self.prompt_logprobs = self.prompt_logprobs or later.prompt_logprobs
+        for f in ("finished", "finish_reason", "stop_reason", "error", "error_param", "num_prompt_tokens",
+                  "num_output_tokens", "num_cached_tokens"):
+            setattr(self, f, getattr(later, f))

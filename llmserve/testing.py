@@ -228,11 +228,13 @@ def prompt_of(length: int, family: int, i: int) -> list[int]:
 
 
 def make_engine(config: dict[str, Any], plugins: Sequence[Any], num_blocks: int, budget: int, max_seqs: int,
-                chunked: bool = True, block_size: int = 4) -> tuple[Any, list[str]]:
-    """An engine on the fake backend whose schedule() is checked against the budget; also the admission order."""
+                chunked: bool = True, block_size: int = 4, forwards: int = 1) -> tuple[Any, list[str]]:
+    """An engine on the fake backend whose schedule() is checked against the budget; also the admission order.
+    forwards: the most the fake backend runs a step (its max_decode_forwards)."""
     sched = {**config.get("scheduler", {}), "max_num_batched_tokens": budget, "max_num_seqs": max_seqs,
              "enable_chunked_prefill": chunked}
-    cfg = {**config, "backend": {"name": "fake", "options": {"max_model_len": 256}}, "tokenizer": {"name": "none"},
+    fake = {"max_model_len": 256, "max_decode_forwards": forwards}
+    cfg = {**config, "backend": {"name": "fake", "options": fake}, "tokenizer": {"name": "none"},
            "cache": {**config.get("cache", {}), "num_blocks": num_blocks, "block_size": block_size},
            "scheduler": sched}
     eng = Engine(config_from_dict(cfg, "<conformance>"), load_plugins(extra_plugins=list(plugins)))
@@ -283,9 +285,10 @@ def run_requests(eng, reqs, priorities: bool, abort_every: int = 0):
 
 
 def check_scheduler(config: dict[str, Any], plugins: Sequence[Any] = (), max_examples: int = 200,
-                    priorities: bool = False) -> None:
+                    priorities: bool = False, forwards: int = 1) -> None:
     """Fail with a readable message unless the configured scheduler finishes everything, leaks nothing,
-    keeps the budget, and gives the same tokens whatever the batching and preemption."""
+    keeps the budget, and gives the same tokens whatever the batching and preemption (and, with `forwards` > 1,
+    however many forwards the backend runs a step where the scheduler offers them)."""
 
     @settings(max_examples=max_examples, deadline=None)
     @given(reqs=st.lists(request_st, min_size=1, max_size=12), num_blocks=st.integers(12, 60),
@@ -295,7 +298,7 @@ def check_scheduler(config: dict[str, Any], plugins: Sequence[Any] = (), max_exa
         budget = max(budget, max_seqs)
         # reference: one sequence at a time, a cache that never preempts
         ref, _ = run_requests(make_engine(config, plugins, 4096, 512, 1)[0], reqs, priorities)
-        eng, _ = make_engine(config, plugins, num_blocks, budget, max_seqs, chunked)
+        eng, _ = make_engine(config, plugins, num_blocks, budget, max_seqs, chunked, forwards=forwards)
         got, fin = run_requests(eng, reqs, priorities, abort_every)
         for i, r in enumerate(reqs):
             if r[0] >= eng.max_model_len:

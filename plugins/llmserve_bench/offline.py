@@ -122,10 +122,12 @@ def run(args: argparse.Namespace, config) -> dict[str, Any]:
         m = so.metrics
         if m is not None and m.batch_size:
             ran.append(m)
-            # each sequence of a decode step put out one token and read its context: prompt + outputs before it
+            # each forward of a decode step put out a token a sequence and read its context: prompt + outputs before
+            # it (a step of f forwards: their mean context, and the step's time over f)
             if m.num_prefill_tokens == 0 and len(so.outputs) == m.batch_size:
-                ctx = sum(o.num_prompt_tokens + o.num_output_tokens - 1 for o in so.outputs)
-                decodes.append((m.batch_size, ctx, m.step_seconds))
+                f = m.num_forwards
+                ctx = sum(o.num_prompt_tokens + o.num_output_tokens - 1 for o in so.outputs) - m.batch_size * (f - 1) / 2
+                decodes.append((m.batch_size, round(ctx), m.step_seconds / f))
         # read between steps, so its cost is not counted as engine overhead
         st = engine.scheduler_stats()
         c = st.cache

@@ -8,7 +8,7 @@ __all__ = ["FakeBackend", "next_token"]
 # eos_token_id may be a list (every one ends a sequence); generation_defaults stands in for a checkpoint's
 # generation_config.json (SamplingParams fields, e.g. {"temperature": 0.0, "max_tokens": 8})
 _OPTIONS = {"vocab_size": 257, "eos_token_id": 256, "max_model_len": 4096, "num_blocks": 2048,
-            "step_cost_s": 0.0, "token_cost_s": 0.0, "generation_defaults": {}}
+            "step_cost_s": 0.0, "token_cost_s": 0.0, "generation_defaults": {}, "max_decode_forwards": 1}
 
 
 def _build(config) -> FakeBackend:
@@ -23,7 +23,8 @@ def _build(config) -> FakeBackend:
     return FakeBackend(vocab_size=int(o["vocab_size"]), max_model_len=int(max_len),
                        eos_token_id=o["eos_token_id"], num_blocks=int(o["num_blocks"]),
                        step_cost_s=float(o["step_cost_s"]), token_cost_s=float(o["token_cost_s"]),
-                       generation_defaults=dict(o["generation_defaults"]))
+                       generation_defaults=dict(o["generation_defaults"]),
+                       max_decode_forwards=int(o["max_decode_forwards"]))
 
 
 @hookimpl

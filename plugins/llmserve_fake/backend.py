@@ -42,6 +42,7 @@ class FakeBackend(ModelBackend):
         step_cost_s: float = 0.0,
         token_cost_s: float = 0.0,
         generation_defaults: dict[str, Any] | None = None,
+        max_decode_forwards: int = 1,
     ):
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
@@ -49,6 +50,7 @@ class FakeBackend(ModelBackend):
         self.eos_token_id = ids[0] if ids else None
         self.eos_token_ids = frozenset(ids) - {None}
         self.generation_defaults = generation_defaults or {}
+        self.max_decode_forwards = max_decode_forwards
         self._num_blocks = num_blocks
         self.step_cost_s = step_cost_s
         self.token_cost_s = token_cost_s
@@ -81,9 +83,7 @@ class FakeBackend(ModelBackend):
                 sampled.append(None)
                 continue
             sp = r.sampling
-            tok = next_token(r.token_ids, len(r.token_ids), V, eos)
-            while tok in self.eos_token_ids and (sp.ignore_eos or r.num_output_tokens < sp.min_tokens):
-                tok = (tok + 1) % V
+            tok = self._next(r.token_ids, r.num_output_tokens, sp)
             ok = allowed.get(i)
             if ok and tok not in ok:  # constrained: the allowed token the hash picks, still deterministic
                 tok = ok[next_token(r.token_ids, len(r.token_ids) + 1, len(ok), None)]
@@ -108,7 +108,31 @@ class FakeBackend(ModelBackend):
                     else:
                         entries.append(None)
                 prompt_logprobs.append(entries)
-        return ModelOutput(sampled, logprobs, prompt_logprobs)
+        return ModelOutput(sampled, logprobs, prompt_logprobs, self._later_forwards(batch, sampled, logprobs))
+
+    def _next(self, token_ids: list[int], num_output_tokens: int, sp) -> int:
+        """The token after token_ids (an end-of-sequence token moves on while ignore_eos or min_tokens holds it)."""
+        tok = next_token(token_ids, len(token_ids), self.vocab_size, self.eos_token_id)
+        while tok in self.eos_token_ids and (sp.ignore_eos or num_output_tokens < sp.min_tokens):
+            tok = (tok + 1) % self.vocab_size
+        return tok
+
+    def _later_forwards(self, batch: SchedulerOutput, first: list[int | None], logprobs) -> list[list[int]] | None:
+        """Forwards 2..num_steps of a batch of decodes without constraints or logprobs, each on the tokens of the one
+        before (as a backend that feeds its tokens back); None where it runs one."""
+        steps = min(batch.num_steps, self.max_decode_forwards)
+        if steps <= 1 or batch.token_bitmask is not None or logprobs is not None or any(
+                r.num_new_tokens != 1 or not r.do_sample or r.sampling.prompt_logprobs is not None
+                for r in batch.requests):
+            return None
+        seqs = [r.token_ids + [tok] for r, tok in zip(batch.requests, first)]
+        more = []
+        for j in range(1, steps):
+            toks = [self._next(s, r.num_output_tokens + j, r.sampling) for s, r in zip(seqs, batch.requests)]
+            for s, tok in zip(seqs, toks):
+                s.append(tok)
+            more.append(toks)
+        return more
 
     def describe(self) -> dict[str, Any]:
         return {"backend": "fake", "vocab_size": self.vocab_size, "max_model_len": self.max_model_len,

@@ -19,7 +19,7 @@ def _build(config, allocator) -> ContinuousScheduler:
         raise ConfigError(f"{config.source}: scheduler.policy: the continuous scheduler knows "
                           f"{', '.join(map(repr, POLICIES))}, got {s.policy!r}")
     return cls(allocator, max_num_seqs=s.max_num_seqs, max_num_batched_tokens=s.max_num_batched_tokens,
-               enable_chunked_prefill=s.enable_chunked_prefill)
+               enable_chunked_prefill=s.enable_chunked_prefill, num_scheduler_steps=s.num_scheduler_steps)
 
 
 @hookimpl

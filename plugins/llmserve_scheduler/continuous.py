@@ -33,11 +33,13 @@ class ContinuousScheduler(Scheduler):
         max_num_seqs: int = 64,
         max_num_batched_tokens: int = 512,
         enable_chunked_prefill: bool = True,
+        num_scheduler_steps: int = 1,
     ):
         self.allocator = allocator
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.enable_chunked_prefill = enable_chunked_prefill
+        self.num_scheduler_steps = num_scheduler_steps
         self._waiting: list[tuple[tuple, Request]] = []  # heap of (order_key, request)
         self._num_waiting = 0  # live entries (aborted ones are dropped lazily from the heap)
         self._running: list[Request] = []  # sorted by order_key: best first, preemption victims last
@@ -87,6 +89,9 @@ class ContinuousScheduler(Scheduler):
                 self._num_waiting -= 1  # its heap entry is skipped when it surfaces
             self.allocator.free(rid)
             self._finished_ids.append(rid)
+
+    def limit_forwards(self, most: int) -> None:
+        self.num_scheduler_steps = min(self.num_scheduler_steps, most)
 
     @property
     def num_waiting(self) -> int:
@@ -195,7 +200,25 @@ class ContinuousScheduler(Scheduler):
 
         batch.num_prefill_tokens = prefill
         batch.num_decode_tokens = decode
+        # several forwards where no waiting sequence could have joined the next (none waits, or every seat is taken)
+        if self.num_scheduler_steps > 1 and decode and not prefill and not batch.preempted_request_ids \
+                and (not self._num_waiting or len(self._running) >= max_seqs):
+            batch.num_steps = self._lookahead(out)
         return batch
+
+    def _lookahead(self, out: list[ScheduledRequest]) -> int:
+        """How many forwards a batch of decodes may run: no sequence past its token limit,
+        every sequence's blocks reserved for all of them; 1 where the blocks are not there (nothing is preempted
+        for a lookahead)."""
+        by_id = self._by_id
+        reqs = [by_id[sr.request_id] for sr in out]
+        steps = min([self.num_scheduler_steps] + [r.max_total_tokens - len(r.token_ids) for r in reqs])
+        if steps <= 1:
+            return 1
+        for r in reqs:
+            if self.allocator.allocate(r.request_id, r.token_ids, r.num_computed_tokens + steps) is None:
+                return 1
+        return steps
 
     def update_from_output(self, output: SchedulerOutput, model_output: ModelOutput) -> None:
         bs = output.block_size

@@ -214,6 +214,8 @@ class TorchBackend(ModelBackend):
             sc = self.config.scheduler
             self.stack, self.stack_note = build_stack(self.options["fuse_layers"], self.model, self.attention,
                                                       build_kernel(), max(sc.max_num_batched_tokens, sc.max_num_seqs))
+            if self.stack is not None:  # greedy tokens fed back inside the one call
+                self.max_decode_forwards = self.stack.max_forwards
         else:
             self.stack, self.stack_note = None, "it runs with the cpu attention kernel"
         if self.attention.name == "triton":  # Triton runs here: sample in one pass over the logits too
@@ -234,8 +236,9 @@ class TorchBackend(ModelBackend):
 
     # --- one step -------------------------------------------------------------------------------
 
-    def _metadata(self, batch: SchedulerOutput):
-        """Flatten the batch: token ids, positions, slots, block tables, rows to compute logits for."""
+    def _metadata(self, batch: SchedulerOutput, lookahead: int = 0):
+        """Flatten the batch: token ids, positions, slots, block tables (each `lookahead` tokens past the step's
+        context: later forwards of a step), rows to compute logits for."""
         bs = self.kv.block_size
         ids: list[int] = []
         pos: list[int] = []
@@ -248,7 +251,7 @@ class TorchBackend(ModelBackend):
             s, n = r.num_computed_tokens, r.num_new_tokens
             ctx = s + n
             bt = r.block_table
-            table = _table(r, ctx, bs)
+            table = _table(r, ctx + lookahead, bs)
             nb = len(table)
             q_starts.append(len(ids))
             q_lens.append(n)
@@ -294,15 +297,20 @@ class TorchBackend(ModelBackend):
     def _forward(self, batch: SchedulerOutput, greedy: bool = False):
         """Metadata once per step, then the model over every flattened token: hidden [T, hidden], meta, the rows
         to sample, and where the fused layers made them in the same call (every row samples), the logits of every
-        row (else None) and, asked for `greedy` (Sampler.plain_greedy), each row's token (else None)."""
-        ids, meta, sample_rows = self._metadata(batch)
+        row (else None) and, asked for `greedy` (Sampler.plain_greedy), each row's token (else None). A batch of
+        decodes offered several forwards (num_steps) runs them all there where it can: no hidden states or logits
+        then, and the later forwards' tokens (ModelOutput.more_token_ids; else None)."""
+        ids, meta, sample_rows = self._metadata(batch, batch.num_steps - 1 if greedy else 0)
         T = meta.num_tokens
         if self.stack is not None and self.stack.covers(T):
             head = len(sample_rows) == T and self.stack.covers_head(T)
-            return *self.stack.forward(ids, meta, logits=head, argmax=greedy), meta, sample_rows
+            if head and greedy and batch.num_steps > 1 and T == len(batch.requests):  # decodes: forwards ahead
+                tokens = self.stack.decode_ahead(ids, meta, batch.num_steps)
+                return None, None, tokens[0], tokens[1:], meta, sample_rows
+            return *self.stack.forward(ids, meta, logits=head, argmax=greedy), None, meta, sample_rows
         self.attention.begin_step(meta)
         hidden = self.model.forward(ids, self.model.prepare_step(meta.tok_pos.long()), self.attention)
-        return hidden, None, None, meta, sample_rows
+        return hidden, None, None, None, meta, sample_rows
 
     def _graph_step(self, batch: SchedulerOutput) -> torch.Tensor | None:
         """Logits of every request of a decode-only step replayed from a CUDA graph, or None where the step runs
@@ -337,17 +345,17 @@ class TorchBackend(ModelBackend):
         with torch.inference_mode():
             graphed = self._graph_step(batch)
             sample_reqs = [r for r in reqs if r.do_sample]
-            logits = tokens = None
+            logits = tokens = more = None
             if graphed is None:
                 greedy = self.sampler.plain_greedy(sample_reqs, batch.token_bitmask)
-                hidden, logits, tokens, meta, sample_rows = self._forward(batch, greedy)
+                hidden, logits, tokens, more, meta, sample_rows = self._forward(batch, greedy)
             sampled: list[int | None] = [None] * len(reqs)
             logprobs = None
             if sample_reqs:
                 if graphed is not None:  # logits of every row; a one-token prompt chunk may not sample
                     logits = graphed if len(sample_reqs) == len(reqs) else graphed[
                         torch.tensor([i for i, r in enumerate(reqs) if r.do_sample], device=self.device)]
-                elif logits is None:  # (the fused call makes them where every row samples)
+                elif logits is None and tokens is None:  # (the fused call makes them where every row samples)
                     if len(sample_rows) == hidden.shape[0]:  # every row samples (decodes): no gather
                         logits = self.model.logits(hidden)
                     else:
@@ -385,7 +393,7 @@ class TorchBackend(ModelBackend):
                     lg = self.model.logits(hidden[qs:qs + n])
                     plp[i] = prompt_logprobs(lg, targets, r.sampling.prompt_logprobs)
         self._steps += 1
-        return ModelOutput(sampled_token_ids=sampled, logprobs=logprobs, prompt_logprobs=plp)
+        return ModelOutput(sampled_token_ids=sampled, logprobs=logprobs, prompt_logprobs=plp, more_token_ids=more)
 
     # --- reporting ------------------------------------------------------------------------------
 

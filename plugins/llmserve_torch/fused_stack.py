@@ -16,6 +16,9 @@ import torch
 from llmserve_torch.quant import OWN_INT8_MAX_ROWS, QuantLinear
 
 FUSE_LAYERS = ("auto", "off")
+# the most forwards one call runs (decode_ahead): scheduler.num_scheduler_steps is the real limit, this sizes the
+# token buffer
+MAX_FORWARDS = 64
 
 
 class _QLinear(ctypes.Structure):
@@ -46,7 +49,7 @@ class _Step(ctypes.Structure):
                 ("cos", ctypes.c_void_p), ("sin", ctypes.c_void_p), ("slots", ctypes.c_void_p),
                 ("block_tables", ctypes.c_void_p), ("max_blocks", ctypes.c_int32), ("tok_req", ctypes.c_void_p),
                 ("tok_pos", ctypes.c_void_p), ("threads", ctypes.c_int32), ("stage_us", ctypes.c_void_p),
-                ("logits", ctypes.c_void_p), ("tokens", ctypes.c_void_p)]
+                ("logits", ctypes.c_void_p), ("tokens", ctypes.c_void_p), ("forwards", ctypes.c_int32)]
 
 
 # what the C call can time a step's layers by (its enum Stage, in order): FusedStack.stage_us
@@ -103,6 +106,9 @@ class FusedStack:
                           if isinstance(head, QuantLinear) and head.own_int8 and head.bias is None else 0)
         # the embedding rows are copied in the call too (a torch embedding was ~25 us of a step's Python)
         embed = model.embed
+        # forwards one call runs on a batch of decodes (decode_ahead), each on the greedy tokens of the one before:
+        # where the head makes them and its every row is a row of the embedding
+        self.max_forwards = MAX_FORWARDS if self.head_rows and head.out_features <= embed.shape[0] else 1
         self._model = _Model(a.num_layers, a.hidden_size, a.num_heads, a.num_kv_heads, a.head_dim,
                              a.intermediate_size, kv.block_size, model.dtype.itemsize, a.norm_eps, attention.scale,
                              layers, self._linear(head) if self.head_rows else _QLinear(), model.norm.data_ptr(),
@@ -139,7 +145,8 @@ class FusedStack:
         bufs["f32"] = torch.empty((rows, max(self._widest_int8, 1)), dtype=torch.float32)
         # the head's out: 192 KiB a row for a 49k vocabulary, which a fresh tensor each step paid in page faults
         bufs["logits"] = torch.empty((min(rows, self.head_rows), self.model.lm_head.out_features), dtype=torch.float32)
-        self._tokens = np.empty(rows, dtype=np.int64)  # numpy: its slice and tolist cost ~0.1 us, torch's ~1
+        # [forwards, rows] (decode_ahead); numpy: its slice and tolist cost ~0.1 us, torch's ~1
+        self._tokens = np.empty(self.max_forwards * rows, dtype=np.int64)
         self._tokens_at = self._tokens.ctypes.data  # (.ctypes itself costs ~10 us a step)
         bufs["x"] = torch.empty((rows, a.hidden_size), dtype=dt)
         self._bufs = bufs  # kept alive: the struct holds raw pointers
@@ -167,17 +174,32 @@ class FusedStack:
         first largest logit (the sampler's greedy token), else None for each. Hidden states and logits are this
         stack's buffers: valid until its next call."""
         T = input_ids.shape[0]
+        x, out = self._call(input_ids, meta, logits, argmax, 1)
+        return x, out if logits else None, self._tokens[:T].tolist() if logits and argmax else None
+
+    def decode_ahead(self, input_ids: torch.Tensor, meta, forwards: int) -> list[list[int]]:
+        """Forwards of a batch of decodes run back to back in one call, each on the greedy tokens of the one before
+        and a position further on (covers_head rows, up to max_forwards; meta's block tables reach the last
+        forward's slots): each forward's tokens. Hidden states and logits are the last forward's."""
+        T = input_ids.shape[0]
+        self._call(input_ids, meta, True, True, forwards)
+        return self._tokens[:forwards * T].reshape(forwards, T).tolist()
+
+    def _call(self, input_ids: torch.Tensor, meta, logits: bool, argmax: bool,
+              forwards: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The C call over the step's rows; its hidden-state and logits buffers."""
+        T = input_ids.shape[0]
         if T > self._rows:  # grow-only, from room for a few rows
             self._buffers(max(T, min(self.max_rows, 8)))
         x, x_at, out, out_at = self._outputs(T)
         bt = meta.block_tables
-        st = _Step(x_at, input_ids.data_ptr(), T, self._cos_at, self._sin_at,
-                   meta.slots.data_ptr(), bt.data_ptr(), bt.shape[1], meta.tok_req.data_ptr(), meta.tok_pos.data_ptr(),
-                   torch.get_num_threads(), None if self.stage_us is None else self.stage_us.data_ptr(),
-                   out_at if logits else None, self._tokens_at if logits and argmax else None)
+        st = _Step(x_at, input_ids.data_ptr(), T, self._cos_at, self._sin_at, meta.slots.data_ptr(), bt.data_ptr(),
+                   bt.shape[1], meta.tok_req.data_ptr(), meta.tok_pos.data_ptr(), torch.get_num_threads(),
+                   None if self.stage_us is None else self.stage_us.data_ptr(), out_at if logits else None,
+                   self._tokens_at if logits and argmax else None, forwards)
         if self._fn(ctypes.addressof(self._model), ctypes.addressof(self._scratch), ctypes.addressof(st)):
             raise IndexError("index out of range in self")  # a token id past the embedding, as torch says it
-        return x, out if logits else None, self._tokens[:T].tolist() if logits and argmax else None
+        return x, out
 
 
 def build_stack(option: str, model, attention, lib, max_batch_rows: int) -> tuple[FusedStack | None, str]:

@@ -208,3 +208,41 @@ def test_every_thread_count_shares_the_work_out_whole(llama_dir, quantization):
     for got, want, alone in zip(three, three_plain, one):
         assert torch.equal(got, want)
         torch.testing.assert_close(got, alone, rtol=0, atol=1e-3 * float(alone.abs().max()))
+
+
+def _engine_outputs(path, dtype, quantization, steps, sampling):
+    """Every sequence's tokens and finish reason through an Engine on the fused call, and how many forwards its
+    steps ran."""
+    from llmserve.engine import Engine
+
+    eng = Engine.from_config({
+        "model": {"model": str(path), "dtype": dtype, "quantization": quantization},
+        "backend": {"name": "torch", "kv_cache_memory": "8MiB", "options": {"quant_rows": 4}},
+        "tokenizer": {"name": "none"}, "cache": {"block_size": 4},
+        "scheduler": {"max_num_seqs": 3, "max_num_batched_tokens": 64, "num_scheduler_steps": steps}})
+    g = torch.Generator().manual_seed(11)
+    for i, (n, sp) in enumerate(zip((5, 9, 3, 14), sampling)):
+        eng.add_request(torch.randint(0, 200, (n,), generator=g).tolist(), sp, request_id=f"r{i}")
+    got, forwards = {}, []
+    while eng.has_unfinished:
+        so = eng.step()
+        forwards.append(so.metrics.num_forwards)
+        for o in so.outputs:
+            toks, _ = got.get(o.request_id, ([], None))
+            got[o.request_id] = (toks + o.new_token_ids, o.finish_reason)
+    return got, forwards
+
+
+@pytest.mark.parametrize(("quantization", "dtype"), [("int4", "bfloat16"), ("int8", "float32")])
+def test_several_forwards_in_one_call_give_one_forward_a_steps_tokens(llama_dir, quantization, dtype):
+    """scheduler.num_scheduler_steps: greedy decodes run ahead in the one call (decode_ahead: positions, slots and
+    ids moved on inside it) and give exactly the tokens of a forward a step, a sequence's last run clamped at its
+    max_tokens; a batch with a seeded temperature row runs one forward a step, as before."""
+    greedy = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in (19, 7, 23, 12)]
+    mixed = greedy[:2] + [SamplingParams(temperature=0.9, seed=4, max_tokens=9, ignore_eos=True)] + greedy[3:]
+    for sampling in (greedy, mixed):
+        one, f1 = _engine_outputs(llama_dir, dtype, quantization, 1, sampling)
+        many, f8 = _engine_outputs(llama_dir, dtype, quantization, 8, sampling)
+        assert many == one
+        assert set(f1) == {1} and max(f8) == 8
+        assert [len(one[f"r{i}"][0]) for i in range(4)] == [sp.max_tokens for sp in sampling]

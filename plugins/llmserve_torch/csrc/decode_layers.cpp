@@ -70,8 +70,11 @@ struct Step {
   const int32_t* tok_pos;
   int32_t threads;
   double* stage_us;  // null, or kStages sums in microseconds this call adds to (benchmarks/profile_step.py)
-  float* logits;     // null, or [rows, head.n]: every row's float32 logits
-  int64_t* tokens;   // null, or [rows]: each row's first largest logit (with logits)
+  float* logits;     // null, or [rows, head.n]: every row's float32 logits (the last forward's)
+  int64_t* tokens;   // null, or [forwards, rows]: each row's first largest logit (with logits)
+  // forwards run back to back (a batch of decodes, with tokens): forward f reads the tokens of forward f - 1 as its
+  // ids, each row a position further on, its K/V slot found in block_tables (which reach the last forward's)
+  int32_t forwards;
 };
 
 // What a step's time is split into when the caller asks (Step::stage_us), in this order
@@ -255,11 +258,27 @@ void run(const Team& tm, const Model& m, const Scratch& s, const Step& st, float
   clock.mark(kHead);
 }
 
+// Step `f` of a batch of decodes moved on to the next forward: its ids the forward before's tokens, each row a
+// position further on and its K/V slot there (row r is request r: one token each)
+void next_forward(Step& f, const Model& m, std::vector<int64_t>& slots, std::vector<int32_t>& pos) {
+  slots.resize(f.rows), pos.resize(f.rows);
+  for (int r = 0; r < f.rows; ++r) {
+    const int p = f.tok_pos[r] + 1;
+    pos[r] = p;
+    slots[r] = static_cast<int64_t>(f.block_tables[static_cast<int64_t>(r) * f.max_blocks + p / m.block_size]) *
+                   m.block_size + p % m.block_size;
+  }
+  f.ids = f.tokens;
+  f.tokens += f.rows;
+  f.slots = slots.data(), f.tok_pos = pos.data();
+}
+
 }  // namespace
 
 extern "C" {
 
-// 0, or -1 (nothing run) where an id is not a row of the embedding, as torch's embedding raises then
+// 0, or -1 (nothing run) where an id is not a row of the embedding, as torch's embedding raises then. Later forwards'
+// ids are the head's argmax: the caller runs more than one only where the head's rows are the embedding's
 int llmserve_decode_layers(const Model* m, const Scratch* s, const Step* st) {
   for (int r = 0; r < st->rows; ++r)
     if (st->ids[r] < 0 || st->ids[r] >= m->vocab) return -1;
@@ -271,10 +290,19 @@ int llmserve_decode_layers(const Model* m, const Scratch* s, const Step* st) {
   if (best_of.size() < n_best) best_of.resize(n_best);
   Best* best = best_of.data();
   on_team(st->threads, true, [&](const Team& tm) {
-    if (m->elem_size == 4)
-      run<float>(tm, *m, *s, *st, part, best);
-    else
-      run<uint16_t>(tm, *m, *s, *st, part, best);
+    Step f = *st;
+    thread_local std::vector<int64_t> slots;  // each member's positions and slots of the forward after the first
+    thread_local std::vector<int32_t> pos;
+    for (int i = 0; i < st->forwards; ++i) {
+      if (i > 0) {  // the lead wrote the tokens of the forward before: this forward's ids
+        next_forward(f, *m, slots, pos);
+        tm.sync();
+      }
+      if (m->elem_size == 4)
+        run<float>(tm, *m, *s, f, part, best);
+      else
+        run<uint16_t>(tm, *m, *s, f, part, best);
+    }
   });
   return 0;
 }
