@@ -37,7 +37,7 @@ class _Model(ctypes.Structure):
                                                "block_size", "elem_size")] + \
                [("eps", ctypes.c_float), ("attn_scale", ctypes.c_float), ("layer", ctypes.POINTER(_Layer)),
                 ("head", _QLinear), ("final_norm", ctypes.c_void_p), ("embed", ctypes.c_void_p),
-                ("vocab", ctypes.c_int32)]
+                ("vocab", ctypes.c_int32), ("balance", ctypes.c_void_p)]
 
 
 class _Scratch(ctypes.Structure):
@@ -109,10 +109,13 @@ class FusedStack:
         # forwards one call runs on a batch of decodes (decode_ahead), each on the greedy tokens of the one before:
         # where the head makes them and its every row is a row of the embedding
         self.max_forwards = MAX_FORWARDS if self.head_rows and head.out_features <= embed.shape[0] else 1
+        # how the two members share the matmuls out, kept between calls (decode_layers.cpp's Balance: the lead's
+        # share, then each member's busy time on a cache line of its own); zero: equal shares at first
+        self._balance = torch.zeros(24, dtype=torch.float64)  # (torch's buffers start on a cache line)
         self._model = _Model(a.num_layers, a.hidden_size, a.num_heads, a.num_kv_heads, a.head_dim,
                              a.intermediate_size, kv.block_size, model.dtype.itemsize, a.norm_eps, attention.scale,
                              layers, self._linear(head) if self.head_rows else _QLinear(), model.norm.data_ptr(),
-                             embed.data_ptr(), embed.shape[0])
+                             embed.data_ptr(), embed.shape[0], self._balance.data_ptr())
         self._widest_int8 = max((lin.out_features for lin in linears if lin.kind == "int8"), default=0)
         # RoPE's cos/sin at every position, in the form the Python path's rows take: the call reads each token's
         # row itself (no per-step gather)

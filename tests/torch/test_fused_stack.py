@@ -210,6 +210,63 @@ def test_every_thread_count_shares_the_work_out_whole(llama_dir, quantization):
         torch.testing.assert_close(got, alone, rtol=0, atol=1e-3 * float(alone.abs().max()))
 
 
+def _pin_share(backend, share):
+    """Before each call of the backend's fused stack: the first member's share of the matmuls set to `share`, with
+    no busy times to move it (decode_layers.cpp's Balance: [0] the share, [8] and [16] the members' times)."""
+    balance, call = backend.stack._balance, backend.stack._fn
+
+    def pinned(*args):
+        balance.zero_()
+        balance[0] = share
+        return call(*args)
+
+    backend.stack._fn = pinned
+
+
+@pytest.mark.parametrize("quantization", ["int4", "int8"])
+def test_uneven_matmul_shares_make_the_same_outputs(llama_dir, quantization):
+    """Two members share the matmuls out by their measured rates: whatever the split (0.2 to 0.8 of the outputs
+    to the first), each output is made as the Python path makes it, so hidden states, logits and greedy tokens are
+    its own, the head's argmax merging vocabulary shares of any size."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        plain = _backend(llama_dir, "bfloat16", quantization, "off")
+        want = [(h, plain.model.logits(h)) for h, _, _ in _head_steps(plain, 5)]
+        for share in (0.2, 0.37, 0.8):
+            fused = _backend(llama_dir, "bfloat16", quantization, "auto")
+            _pin_share(fused, share)
+            for (hidden, logits, tokens), (plain_hidden, plain_logits) in zip(_head_steps(fused, 5), want):
+                assert torch.equal(hidden, plain_hidden)
+                if logits is not None:
+                    assert torch.equal(logits, plain_logits) and tokens == plain_logits.argmax(dim=-1).tolist()
+            assert float(fused.stack._balance[0]) == pytest.approx(share)
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_the_first_members_share_follows_the_measured_rates(llama_dir):
+    """At each forward's start the lead moves its share a quarter of the way to where both members would finish
+    together (each member's share over its busy time), within [0.2, 0.8], and clears the times."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        fused = _backend(llama_dir, "bfloat16", "int4", "auto")
+        d = Driver(fused, seed=2)
+        balance = fused.stack._balance
+        a = [4, 8, 15]
+        fused.execute(batch_of([d.request("a", a, 0, 3, SamplingParams(temperature=0.0))]))
+        assert float(balance[8]) > 0 and float(balance[16]) > 0  # each member timed its matmuls
+        for share, t0, t1, want in ((0.5, 300.0, 100.0, 0.4375), (0.21, 1e6, 1.0, 0.2), (0.7, 1.0, 1e6, 0.775)):
+            balance.zero_()
+            balance[0], balance[8], balance[16] = share, t0, t1
+            a = a + [42]
+            fused.execute(batch_of([d.request("a", a, len(a) - 1, 1, SamplingParams(temperature=0.0))]))
+            assert float(balance[0]) == pytest.approx(want)
+    finally:
+        torch.set_num_threads(before)
+
+
 def _engine_outputs(path, dtype, quantization, steps, sampling):
     """Every sequence's tokens and finish reason through an Engine on the fused call, and how many forwards its
     steps ran."""

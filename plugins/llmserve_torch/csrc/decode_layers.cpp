@@ -17,6 +17,7 @@
 // then the argmax of the sampler's fast path. At one sequence the torch calls and Python around those were ~0.1 ms
 // of a ~1.6 ms step.
 
+#include <algorithm>
 #include <chrono>
 #include <cstdint>
 #include <cstring>
@@ -42,6 +43,20 @@ struct Layer {
   void* v_cache;
 };
 
+// How two members share the weights' matmuls out. Where the VM's two CPUs sit far apart, one of them streams
+// its half 10-25 % slower than the other for minutes at a time (each member's own time in the matmuls, timed
+// inside them: 940 against 740 us a step), and the other waits at every barrier; so the first member's share
+// follows the two measured rates, a step behind. Every output is made by one member the same way whoever makes
+// it: only who waits changes. Each member's time is on a cache line of its own.
+struct alignas(64) MemberTime {
+  double us;  // this member's microseconds in the matmuls since the lead last read them
+  char pad[64 - sizeof(double)];
+};
+struct Balance {
+  alignas(64) double lead_share;  // 0 before the first step: equal shares
+  MemberTime busy[2];
+};
+
 struct Model {
   int32_t layers, hidden, heads, kv_heads, head_dim, inter, block_size, elem_size;
   float eps, attn_scale;
@@ -50,6 +65,7 @@ struct Model {
   const void* final_norm;
   const void* embed;  // [vocab, hidden] in the activations' dtype: Step::ids' rows
   int32_t vocab;
+  Balance* balance;  // the caller's, kept between calls (null: equal shares)
 };
 
 struct Scratch {  // each [max rows, its width], contiguous; f32: [max rows, widest int8 output]
@@ -99,18 +115,61 @@ class Clock {
   double last_;
 };
 
+double now_us() {
+  return std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
+// The matmuls' team for this step: the lead moves its share a quarter of the way to the two members' measured
+// rates (the busy times of the steps since it last looked), within [0.2, 0.8]; called by every member after the
+// step's first barrier, which orders the lead's update before the others read it
+Team matmul_team(const Team& tm, Balance* b) {
+  if (b == nullptr || tm.size != 2) return tm;
+  return tm.shared(b->lead_share > 0.0 ? static_cast<float>(b->lead_share) : 0.5f);
+}
+
+void rebalance(const Team& tm, Balance* b) {
+  if (b == nullptr || tm.size != 2 || !tm.lead()) return;
+  const double t0 = b->busy[0].us, t1 = b->busy[1].us, s0 = b->lead_share > 0.0 ? b->lead_share : 0.5;
+  if (t0 > 0.0 && t1 > 0.0) {
+    const double r0 = s0 / t0, r1 = (1.0 - s0) / t1;  // each member's share a microsecond
+    const double want = r0 / (r0 + r1);
+    b->lead_share = std::min(0.8, std::max(0.2, s0 + 0.25 * (want - s0)));
+  } else {
+    b->lead_share = s0;
+  }
+  b->busy[0].us = b->busy[1].us = 0.0;  // (the other member adds to its line only after the step's first barrier)
+}
+
+// Adds the time of what it wraps to this member's busy time (where a Balance is kept)
+class Busy {
+ public:
+  Busy(const Team& tm, Balance* b) : slot_(b != nullptr && tm.size == 2 ? &b->busy[tm.id].us : nullptr),
+                                     t0_(slot_ ? now_us() : 0.0) {}
+  ~Busy() {
+    if (slot_ != nullptr) *slot_ += now_us() - t0_;
+  }
+
+ private:
+  double* slot_;
+  double t0_;
+};
+
 // This member's share of y = x · W^T (+ bias). The int8 kernel's float32 outputs are rounded by the member that
-// made them (the same share of N), so only the bias waits for the whole matmul.
+// made them (the same share of N), so only the bias waits for the whole matmul. The matmul's time is this member's
+// busy time (Balance).
 template <typename T>
-void linear(const Team& tm, const QLinear& L, const void* x, int rows, void* y, float* f32) {
+void linear(const Team& tm, const QLinear& L, const void* x, int rows, void* y, float* f32, Balance* bal) {
   const int elem = sizeof(T);
   T* yt = static_cast<T*>(y);
   if (L.kind == 4) {
+    const Busy busy(tm, bal);
     team_int4_matmul(tm, x, L.k, rows, static_cast<const uint8_t*>(L.w), y, L.n, L.n, L.k, elem);
   } else {  // float32 out, then the activations' dtype (torch: y.to(x.dtype))
+    const Busy busy(tm, bal);
     team_int8_matmul(tm, x, L.k, rows, static_cast<const int8_t*>(L.w), L.scale, f32, L.n, L.n, L.k, elem);
+    const int64_t j0 = tm.share_begin(L.n), j1 = tm.share_end(L.n);  // the matmul's share
     for (int64_t r = 0; r < rows; ++r)
-      for (int64_t j = tm.begin(L.n); j < tm.end(L.n); ++j) store(yt + r * L.n + j, f32[r * L.n + j]);
+      for (int64_t j = j0; j < j1; ++j) store(yt + r * L.n + j, f32[r * L.n + j]);
   }
   if (L.bias != nullptr) {  // y += bias, rounded as the in-place torch add rounds
     tm.sync();
@@ -170,20 +229,24 @@ struct Best {
 // The final norm, the int8 LM head (float32 out, rounded through T as QuantLinear's y.to(x.dtype) does before
 // lm_head's .float()), and where asked each row's argmax: first within each member's share of the vocabulary, then
 // over the members in order (a later share wins only with a larger value: the first maximum, as
-// llmserve_argmax_f32 finds it). best: [members, rows]
+// llmserve_argmax_f32 finds it). best: [members, rows]; mt: the matmuls' team (matmul_team)
 template <typename T>
-void head(const Team& tm, const Model& m, const Flow<T>& f, const Step& st, Best* best) {
+void head(const Team& tm, const Team& mt, const Model& m, const Flow<T>& f, const Step& st, Best* best) {
   const int R = st.rows, H = m.hidden, V = m.head.n;
   team_add_rms_norm(f.ew, f.x, H, nullptr, 0, m.final_norm, f.h, H, R, H, m.eps, sizeof(T));
   f.sync(tm);
-  team_int8_matmul(tm, f.h, H, R, static_cast<const int8_t*>(m.head.w), m.head.scale, st.logits, V, V, H, sizeof(T));
-  const int j0 = tm.begin(V), j1 = tm.end(V);
+  {
+    const Busy busy(mt, m.balance);
+    team_int8_matmul(mt, f.h, H, R, static_cast<const int8_t*>(m.head.w), m.head.scale, st.logits, V, V, H,
+                     sizeof(T));
+  }
+  const int j0 = mt.share_begin(V), j1 = mt.share_end(V);
   for (int r = 0; r < R; ++r) {
     float* y = st.logits + static_cast<int64_t>(r) * V;
     for (int j = j0; j < j1; ++j) y[j] = round_to<T>(y[j]);
     if (st.tokens == nullptr || j0 == j1) continue;
     const int at = j0 + first_max(y + j0, j1 - j0);
-    best[tm.id * R + r] = {y[at], at};
+    best[mt.id * R + r] = {y[at], at};
   }
   if (st.tokens == nullptr) return;
   tm.sync();
@@ -191,8 +254,9 @@ void head(const Team& tm, const Model& m, const Flow<T>& f, const Step& st, Best
   for (int r = 0; r < R; ++r) {
     Best b = best[r];
     for (int id = 1; id < tm.size; ++id) {
-      const Team other{id, tm.size, nullptr};
-      if (other.end(V) > other.begin(V) && best[id * R + r].value > b.value) b = best[id * R + r];
+      Team other = mt;
+      other.id = id;
+      if (other.share_end(V) > other.share_begin(V) && best[id * R + r].value > b.value) b = best[id * R + r];
     }
     st.tokens[r] = b.at;
   }
@@ -203,11 +267,13 @@ template <typename T>
 void run(const Team& tm, const Model& m, const Scratch& s, const Step& st, float* part, Best* best) {
   const int R = st.rows, E = sizeof(T), H = m.hidden;
   const int q = m.heads * m.head_dim, kv = m.kv_heads * m.head_dim, qkv_w = q + 2 * kv;
+  rebalance(tm, m.balance);  // before the step's first barrier: the others read the share after it
   // x = the ids' embedding rows (llmserve_decode_layers checked them)
   for (int r = tm.begin(R); r < tm.end(R); ++r)
     std::memcpy(static_cast<char*>(st.x) + static_cast<int64_t>(r) * H * E,
                 static_cast<const char*>(m.embed) + st.ids[r] * H * E, static_cast<size_t>(H) * E);
   tm.sync();
+  const Team mt = matmul_team(tm, m.balance);
   Flow<T> f(tm, s, st, m);
   Clock clock(tm.lead() ? st.stage_us : nullptr);  // the lead's clock: its stage times include its waits
   team_add_rms_norm(f.ew, f.x, H, nullptr, 0, m.layer[0].in_norm, f.h, H, R, H, m.eps, E);
@@ -215,7 +281,7 @@ void run(const Team& tm, const Model& m, const Scratch& s, const Step& st, float
   clock.mark(kNorms);
   for (int li = 0; li < m.layers; ++li) {
     const Layer& L = m.layer[li];
-    linear<T>(tm, L.qkv, f.h, R, s.qkv, s.f32);
+    linear<T>(mt, L.qkv, f.h, R, s.qkv, s.f32, m.balance);
     tm.sync();
     clock.mark(kQkv);
     team_rope(tm, s.qkv, qkv_w, R, m.heads + m.kv_heads, m.head_dim, st.cos, st.sin, st.tok_pos, E);
@@ -229,19 +295,19 @@ void run(const Team& tm, const Model& m, const Scratch& s, const Step& st, float
                          f.own_attn);
     if (!f.own_attn) tm.sync();
     clock.mark(kAttention);
-    linear<T>(tm, L.o, f.attn, R, s.o, s.f32);
+    linear<T>(mt, L.o, f.attn, R, s.o, s.f32, m.balance);
     tm.sync();
     clock.mark(kO);
     team_add_rms_norm(f.ew, f.x, H, s.o, H, L.post_norm, f.h, H, R, H, m.eps, E);
     f.sync(tm);
     clock.mark(kNorms);
-    linear<T>(tm, L.gate_up, f.h, R, s.gu, s.f32);
+    linear<T>(mt, L.gate_up, f.h, R, s.gu, s.f32, m.balance);
     tm.sync();
     clock.mark(kGateUp);
     team_silu_mul(f.ew, s.gu, 2 * m.inter, f.act, m.inter, R, m.inter, E);
     f.sync(tm);
     clock.mark(kSiluMul);
-    linear<T>(tm, L.down, f.act, R, s.down, s.f32);
+    linear<T>(mt, L.down, f.act, R, s.down, s.f32, m.balance);
     tm.sync();
     clock.mark(kDown);
     if (li + 1 < m.layers) {
@@ -254,7 +320,7 @@ void run(const Team& tm, const Model& m, const Scratch& s, const Step& st, float
     f.sync(tm);
     clock.mark(kNorms);
   }
-  if (st.logits != nullptr) head<T>(tm, m, f, st, best);
+  if (st.logits != nullptr) head<T>(tm, mt, m, f, st, best);
   clock.mark(kHead);
 }
 

@@ -162,9 +162,10 @@ void int8_matmul_i16(const Team& tm, const float* xf, int rows, const int8_t* w,
   const int16_t(*xqp)[kMaxK] = xq;
   const float(*xsp)[kMaxK / kBlock] = xs;
 #if defined(__AVX512BW__)
-  if (rows > 0) kInt8Rows[rows - 1](w, scale, xqp, xsp, y, ys, tm.begin(N), tm.end(N), K);
+  if (rows > 0) kInt8Rows[rows - 1](w, scale, xqp, xsp, y, ys, tm.share_begin(N), tm.share_end(N), K);
 #else
-  for (int n = tm.begin(N); n < tm.end(N); ++n) {
+  const int n0 = tm.share_begin(N), n1 = tm.share_end(N);
+  for (int n = n0; n < n1; ++n) {
     const int8_t* wn = w + static_cast<int64_t>(n) * K;
     prefetch_ahead(wn, K, rows);
     for (int r = 0; r < rows; ++r) {
@@ -200,7 +201,8 @@ void int8_matmul(const Team& tm, const T* x, int64_t xs, int rows, const int8_t*
   }
 #endif
   const float(*xfp)[kMaxK] = xf;
-  for (int n = tm.begin(N); n < tm.end(N); ++n) {
+  const int n0 = tm.share_begin(N), n1 = tm.share_end(N);
+  for (int n = n0; n < n1; ++n) {
     const int8_t* wn = w + static_cast<int64_t>(n) * K;
     for (int r = 0; r < rows; ++r) {
       const float* xr = xfp[r];

@@ -25,10 +25,12 @@ inline int first_max(const float* x, int n) {
   return 0;  // none equal (a NaN, under -ffast-math)
 }
 
-// y = x · W^T, int4 groups of 32 with float16 scales and offsets (quant_matmul.cpp); this member's tiles of outputs
+// y = x · W^T, int4 groups of 32 with float16 scales and offsets (quant_matmul.cpp); this member's tiles of
+// outputs (share_begin / share_end)
 void team_int4_matmul(const Team& tm, const void* x, int64_t xs, int rows, const uint8_t* w, void* y, int64_t ys,
                       int N, int K, int elem_size);
-// y = x · W^T, int8 per output row, float32 out (decoder_ops.cpp); this member's outputs [tm.begin(N), tm.end(N))
+// y = x · W^T, int8 per output row, float32 out (decoder_ops.cpp); this member's outputs
+// [tm.share_begin(N), tm.share_end(N))
 void team_int8_matmul(const Team& tm, const void* x, int64_t xs, int rows, const int8_t* w, const float* scale,
                       float* y, int64_t ys, int N, int K, int elem_size);
 // x += delta, out = rms_norm(x) * w (decoder_ops.cpp); rows shared out (with fewer rows than members, some get none)

@@ -182,7 +182,8 @@ void int4_matmul(const Team& tm, const T* x, int64_t xs, int rows, const uint8_t
   // KiB against 4 KiB where the VM read ~90 GB/s: 0.91-0.94 at one sequence, 0.95 at two, 0.98 at three and four,
   // 1.02 at eight (so more rows keep 4 KiB); where it read ~55: 0.97-1.01 at one to four (docs/benchmarks.md)
   const int ahead = prefetch_distance(rows, 8192);
-  for (int t = tm.begin(tiles); t < tm.end(tiles); ++t) {
+  const int t0 = tm.share_begin(tiles), t1 = tm.share_end(tiles);
+  for (int t = t0; t < t1; ++t) {
     const Block b(w, t, K);
     int r0 = 0;
     for (; r0 + kRowBlock <= rows; r0 += kRowBlock) tile_rows<kRowBlock>(b, a, r0, K, y, ys, t * kTile, N, ahead);
@@ -337,7 +338,8 @@ void int4_matmul(const Team& tm, const T* x, int64_t xs, int rows, const uint8_t
   // memory, the x86-64-v3 build on a Zen 5 EPYC, against no prefetch: 0.82-0.95 at one row (8 KiB no better);
   // asked at every row count, 0.99-1.05 at two to eight rows (this test's noise: ~3 %)
   const bool ask = rows == 1;
-  for (int n = tm.begin(N); n < tm.end(N); ++n) {
+  const int n0 = tm.share_begin(N), n1 = tm.share_end(N);
+  for (int n = n0; n < n1; ++n) {
     const Block b(w, n, K);
     if (ask)
       for (int c = 0; c < ng * kGroupBytes; c += 64) __builtin_prefetch(b.base + 4096 + c);

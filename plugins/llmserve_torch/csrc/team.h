@@ -54,6 +54,7 @@ class SpinBarrier {
 struct Team {
   int id, size;
   SpinBarrier* barrier;  // null when the team has one member
+  float lead_share = 0.f;  // with two members: the first's share of a matmul's outputs (shared); 0: equal shares
 
   void sync() const {
     if (size > 1) barrier->wait(size);
@@ -62,6 +63,21 @@ struct Team {
   int begin(int n) const { return static_cast<int>(static_cast<int64_t>(n) * id / size); }
   int end(int n) const { return static_cast<int>(static_cast<int64_t>(n) * (id + 1) / size); }
   bool lead() const { return id == 0; }
+  // This member's share of a matmul's n outputs (the weights it streams): begin/end's, or in a team shared() out,
+  // the first of two members takes lead_share of them. The matmuls read these once, into locals: a bound with a
+  // branch in a loop's condition (every stage's, when begin/end carried it) is not hoisted past the loop's stores,
+  // and the fused call ran 7-13 % slower
+  int share_begin(int n) const { return lead_share > 0.f ? (id == 0 ? 0 : lead_cut(n)) : begin(n); }
+  int share_end(int n) const { return lead_share > 0.f ? (id == 0 ? lead_cut(n) : n) : end(n); }
+  // This team with the first of two members taking `share` of a matmul's outputs (more members: equal shares)
+  Team shared(float share) const {
+    Team t = *this;
+    t.lead_share = size == 2 ? share : 0.f;
+    return t;
+  }
+
+ private:
+  int lead_cut(int n) const { return static_cast<int>(static_cast<double>(n) * lead_share + 0.5); }
 };
 
 // fn(team) on `threads` threads of one parallel region; on the calling thread alone when `parallel` is false
