@@ -238,7 +238,7 @@ class ContinuousScheduler(Scheduler):
         return SchedulerStats(num_running=len(self._running), num_waiting=self._num_waiting,
                               cache=self.allocator.stats(), num_preemptions=self.num_preemptions,
                               max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
-                              policy=self.policy)
+                              policy=self.policy, num_scheduler_steps=self.num_scheduler_steps)
 
 
 class PriorityScheduler(ContinuousScheduler):

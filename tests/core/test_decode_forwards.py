@@ -102,7 +102,8 @@ def test_tokens_of_a_run_are_stamped_apart():
 
 def test_no_run_where_the_backend_runs_one_forward():
     eng = engine(8, forwards=1)
-    assert eng.scheduler.num_scheduler_steps == 1  # limit_forwards: no blocks reserved ahead for nothing
+    assert eng.scheduler_stats().num_scheduler_steps == 1  # limit_forwards: no blocks reserved ahead for nothing
+    assert engine(8, forwards=64).stats()["scheduler"]["num_scheduler_steps"] == 8  # what /stats shows
     _, _, steps = run(eng, requests())
     assert all(m.num_forwards == 1 for m in steps)
 
