@@ -16,6 +16,9 @@ import torch
 from llmserve_torch.quant import OWN_INT8_MAX_ROWS, QuantLinear
 
 FUSE_LAYERS = ("auto", "off")
+# the most of its share of the next matmul's weights a member asks for while it waits at a barrier (csrc/team.h's
+# WaitAhead: a wait is ~25-650 ns, so this only bounds it; 32 KiB read 0.96-0.99 of the time, 256 KiB 0.96-0.98)
+WAIT_AHEAD = 256 << 10
 # the most forwards one call runs (decode_ahead): scheduler.num_scheduler_steps is the real limit, this sizes the
 # token buffer
 MAX_FORWARDS = 64
@@ -37,7 +40,7 @@ class _Model(ctypes.Structure):
                                                "block_size", "elem_size")] + \
                [("eps", ctypes.c_float), ("attn_scale", ctypes.c_float), ("layer", ctypes.POINTER(_Layer)),
                 ("head", _QLinear), ("final_norm", ctypes.c_void_p), ("embed", ctypes.c_void_p),
-                ("vocab", ctypes.c_int32), ("balance", ctypes.c_void_p)]
+                ("vocab", ctypes.c_int32), ("balance", ctypes.c_void_p), ("wait_ahead", ctypes.c_int64)]
 
 
 class _Scratch(ctypes.Structure):
@@ -115,7 +118,7 @@ class FusedStack:
         self._model = _Model(a.num_layers, a.hidden_size, a.num_heads, a.num_kv_heads, a.head_dim,
                              a.intermediate_size, kv.block_size, model.dtype.itemsize, a.norm_eps, attention.scale,
                              layers, self._linear(head) if self.head_rows else _QLinear(), model.norm.data_ptr(),
-                             embed.data_ptr(), embed.shape[0], self._balance.data_ptr())
+                             embed.data_ptr(), embed.shape[0], self._balance.data_ptr(), WAIT_AHEAD)
         self._widest_int8 = max((lin.out_features for lin in linears if lin.kind == "int8"), default=0)
         # RoPE's cos/sin at every position, in the form the Python path's rows take: the call reads each token's
         # row itself (no per-step gather)

@@ -66,6 +66,7 @@ struct Model {
   const void* embed;  // [vocab, hidden] in the activations' dtype: Step::ids' rows
   int32_t vocab;
   Balance* balance;  // the caller's, kept between calls (null: equal shares)
+  int64_t wait_ahead;  // bytes of its next matmul's share a member asks for at most while it waits (0: none)
 };
 
 struct Scratch {  // each [max rows, its width], contiguous; f32: [max rows, widest int8 output]
@@ -180,6 +181,27 @@ void linear(const Team& tm, const QLinear& L, const void* x, int rows, void* y, 
   }
 }
 
+// The first bytes of this member's share of L's weights (at most m.wait_ahead), asked for while it waits at the
+// barriers before L (WaitAhead). A wait at a barrier is the other member's lag plus the handoff: 25-65 ns where the
+// VM's two CPUs sit near, 200-650 where they sit far apart, where this pays most
+void wait_ahead_for(const Team& mt, const Model& m, const QLinear& L) {
+  WaitAhead& a = wait_ahead();
+  if (m.wait_ahead == 0 || L.kind == 0) {
+    a.at = a.end = nullptr;
+    return;
+  }
+  int64_t first, last, unit;  // this member's items and each one's bytes
+  if (L.kind == 4) {
+    const int rows = int4_tile_rows(), tiles = (L.n + rows - 1) / rows;
+    first = mt.share_begin(tiles), last = mt.share_end(tiles), unit = static_cast<int64_t>(L.k / 32) * rows * 20;
+  } else {
+    first = mt.share_begin(L.n), last = mt.share_end(L.n), unit = L.k;
+  }
+  const char* w = static_cast<const char*>(L.w);
+  a.at = w + first * unit;
+  a.end = w + std::min(last * unit, first * unit + m.wait_ahead);
+}
+
 // With this many rows or fewer, each member keeps its own copy of the residual stream (Flow)
 constexpr int kOwnRows = 2;
 
@@ -282,6 +304,7 @@ void run(const Team& tm, const Model& m, const Scratch& s, const Step& st, float
   for (int li = 0; li < m.layers; ++li) {
     const Layer& L = m.layer[li];
     linear<T>(mt, L.qkv, f.h, R, s.qkv, s.f32, m.balance);
+    wait_ahead_for(mt, m, L.o);
     tm.sync();
     clock.mark(kQkv);
     team_rope(tm, s.qkv, qkv_w, R, m.heads + m.kv_heads, m.head_dim, st.cos, st.sin, st.tok_pos, E);
@@ -296,18 +319,21 @@ void run(const Team& tm, const Model& m, const Scratch& s, const Step& st, float
     if (!f.own_attn) tm.sync();
     clock.mark(kAttention);
     linear<T>(mt, L.o, f.attn, R, s.o, s.f32, m.balance);
+    wait_ahead_for(mt, m, L.gate_up);
     tm.sync();
     clock.mark(kO);
     team_add_rms_norm(f.ew, f.x, H, s.o, H, L.post_norm, f.h, H, R, H, m.eps, E);
     f.sync(tm);
     clock.mark(kNorms);
     linear<T>(mt, L.gate_up, f.h, R, s.gu, s.f32, m.balance);
+    wait_ahead_for(mt, m, L.down);
     tm.sync();
     clock.mark(kGateUp);
     team_silu_mul(f.ew, s.gu, 2 * m.inter, f.act, m.inter, R, m.inter, E);
     f.sync(tm);
     clock.mark(kSiluMul);
     linear<T>(mt, L.down, f.act, R, s.down, s.f32, m.balance);
+    wait_ahead_for(mt, m, li + 1 < m.layers ? m.layer[li + 1].qkv : m.head);
     tm.sync();
     clock.mark(kDown);
     if (li + 1 < m.layers) {
@@ -321,6 +347,7 @@ void run(const Team& tm, const Model& m, const Scratch& s, const Step& st, float
     clock.mark(kNorms);
   }
   if (st.logits != nullptr) head<T>(tm, mt, m, f, st, best);
+  wait_ahead() = WaitAhead{};
   clock.mark(kHead);
 }
 
@@ -342,6 +369,7 @@ void next_forward(Step& f, const Model& m, std::vector<int64_t>& slots, std::vec
 }  // namespace
 
 extern "C" {
+
 
 // 0, or -1 (nothing run) where an id is not a row of the embedding, as torch's embedding raises then. Later forwards'
 // ids are the head's argmax: the caller runs more than one only where the head's rows are the embedding's

@@ -382,6 +382,8 @@ void llmserve_int4_matmul(const void* x, int64_t xs, int rows, const uint8_t* w,
 
 }  // extern "C"
 
+int int4_tile_rows() { return kTile; }
+
 void team_int4_matmul(const Team& tm, const void* x, int64_t xs, int rows, const uint8_t* w, void* y, int64_t ys,
                       int N, int K, int elem_size) {
   if (elem_size == 4)

@@ -1,13 +1,14 @@
 #!/usr/bin/env python
-"""The fused call's matmuls shared by the two members' measured rates against equal halves, in one engine.
+"""One of the fused call's run-time options on against off, in one engine.
 
-decode_layers.cpp's Balance moves the first member's share of every matmul towards where both would finish
-together. Here one engine decodes and its fused stack's Balance is switched on and off (a null pointer: equal
-halves, no clocks) every `--turn` steps, in the order on off off on, so a change of the VM's state falls on both;
-the C call's time is compared, and the share the rates settled on is printed.
+`--option balance`: the two members share the matmuls out by their measured rates (decode_layers.cpp's Balance;
+off: a null pointer, equal halves, no clocks). `--option wait_ahead`: a member waiting at a barrier asks for its
+share of the next matmul's weights (team.h's WaitAhead; off: 0 bytes). One engine decodes and the option is
+switched every `--turn` steps, in the order on off off on, so a change of the VM's state falls on both; the C
+call's time is compared (and the first member's share printed).
 
-    python benchmarks/ab_balance.py                  # c = 1, 60 rounds
-    python benchmarks/ab_balance.py -c 4 --rounds 100 --json
+    python benchmarks/ab_call_option.py --option balance          # c = 1, 60 rounds
+    python benchmarks/ab_call_option.py --option wait_ahead -c 4 --rounds 100 --json
 """
 
 from __future__ import annotations
@@ -45,31 +46,32 @@ def run(args) -> dict:
 
     stack._fn = timed
     start_decoding(engine, args.concurrency, args.prompt_len, args.rounds * 4 * args.turn + 64, 0)
-    on_at = stack._balance.data_ptr()
-    got: dict[str, list[float]] = {"balanced": [], "equal": []}
-    bar = progress_bar(args, args.rounds, "ab_balance")
+    on = getattr(stack._model, args.option)
+    got: dict[str, list[float]] = {"on": [], "off": []}
+    bar = progress_bar(args, args.rounds, f"ab {args.option}")
     bar.unit = "round"
     for r in range(args.rounds):
         bar.update()
-        for mode in ("balanced", "equal", "equal", "balanced"):
-            stack._model.balance = on_at if mode == "balanced" else 0
+        for mode in ("on", "off", "off", "on"):
+            setattr(stack._model, args.option, on if mode == "on" else 0)
             for _ in range(args.turn):
                 took.clear()
                 engine.step()
                 got[mode].append(took[-1])
     bar.close()
-    stack._model.balance = on_at
+    setattr(stack._model, args.option, on)
     med = statistics.median
-    balanced, equal = med(got["balanced"]), med(got["equal"])
+    on_s, off_s = med(got["on"]), med(got["off"])
     engine.shutdown()
-    return {"concurrency": args.concurrency, "rounds": args.rounds, "machine": machine_info(),
-            "call_ms": {"balanced": balanced * 1e3, "equal": equal * 1e3}, "balanced_over_equal": balanced / equal,
+    return {"option": args.option, "concurrency": args.concurrency, "rounds": args.rounds, "machine": machine_info(),
+            "call_ms": {"on": on_s * 1e3, "off": off_s * 1e3}, "on_over_off": on_s / off_s,
             "first_member_share": float(stack._balance[0]), "bandwidth_gbs_after": measure_bandwidth() / 1e9}
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     engine_arguments(ap, prompt_len=96)
+    ap.add_argument("--option", choices=["balance", "wait_ahead"], required=True)
     ap.add_argument("--rounds", type=int, default=60)
     ap.add_argument("--turn", type=int, default=4, help="steps of one mode before the other's")
     ap.add_argument("--json", action="store_true")
@@ -80,8 +82,8 @@ def main(argv=None) -> int:
         print(json.dumps(r, indent=2))
         return 0
     c = r["call_ms"]
-    print(f"c = {r['concurrency']}: the fused call {c['balanced']:.3f} ms balanced, {c['equal']:.3f} equal halves: "
-          f"{r['balanced_over_equal']:.3f}; first member's share {r['first_member_share']:.3f}; "
+    print(f"c = {r['concurrency']}, {r['option']}: the fused call {c['on']:.3f} ms on, {c['off']:.3f} off: "
+          f"{r['on_over_off']:.3f}; first member's share {r['first_member_share']:.3f}; "
           f"bandwidth after {r['bandwidth_gbs_after']:.1f} GB/s")
     return 0
 
