@@ -14,10 +14,8 @@ call's time is compared (and the first member's share printed).
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -25,7 +23,7 @@ for p in (ROOT, ROOT / "plugins", ROOT / "benchmarks"):
     if str(p) not in sys.path:
         sys.path.insert(0, str(p))
 
-from profile_step import build_engine, engine_arguments, start_decoding  # noqa: E402
+from profile_step import build_engine, engine_arguments, run_cli, start_decoding, time_calls  # noqa: E402
 
 
 def run(args) -> dict:
@@ -36,15 +34,7 @@ def run(args) -> dict:
     stack = engine.backend.stack
     if stack is None:
         raise SystemExit(f"no fused call here: {engine.backend.stack_note}")
-    fn, took = stack._fn, []
-
-    def timed(*a):
-        t = time.perf_counter()
-        r = fn(*a)
-        took.append(time.perf_counter() - t)
-        return r
-
-    stack._fn = timed
+    took = time_calls(stack)
     start_decoding(engine, args.concurrency, args.prompt_len, args.rounds * 4 * args.turn + 64, 0)
     on = getattr(stack._model, args.option)
     got: dict[str, list[float]] = {"on": [], "off": []}
@@ -74,18 +64,15 @@ def main(argv=None) -> int:
     ap.add_argument("--option", choices=["balance", "wait_ahead"], required=True)
     ap.add_argument("--rounds", type=int, default=60)
     ap.add_argument("--turn", type=int, default=4, help="steps of one mode before the other's")
-    ap.add_argument("--json", action="store_true")
-    ap.add_argument("--no-progress", action="store_true", help="no progress bar")
-    args = ap.parse_args(argv)
-    r = run(args)
-    if args.json:
-        print(json.dumps(r, indent=2))
-        return 0
+    return run_cli(ap, argv, run, print_report)
+
+
+def print_report(r: dict) -> None:
+    """One line: both times, their ratio, the share."""
     c = r["call_ms"]
     print(f"c = {r['concurrency']}, {r['option']}: the fused call {c['on']:.3f} ms on, {c['off']:.3f} off: "
           f"{r['on_over_off']:.3f}; first member's share {r['first_member_share']:.3f}; "
           f"bandwidth after {r['bandwidth_gbs_after']:.1f} GB/s")
-    return 0
 
 
 if __name__ == "__main__":

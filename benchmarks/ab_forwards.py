@@ -14,7 +14,6 @@ fused C call's (where the backend runs one).
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import statistics
 import sys
@@ -22,9 +21,11 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-for p in (ROOT, ROOT / "plugins"):
+for p in (ROOT, ROOT / "plugins", ROOT / "benchmarks"):
     if str(p) not in sys.path:
         sys.path.insert(0, str(p))
+
+from profile_step import run_cli, time_calls  # noqa: E402
 
 
 def build(args):
@@ -45,17 +46,7 @@ def run(args) -> dict:
 
     engine = build(args)
     stack = engine.backend.stack
-    call_s: list[float] = []
-    if stack is not None:  # time the C call itself
-        fn = stack._fn
-
-        def timed(*a):
-            t = time.perf_counter()
-            r = fn(*a)
-            call_s.append(time.perf_counter() - t)
-            return r
-
-        stack._fn = timed
+    call_s: list[float] = time_calls(stack) if stack is not None else []  # the C call itself
     rnd = random.Random(args.seed)
     sp = SamplingParams(max_tokens=args.output_len, temperature=0.0, ignore_eos=True)
 
@@ -115,19 +106,16 @@ def main(argv=None) -> int:
     ap.add_argument("--prompt-len", type=int, nargs=2, default=[16, 128], metavar=("MIN", "MAX"))
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--json", action="store_true")
-    ap.add_argument("--no-progress", action="store_true", help="no progress bar")
-    args = ap.parse_args(argv)
-    r = run(args)
-    if args.json:
-        print(json.dumps(r, indent=2))
-        return 0
+    return run_cli(ap, argv, run, print_report)
+
+
+def print_report(r: dict) -> None:
+    """A row per forwards-a-step value."""
     print(f"c = {r['concurrency']}, {r['rounds']} rounds; bandwidth after: {r['bandwidth_gbs_after']:.1f} GB/s")
     print("forwards a step | step ms / forward | backend | C call | of one a step")
     for k, row in r["by_steps"].items():
         call = "-" if row["call_ms"] is None else f"{row['call_ms']:.3f}"
         print(f"{k:>15} | {row['step_ms']:.3f} | {row['backend_ms']:.3f} | {call} | {row['of_one_a_step']:.3f}")
-    return 0
 
 
 if __name__ == "__main__":

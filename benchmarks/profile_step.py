@@ -135,6 +135,35 @@ def fused_stages(engine, n: int) -> dict[str, float] | None:
     return {name: t / n / 1e3 for name, t in zip(STAGES, us)} if sum(us) else None
 
 
+def run_cli(ap: argparse.ArgumentParser, argv, run, table, progress: bool = True) -> int:
+    """ap's arguments with --json (and --no-progress where run draws a bar), then run(args): its report as JSON,
+    or table(report) printed."""
+    ap.add_argument("--json", action="store_true")
+    if progress:
+        ap.add_argument("--no-progress", action="store_true", help="no progress bar")
+    args = ap.parse_args(argv)
+    r = run(args)
+    if args.json:
+        print(json.dumps(r, indent=2))
+    else:
+        table(r)
+    return 0
+
+
+def time_calls(stack) -> list[float]:
+    """Wrap a fused stack's C call: each call's seconds go onto the list returned (the caller empties it)."""
+    fn, took = stack._fn, []
+
+    def timed(*a):
+        t = time.perf_counter()
+        r = fn(*a)
+        took.append(time.perf_counter() - t)
+        return r
+
+    stack._fn = timed
+    return took
+
+
 def start_decoding(engine, c: int, prompt_len: int, steps: int, seed: int) -> None:
     """c sequences of random prompt_len-token prompts, prefilled (chunked if need be) until every one decodes, with
     room for `steps` more tokens each."""
@@ -243,14 +272,7 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=32, help="decode steps timed, then as many profiled")
     ap.add_argument("--seed", type=int, default=0, help="seed of the prompts' token ids")
     ap.add_argument("--no-bound", action="store_true", help="skip the bandwidth / GEMM probes and the bound")
-    ap.add_argument("--json", action="store_true")
-    args = ap.parse_args(argv)
-    r = run(args)
-    if args.json:
-        print(json.dumps(r, indent=2))
-    else:
-        print_report(r)
-    return 0
+    return run_cli(ap, argv, run, print_report, progress=False)
 
 
 if __name__ == "__main__":
