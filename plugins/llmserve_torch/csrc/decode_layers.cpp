@@ -120,14 +120,15 @@ double now_us() {
   return std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now().time_since_epoch()).count();
 }
 
-// The matmuls' team for this step: the lead moves its share a quarter of the way to the two members' measured
-// rates (the busy times of the steps since it last looked), within [0.2, 0.8]; called by every member after the
-// step's first barrier, which orders the lead's update before the others read it
+// The matmuls' team for this step, sharing them out at the lead's share; made by every member after the step's
+// first barrier, which orders the lead's rebalance before the others read the share
 Team matmul_team(const Team& tm, Balance* b) {
   if (b == nullptr || tm.size != 2) return tm;
   return tm.shared(b->lead_share > 0.0 ? static_cast<float>(b->lead_share) : 0.5f);
 }
 
+// The lead (before the step's first barrier) moves its share a quarter of the way to where both members would
+// finish together at the rates of their busy times since it last looked, within [0.2, 0.8], and clears the times
 void rebalance(const Team& tm, Balance* b) {
   if (b == nullptr || tm.size != 2 || !tm.lead()) return;
   const double t0 = b->busy[0].us, t1 = b->busy[1].us, s0 = b->lead_share > 0.0 ? b->lead_share : 0.5;
@@ -333,7 +334,7 @@ void run(const Team& tm, const Model& m, const Scratch& s, const Step& st, float
     f.sync(tm);
     clock.mark(kSiluMul);
     linear<T>(mt, L.down, f.act, R, s.down, s.f32, m.balance);
-    wait_ahead_for(mt, m, li + 1 < m.layers ? m.layer[li + 1].qkv : m.head);
+    wait_ahead_for(mt, m, li + 1 < m.layers ? m.layer[li + 1].qkv : st.logits != nullptr ? m.head : QLinear{});
     tm.sync();
     clock.mark(kDown);
     if (li + 1 < m.layers) {
