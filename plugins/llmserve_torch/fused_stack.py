@@ -17,7 +17,7 @@ from llmserve_torch.quant import OWN_INT8_MAX_ROWS, QuantLinear
 
 FUSE_LAYERS = ("auto", "off")
 # the most of its share of the next matmul's weights a member asks for while it waits at a barrier (csrc/team.h's
-# WaitAhead: a wait is ~25-650 ns, so this only bounds it; 32 KiB read 0.96-0.99 of the time, 256 KiB 0.96-0.98)
+# WaitAhead: a wait is ~25-650 ns, so this only bounds it; 32 KiB read 0.96-1.00 of the time, 256 KiB 0.96-0.99)
 WAIT_AHEAD = 256 << 10
 # the most forwards one call runs (decode_ahead): scheduler.num_scheduler_steps is the real limit, this sizes the
 # token buffer
