@@ -97,28 +97,25 @@ struct Step {
 // What a step's time is split into when the caller asks (Step::stage_us), in this order
 enum Stage { kQkv, kRopeKv, kAttention, kO, kNorms, kGateUp, kSiluMul, kDown, kHead, kStages };
 
+double now_us() {
+  return std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
 // Adds the time since the last mark to a stage; does nothing unless asked (a clock read per kernel otherwise)
 class Clock {
  public:
-  explicit Clock(double* sums) : sums_(sums), last_(sums ? now() : 0.0) {}
+  explicit Clock(double* sums) : sums_(sums), last_(sums ? now_us() : 0.0) {}
   void mark(Stage s) {
     if (sums_ == nullptr) return;
-    const double t = now();
+    const double t = now_us();
     sums_[s] += t - last_;
     last_ = t;
   }
 
  private:
-  static double now() {
-    return std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now().time_since_epoch()).count();
-  }
   double* sums_;
   double last_;
 };
-
-double now_us() {
-  return std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now().time_since_epoch()).count();
-}
 
 // The matmuls' team for this step, sharing them out at the lead's share; made by every member after the step's
 // first barrier, which orders the lead's rebalance before the others read the share
@@ -193,8 +190,8 @@ void wait_ahead_for(const Team& mt, const Model& m, const QLinear& L) {
   }
   int64_t first, last, unit;  // this member's items and each one's bytes
   if (L.kind == 4) {
-    const int rows = int4_tile_rows(), tiles = (L.n + rows - 1) / rows;
-    first = mt.share_begin(tiles), last = mt.share_end(tiles), unit = static_cast<int64_t>(L.k / 32) * rows * 20;
+    const int tiles = int4_tiles(L.n);
+    first = mt.share_begin(tiles), last = mt.share_end(tiles), unit = int4_tile_bytes(L.k);
   } else {
     first = mt.share_begin(L.n), last = mt.share_end(L.n), unit = L.k;
   }

@@ -29,8 +29,9 @@ inline int first_max(const float* x, int n) {
 // outputs (share_begin / share_end)
 void team_int4_matmul(const Team& tm, const void* x, int64_t xs, int rows, const uint8_t* w, void* y, int64_t ys,
                       int N, int K, int elem_size);
-// Rows a tile of that layout holds (its share is split in tiles; a tile's group is 20 bytes a row)
-int int4_tile_rows();
+// That layout's tiles for N outputs (a member's share is whole tiles) and one tile's bytes for K inputs
+int int4_tiles(int N);
+int64_t int4_tile_bytes(int K);
 // y = x · W^T, int8 per output row, float32 out (decoder_ops.cpp); this member's outputs
 // [tm.share_begin(N), tm.share_end(N))
 void team_int8_matmul(const Team& tm, const void* x, int64_t xs, int rows, const int8_t* w, const float* scale,
