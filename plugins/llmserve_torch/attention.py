@@ -37,7 +37,7 @@ log = logging.getLogger("llmserve.torch")
 KERNELS = ("auto", "reference", "cpu", "triton")
 _CSRC = Path(__file__).with_name("csrc")
 # one library; bf16.h is shared
-_SOURCES = ("paged_attention.cpp", "decoder_ops.cpp", "quant_matmul.cpp", "decode_layers.cpp")
+_SOURCES = ("paged_attention.cpp", "decoder_ops.cpp", "quant_matmul.cpp", "decode_layers.cpp", "race.cpp")
 
 
 @dataclass(slots=True)
@@ -203,6 +203,7 @@ _ATTENTION = (None, [_P, _L, _P, _P, _P, _I, _P, _P, _P, _L, _I, _I, _I, _I, _I,
 _SIGNATURES = {
     "llmserve_write_kv": (None, [_P, _L, _P, _L, _P, _P, _P, _I, _L, _I, _I]),
     "llmserve_argmax_f32": (None, [_P, _I, _I, _L, _P, _I]),
+    "llmserve_race_f32": (None, [_P, _I, _I, _L, _P, _P, _P, _I]),
     "llmserve_paged_attention_f32": _ATTENTION,
     "llmserve_paged_attention_bf16": _ATTENTION,
     "llmserve_add_rms_norm": (None, [_P, _L, _P, _L, _P, _P, _L, _I, _I, _F, _I, _I]),
@@ -343,6 +344,25 @@ def cpu_argmax():
         return out
 
     return argmax
+
+
+def cpu_race():
+    """The exponential race over the rows of a float32 CPU matrix via the kernel library (csrc/race.cpp), as
+    race(x, temperatures, keys) → tokens, or None if the library cannot build. x's rows are contiguous; masked
+    entries are -inf; temperatures float32 and keys int64 (read as uint64), one each a row."""
+    try:
+        lib = build_kernel()
+    except RuntimeError:
+        return None
+    fn = lib.llmserve_race_f32
+
+    def race(x: torch.Tensor, temperatures: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+        out = torch.empty(x.shape[0], dtype=torch.long)
+        fn(x.data_ptr(), x.shape[0], x.shape[1], x.stride(0), temperatures.data_ptr(), keys.data_ptr(),
+           out.data_ptr(), torch.get_num_threads())
+        return out
+
+    return race
 
 
 def make_attention(name: str, arch: ArchConfig, kv: KVCache) -> PagedAttention:

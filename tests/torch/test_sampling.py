@@ -21,9 +21,26 @@ def req(sp: SamplingParams, prompt=(0,), output=(), rid="r") -> ScheduledRequest
     return ScheduledRequest(rid, toks, len(toks) - 1, 1, [0], sp, True, len(prompt), len(output))
 
 
-def draw(sp: SamplingParams, n: int = 3000, logits=BASE, **kw) -> Counter:
+def make_sampler(kind: str = "torch", seed: int = 0, eos=()) -> Sampler:
+    """A CPU sampler drawing with torch's uniforms ("torch") or with the kernel library's keyed race ("kernel")."""
+    s = Sampler(torch.device("cpu"), seed=seed, eos_token_ids=eos)
+    if kind == "kernel":
+        from llmserve_torch.attention import cpu_race
+
+        s.keyed_race = cpu_race()
+        if s.keyed_race is None:
+            pytest.skip("no C++ compiler: the kernel library did not build")
+    return s
+
+
+@pytest.fixture(params=["torch", "kernel"])
+def kind(request) -> str:
+    return request.param
+
+
+def draw(sp: SamplingParams, n: int = 3000, logits=BASE, kind: str = "torch", **kw) -> Counter:
     """n draws of the same request (unseeded: the sampler's generator advances)."""
-    s = Sampler(torch.device("cpu"), seed=0, eos_token_ids=kw.pop("eos", ()))
+    s = make_sampler(kind, eos=kw.pop("eos", ()))
     rows = logits.unsqueeze(0).repeat(n, 1)
     toks, _ = s.sample(rows, [req(sp, **kw)] * n)
     return Counter(toks)
@@ -33,32 +50,32 @@ def test_greedy_takes_the_argmax():
     assert draw(SamplingParams(temperature=0.0), n=5) == Counter({0: 5})
 
 
-def test_temperature_one_matches_softmax():
-    c = draw(SamplingParams(temperature=1.0), n=20000)
+def test_temperature_one_matches_softmax(kind):
+    c = draw(SamplingParams(temperature=1.0), n=20000, kind=kind)
     p = BASE.softmax(-1)
     for t in range(V):
         assert abs(c[t] / 20000 - p[t].item()) < 0.015
 
 
-def test_low_temperature_sharpens_high_temperature_flattens():
-    cold, hot = draw(SamplingParams(temperature=0.3)), draw(SamplingParams(temperature=3.0))
+def test_low_temperature_sharpens_high_temperature_flattens(kind):
+    cold, hot = draw(SamplingParams(temperature=0.3), kind=kind), draw(SamplingParams(temperature=3.0), kind=kind)
     assert cold[0] > 0.8 * 3000 and hot[0] < 0.3 * 3000 and len(hot) == V
 
 
-def test_top_k_keeps_only_k_tokens():
-    assert set(draw(SamplingParams(temperature=1.0, top_k=2))) == {0, 1}
+def test_top_k_keeps_only_k_tokens(kind):
+    assert set(draw(SamplingParams(temperature=1.0, top_k=2), kind=kind)) == {0, 1}
 
 
-def test_top_p_keeps_the_smallest_set_reaching_p():
+def test_top_p_keeps_the_smallest_set_reaching_p(kind):
     p = BASE.softmax(-1)  # 0.44, 0.27, 0.16, ... → top_p 0.6 keeps {0, 1}
     assert p[0] < 0.6 <= p[0] + p[1]
-    assert set(draw(SamplingParams(temperature=1.0, top_p=0.6))) == {0, 1}
-    assert set(draw(SamplingParams(temperature=1.0, top_p=0.3))) == {0}
+    assert set(draw(SamplingParams(temperature=1.0, top_p=0.6), kind=kind)) == {0, 1}
+    assert set(draw(SamplingParams(temperature=1.0, top_p=0.3), kind=kind)) == {0}
 
 
-def test_min_p_drops_tokens_below_a_fraction_of_the_best():
+def test_min_p_drops_tokens_below_a_fraction_of_the_best(kind):
     # p[t]/p[0] = exp(BASE[t]-2): 1, .61, .37, .22, .14 → min_p 0.3 keeps {0,1,2}
-    assert set(draw(SamplingParams(temperature=1.0, min_p=0.3))) == {0, 1, 2}
+    assert set(draw(SamplingParams(temperature=1.0, min_p=0.3), kind=kind)) == {0, 1, 2}
 
 
 def test_filter_logits_batched_rows_are_independent():
@@ -96,19 +113,19 @@ def test_logit_bias_and_min_tokens():
     assert draw(sp, n=1, eos={0, 2}, output=(3, 4)) == Counter({0: 1})  # min_tokens reached
 
 
-def test_seed_is_a_function_of_seed_and_output_index_only():
+def test_seed_is_a_function_of_seed_and_output_index_only(kind):
     logits = torch.randn(5, 50, generator=torch.Generator().manual_seed(0))
     sp = SamplingParams(temperature=1.0, seed=42)
     target = req(sp, output=(1, 2, 3))
-    a, _ = Sampler(torch.device("cpu"), seed=0).sample(logits[:1], [target])
+    a, _ = make_sampler(kind, seed=0).sample(logits[:1], [target])
     # other rows (seeded differently or unseeded), another sampler seed, another position in the batch
     mix = [req(SamplingParams(temperature=1.0)), req(SamplingParams(temperature=0.7, seed=1)), target,
            req(SamplingParams(temperature=0.0))]
     rows = torch.cat([logits[1:3], logits[:1], logits[3:4]])
-    b, _ = Sampler(torch.device("cpu"), seed=99).sample(rows, mix)
+    b, _ = make_sampler(kind, seed=99).sample(rows, mix)
     assert b[2] == a[0]
     # a different output index gives a different stream, so a sequence of draws is not constant
-    draws = {Sampler(torch.device("cpu")).sample(logits[:1], [req(sp, output=(0,) * k)])[0][0] for k in range(20)}
+    draws = {make_sampler(kind).sample(logits[:1], [req(sp, output=(0,) * k)])[0][0] for k in range(20)}
     assert len(draws) > 1
     assert step_seed(42, 3) != step_seed(42, 4) != step_seed(43, 3)
 
@@ -142,9 +159,9 @@ def test_prompt_logprobs_layout():
 
 
 @pytest.mark.parametrize("knob", [{"top_k": 3}, {"top_p": 0.5}, {"min_p": 0.2}])
-def test_filters_never_leave_an_empty_distribution(knob):
+def test_filters_never_leave_an_empty_distribution(knob, kind):
     flat = torch.zeros(V)
-    c = draw(SamplingParams(temperature=1.0, **knob), n=200, logits=flat)
+    c = draw(SamplingParams(temperature=1.0, **knob), n=200, logits=flat, kind=kind)
     assert sum(c.values()) == 200
 
 
@@ -173,3 +190,85 @@ def test_a_zero_uniform_draw_never_picks_a_masked_token(monkeypatch, sp):
     assert toks == [2]
     toks, _ = s.sample(BASE.unsqueeze(0).clone(), [req(sp)])
     assert toks[0] in (0, 1) if sp.top_k == 2 else True
+
+
+def _filter_both_ways(x, top_k, top_p, candidates):
+    """The rows filtered among their largest `candidates` logits (CPU), and by sorting the whole row."""
+    from llmserve_torch.sampling import _rank_filter_sorted
+
+    k, p, m = torch.tensor(top_k), torch.tensor(top_p), torch.zeros(len(top_k))
+    return (filter_logits(x.clone(), k, p, m, candidates=candidates), _rank_filter_sorted(x.clone(), k, p))
+
+
+def test_top_k_top_p_among_the_largest_logits_keep_what_the_sort_keeps():
+    """Rows of every kind in one batch: top-k inside the candidates, top-k past them, top-p alone where the
+    candidates reach it, top-p where they do not (a flat row: sorted), both, neither, masked tokens."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(9, 2000, generator=g) * 3
+    x[4] = torch.randn(2000, generator=g) * 0.01  # nearly flat: top_p 0.9 keeps ~1800 tokens, past 64 candidates
+    x[7, 100:] = float("-inf")  # a constraint's mask: 100 tokens left
+    top_k = [0, 5, 100, 0, 0, 40, 0, 0, 70]
+    top_p = [0.9, 1.0, 1.0, 0.5, 0.9, 0.8, 1.0, 0.99, 0.95]
+    fast, ref = _filter_both_ways(x, top_k, top_p, candidates=64)
+    assert torch.equal(torch.isfinite(fast), torch.isfinite(ref))
+    assert torch.equal(fast[torch.isfinite(fast)], x[torch.isfinite(ref)])  # kept logits unchanged
+    kept = torch.isfinite(fast).sum(dim=1).tolist()
+    assert kept[1] == 5 and kept[2] == 100 and kept[6] == 2000 and 1000 < kept[4] < 2000 and kept[7] <= 100
+    assert all(0 < n < 64 for n in (kept[0], kept[3], kept[5]))
+
+
+def test_the_rank_filter_matches_the_sort_on_many_random_rows():
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(200, 1000, generator=g) * torch.rand(200, 1, generator=g) * 6
+    top_k = torch.randint(0, 120, (200,), generator=g).tolist()
+    top_p = (torch.rand(200, generator=g) * 0.9 + 0.1).tolist()
+    fast, ref = _filter_both_ways(x, top_k, top_p, candidates=32)
+    assert torch.equal(torch.isfinite(fast), torch.isfinite(ref))
+
+
+def test_candidates_of_half_the_vocabulary_or_more_sort():
+    from llmserve_torch.sampling import _rank_filter_among_largest
+
+    x = torch.randn(2, 100)
+    assert _rank_filter_among_largest(x, torch.tensor([0, 0]), torch.tensor([0.9, 0.9]), 51) is None
+    assert _rank_filter_among_largest(x, torch.tensor([60, 0]), torch.tensor([0.9, 0.9]), 10) is None
+    assert _rank_filter_among_largest(x, torch.tensor([30, 0]), torch.tensor([0.9, 0.9]), 10) is not None
+
+
+@pytest.mark.parametrize("vocab", [50, 64, 1000, 49152])
+def test_the_kernel_race_finds_the_same_token_on_one_thread_or_two(vocab):
+    """A row's chunks shared out between two threads (one row), or one thread a row (several): the same tokens."""
+    race = make_sampler("kernel").keyed_race
+    g = torch.Generator().manual_seed(vocab)
+    x = torch.randn(3, vocab, generator=g) * 2
+    x[1, ::3] = float("-inf")  # masked entries
+    temps = torch.tensor([1.0, 0.7, 1.3])
+    keys = torch.randint(-(2**63), 2**63 - 1, (3,), generator=g)
+    together = race(x, temps, keys)
+    before = torch.get_num_threads()
+    try:
+        alone = [race(x[r:r + 1], temps[r:r + 1], keys[r:r + 1]).item() for r in range(3)]
+        torch.set_num_threads(1)
+        one = race(x, temps, keys)
+    finally:
+        torch.set_num_threads(before)
+    assert together.tolist() == alone == one.tolist()
+    assert together[1] % 3 != 0  # never a masked entry
+
+
+def test_the_kernel_race_samples_softmax_over_a_vocabulary_of_several_chunks():
+    """200 logits (three whole 64-entry chunks and a shorter one): each token's share of 40000 draws is its
+    softmax probability; new keys each draw."""
+    race = make_sampler("kernel").keyed_race
+    g = torch.Generator().manual_seed(5)
+    logits = torch.randn(200, generator=g) * 1.5
+    n = 40000
+    keys = torch.randint(-(2**63), 2**63 - 1, (n,), generator=g)
+    toks = race(logits.unsqueeze(0).repeat(n, 1), torch.full((n,), 0.8), keys)
+    freq = torch.bincount(toks, minlength=200).float() / n
+    p = (logits / 0.8).softmax(-1)
+    assert (freq - p).abs().max() < 0.01
+    # a chi-square over the tokens with an expected count of 50 or more (~1 in 10^4 to fail by chance)
+    big = p * n >= 50
+    chi2 = (((freq - p) * n) ** 2 / (p * n))[big].sum().item()
+    assert chi2 < int(big.sum()) + 4.5 * math.sqrt(2 * int(big.sum()))

@@ -240,12 +240,6 @@ struct Flow {
   }
 };
 
-// Each member's largest logit of each row in its share of the vocabulary, and where (the first such)
-struct Best {
-  float value;
-  int64_t at;
-};
-
 // The final norm, the int8 LM head (float32 out, rounded through T as QuantLinear's y.to(x.dtype) does before
 // lm_head's .float()), and where asked each row's argmax: first within each member's share of the vocabulary, then
 // over the members in order (a later share wins only with a larger value: the first maximum, as

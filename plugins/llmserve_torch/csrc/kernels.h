@@ -25,6 +25,19 @@ inline int first_max(const float* x, int n) {
   return 0;  // none equal (a NaN, under -ffast-math)
 }
 
+// A row's largest score in some share of it, and where (the first such): a member's share of the greedy or sampled
+// token's search (decode_layers.cpp's head, race.cpp)
+struct Best {
+  float value;
+  int64_t at;
+};
+
+// The exponential race (race.cpp): the largest x_i / t + Gumbel noise of (key, i) over chunks [c0, c1) of the row's
+// kRaceChunk-entry chunks, x[0, n) float32 logits (masked entries -inf, or at most -1e30); at -1 where all are masked
+constexpr int kRaceChunk = 64;
+inline int race_chunk_count(int64_t n) { return static_cast<int>((n + kRaceChunk - 1) / kRaceChunk); }
+Best race_chunks(const float* x, int64_t n, int c0, int c1, float t, uint64_t key);
+
 // y = x · W^T, int4 groups of 32 with float16 scales and offsets (quant_matmul.cpp); this member's tiles of
 // outputs (share_begin / share_end)
 void team_int4_matmul(const Team& tm, const void* x, int64_t xs, int rows, const uint8_t* w, void* y, int64_t ys,
