@@ -272,3 +272,15 @@ def test_the_kernel_race_samples_softmax_over_a_vocabulary_of_several_chunks():
     big = p * n >= 50
     chi2 = (((freq - p) * n) ** 2 / (p * n))[big].sum().item()
     assert chi2 < int(big.sum()) + 4.5 * math.sqrt(2 * int(big.sum()))
+
+
+def test_the_kernel_race_noise_is_finite_at_every_draw():
+    """Token 0's logit 1000 above the rest: no draw of noise may lift another past it. The largest draw once
+    rounded to u = 1.0, whose noise is +inf: one entry in 2^24, so ~12 of these 4000 rows of 49152 entries."""
+    race = make_sampler("kernel").keyed_race
+    n, vocab = 4000, 49152
+    x = torch.full((1, vocab), -1000.0)
+    x[0, 0] = 0.0
+    keys = torch.randint(-(2**63), 2**63 - 1, (n,), generator=torch.Generator().manual_seed(3))
+    toks = race(x.expand(n, vocab), torch.ones(n), keys)
+    assert toks.tolist() == [0] * n

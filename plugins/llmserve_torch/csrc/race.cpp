@@ -28,11 +28,12 @@ inline uint32_t fmix32(uint32_t h) {  // MurmurHash3's finalizer: a bijection th
 
 constexpr float kMasked = -1e30f;
 
-// x_i / t + Gumbel noise of entry i: u in (0, 1) from the top 24 bits of a keyed hash of i (for one key a
-// permutation of the indices: no two entries of a row share a draw); kMasked for a masked entry
+// x_i / t + Gumbel noise of entry i: u in (0, 1) from the top 23 bits of a keyed hash of i, the middle of its bin
+// (for one key the hash is a permutation of the indices). 23, not 24: the middle of the last of 2^24 bins,
+// 1 - 2^-25, rounds to 1.0 in float32, whose noise -log(-log 1) is +inf. The noise lies in [-2.81, 16.64]
 inline float score(float x, float t, uint32_t k0, uint32_t k1, uint32_t i) {
   const uint32_t h = fmix32(fmix32(i ^ k0) + k1);
-  const float u = (static_cast<float>(h >> 8) + 0.5f) * (1.0f / 16777216.0f);
+  const float u = (static_cast<float>(h >> 9) + 0.5f) * (1.0f / 8388608.0f);
   const float s = x / t - logf(-logf(u));
   return x > kMasked ? s : kMasked;
 }
@@ -64,13 +65,16 @@ __attribute__((noinline)) Best race_chunks(const float* x, int64_t n, int c0, in
 extern "C" {
 
 // Each row's token drawn from softmax(x / temps[r]) with keys[r]'s noise (rows of `stride` floats, n logits each);
-// a row whose every entry is masked gets -1
+// a row where nothing wins (every entry masked, or NaN) gets 0, as torch's argmax over such a row gave
 void llmserve_race_f32(const float* x, int rows, int n, int64_t stride, const float* temps, const uint64_t* keys,
                        int64_t* out, int threads) {
   const int chunks = race_chunk_count(n);
   if (rows >= threads || threads <= 1) {
 #pragma omp parallel for num_threads(threads) if (rows > 1)
-    for (int r = 0; r < rows; ++r) out[r] = race_chunks(x + r * stride, n, 0, chunks, temps[r], keys[r]).at;
+    for (int r = 0; r < rows; ++r) {
+      const int64_t at = race_chunks(x + r * stride, n, 0, chunks, temps[r], keys[r]).at;
+      out[r] = at < 0 ? 0 : at;
+    }
     return;
   }
   // fewer rows than threads: each row's chunks shared out, the shares' bests taken in order (a later one wins
@@ -85,7 +89,7 @@ void llmserve_race_f32(const float* x, int rows, int n, int64_t stride, const fl
     Best b = part[0];
     for (int i = 1; i < th; ++i)
       if (part[i].value > b.value) b = part[i];
-    out[r] = b.at;
+    out[r] = b.at < 0 ? 0 : b.at;
   }
 }
 
