@@ -1,6 +1,8 @@
 #!/usr/bin/env python
-"""Sampled decoding on CPU: the kernel library's race and the rank filter among the largest logits, against the
-torch paths they replaced (torch's uniform draws, a torch sort of the whole row), alternated in one engine.
+"""Sampled decoding on CPU: the kernel library's race (in the fused call, rows at a temperature alone running
+ahead as greedy ones do) and the rank filter among the largest logits, against the torch paths they replaced
+(torch's uniform draws, a torch sort of the whole row, one forward a step for any sampled row), alternated in one
+engine.
 
 Each round decodes `--output-len` tokens of `--concurrency` requests for every sampling case (greedy, temperature
 1, temperature 0.7 with top_p 0.9, temperature 1 with top_k 40), under each path in the order kernel torch torch
@@ -34,7 +36,8 @@ CASES = {"greedy": {"temperature": 0.0}, "temperature 1": {"temperature": 1.0},
 
 @contextlib.contextmanager
 def torch_paths(sampler):
-    """The sampler as it drew before the kernel's race: torch's uniforms, torch's sort of every filtered row."""
+    """The sampler as it drew before the kernel's race: torch's uniforms, torch's sort of every filtered row (and
+    without the race, no sampled row runs ahead: Sampler.race_temperatures)."""
     import llmserve_torch.sampling as sampling
 
     race, sampler.keyed_race = sampler.keyed_race, None
@@ -52,7 +55,7 @@ def run(args) -> dict:
     from llmserve.request import SamplingParams
     from llmserve_bench.report import machine_info, progress_bar
 
-    engine = build_engine(args)
+    engine = build_engine(args, args.num_scheduler_steps)
     sampler = engine.backend.sampler
     if sampler.keyed_race is None:
         raise SystemExit("the kernel library did not build here: nothing to compare")
@@ -88,6 +91,7 @@ def run(args) -> dict:
     med = statistics.median
     cases = {c: {p: med(v) for p, v in paths.items() if v} for c, paths in got.items()}
     return {"concurrency": args.concurrency, "rounds": args.rounds, "output_len": args.output_len,
+            "num_scheduler_steps": args.num_scheduler_steps,
             "machine": machine_info(), "ms_per_step": cases,
             "kernel_over_torch": {c: v["kernel"] / v["torch"] for c, v in cases.items() if "torch" in v}}
 
@@ -96,6 +100,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     engine_arguments(ap, prompt_len=96)
     ap.add_argument("--output-len", type=int, default=64)
+    ap.add_argument("--num-scheduler-steps", type=int, default=8,
+                    help="forwards a step where the batch can run ahead (the engine's default: 8)")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--seed", type=int, default=0, help="seed of the prompts' token ids")
     return run_cli(ap, argv, run, print_report)
@@ -103,7 +109,8 @@ def main(argv=None) -> int:
 
 def print_report(r: dict) -> None:
     """One line a case: each path's milliseconds a forward, and their ratio."""
-    print(f"c = {r['concurrency']}, {r['output_len']} tokens a request, medians of {r['rounds'] * 2} runs a path:")
+    print(f"c = {r['concurrency']}, {r['output_len']} tokens a request, num_scheduler_steps "
+          f"{r['num_scheduler_steps']}, medians of {r['rounds'] * 2} runs a path:")
     for case, v in r["ms_per_step"].items():
         line = f"  {case:18s} kernel {v['kernel']:7.3f} ms"
         if "torch" in v:

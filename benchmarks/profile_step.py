@@ -46,7 +46,9 @@ LINEAR_OPS = {"aten::linear", "aten::addmm", "aten::mm", "aten::matmul", "aten::
 NORM_OPS = {"aten::layer_norm", "aten::native_layer_norm"}
 
 
-def build_engine(args):
+def build_engine(args, num_scheduler_steps: int = 1):
+    """The engine of args' flags; by default a forward a step: this profiles one forward and the Python around it
+    (not a run of several)."""
     from llmserve.config import config_from_dict
     from llmserve.engine import Engine
 
@@ -56,8 +58,8 @@ def build_engine(args):
     c = args.concurrency
     return Engine.from_config(config_from_dict({
         "model": model, "backend": {"name": "torch", "kv_cache_memory": "1GiB"}, "tokenizer": {"name": "none"},
-        # a forward a step: this profiles one forward and the Python around it (not a run of several)
-        "scheduler": {"max_num_seqs": c, "max_num_batched_tokens": max(2048, c), "num_scheduler_steps": 1},
+        "scheduler": {"max_num_seqs": c, "max_num_batched_tokens": max(2048, c),
+                      "num_scheduler_steps": num_scheduler_steps},
     }, "<profile_step>"))
 
 

@@ -16,7 +16,7 @@ from llmserve_torch.attention import KERNELS, StepMetadata, build_kernel, cpu_ar
 from llmserve_torch.cuda_graphs import DecodeGraphs, batch_buckets, table_width
 from llmserve_torch.footprint import footprint
 from llmserve_torch.fused import DECODER_OPS
-from llmserve_torch.fused_stack import FUSE_LAYERS, FusedStack, build_stack
+from llmserve_torch.fused_stack import FUSE_LAYERS, FusedStack, Race, build_stack
 from llmserve_torch.huge_pages import MODES as HUGE_PAGE_MODES
 from llmserve_torch.huge_pages import place_linears, unavailable
 from llmserve_torch.kv_cache import KVCache, budget_bytes, bytes_per_block
@@ -295,23 +295,34 @@ class TorchBackend(ModelBackend):
         if reserved > self._kv_peak["reserved_slots"]:
             self._kv_peak = {"reserved_slots": reserved, "used_slots": used}
 
-    def _forward(self, batch: SchedulerOutput, greedy: bool = False):
+    def _forward(self, batch: SchedulerOutput, temps: list[float] | None = None):
         """Metadata once per step, then the model over every flattened token: hidden [T, hidden], meta, the rows
         to sample, and where the fused layers made them in the same call (every row samples), the logits of every
-        row (else None) and, asked for `greedy` (Sampler.plain_greedy), each row's token (else None). A batch of
-        decodes offered several forwards (num_steps) runs them all there where it can: no hidden states or logits
-        then, and the later forwards' tokens (ModelOutput.more_token_ids; else None)."""
-        ids, meta, sample_rows = self._metadata(batch, batch.num_steps - 1 if greedy else 0)
+        row (else None) and, given `temps` (Sampler.race_temperatures: 0 greedy, else the keyed race's), each
+        row's token (else None). A batch of decodes offered several forwards (num_steps) runs them all there where
+        it can: no hidden states or logits then, and the later forwards' tokens (ModelOutput.more_token_ids; else
+        None)."""
+        ids, meta, sample_rows = self._metadata(batch, batch.num_steps - 1 if temps is not None else 0)
         T = meta.num_tokens
         if self.stack is not None and self.stack.covers(T):
             head = len(sample_rows) == T and self.stack.covers_head(T)
-            if head and greedy and batch.num_steps > 1 and T == len(batch.requests):  # decodes: forwards ahead
-                tokens = self.stack.decode_ahead(ids, meta, batch.num_steps)
+            if head and temps is not None and batch.num_steps > 1 and T == len(batch.requests):  # forwards ahead
+                tokens = self.stack.decode_ahead(ids, meta, batch.num_steps, self._race(batch, temps, batch.num_steps))
                 return None, None, tokens[0], tokens[1:], meta, sample_rows
-            return *self.stack.forward(ids, meta, logits=head, argmax=greedy), None, meta, sample_rows
+            race = self._race(batch, temps, 1) if head and temps is not None else None
+            return *self.stack.forward(ids, meta, logits=head, argmax=temps is not None, race=race), None, meta, \
+                sample_rows
         self.attention.begin_step(meta)
         hidden = self.model.forward(ids, self.model.prepare_step(meta.tok_pos.long()), self.attention)
         return hidden, None, None, None, meta, sample_rows
+
+    def _race(self, batch: SchedulerOutput, temps: list[float], forwards: int) -> Race | None:
+        """The fused call's drawn rows (every row of `batch` samples, temps one each): None where all are greedy."""
+        if not any(temps):
+            return None
+        reqs = batch.requests
+        keys = self.sampler.race_keys([r.sampling for r in reqs], [r.num_output_tokens for r in reqs], forwards)
+        return Race(np.asarray(temps, dtype=np.float32), keys.numpy())
 
     def _graph_step(self, batch: SchedulerOutput) -> torch.Tensor | None:
         """Logits of every request of a decode-only step replayed from a CUDA graph, or None where the step runs
@@ -348,8 +359,8 @@ class TorchBackend(ModelBackend):
             sample_reqs = [r for r in reqs if r.do_sample]
             logits = tokens = more = None
             if graphed is None:
-                greedy = self.sampler.plain_greedy(sample_reqs, batch.token_bitmask)
-                hidden, logits, tokens, more, meta, sample_rows = self._forward(batch, greedy)
+                temps = self.sampler.race_temperatures(sample_reqs, batch.token_bitmask, self.vocab_size)
+                hidden, logits, tokens, more, meta, sample_rows = self._forward(batch, temps)
             sampled: list[int | None] = [None] * len(reqs)
             logprobs = None
             if sample_reqs:
@@ -362,7 +373,7 @@ class TorchBackend(ModelBackend):
                     else:
                         rows = torch.tensor(sample_rows, dtype=torch.long, device=self.device)
                         logits = self.model.logits(hidden.index_select(0, rows))
-                if tokens is not None:  # and its greedy tokens: the sampler would take the same argmax
+                if tokens is not None:  # and its tokens: the sampler would take the same argmax, or race
                     toks, lps = tokens, [None] * len(tokens)
                 else:
                     mask_rows = ()

@@ -9,6 +9,7 @@ it does not cover (more rows than the quantized kernels take, a model or cache i
 from __future__ import annotations
 
 import ctypes
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -52,7 +53,8 @@ class _Step(ctypes.Structure):
                 ("cos", ctypes.c_void_p), ("sin", ctypes.c_void_p), ("slots", ctypes.c_void_p),
                 ("block_tables", ctypes.c_void_p), ("max_blocks", ctypes.c_int32), ("tok_req", ctypes.c_void_p),
                 ("tok_pos", ctypes.c_void_p), ("threads", ctypes.c_int32), ("stage_us", ctypes.c_void_p),
-                ("logits", ctypes.c_void_p), ("tokens", ctypes.c_void_p), ("forwards", ctypes.c_int32)]
+                ("logits", ctypes.c_void_p), ("tokens", ctypes.c_void_p), ("forwards", ctypes.c_int32),
+                ("temps", ctypes.c_void_p), ("keys", ctypes.c_void_p)]
 
 
 # what the C call can time a step's layers by (its enum Stage, in order): FusedStack.stage_us
@@ -173,26 +175,28 @@ class FusedStack:
         """Whether a step of this many rows can have its logits made here too (forward's `logits`)."""
         return 0 < rows <= self.head_rows
 
-    def forward(self, input_ids: torch.Tensor, meta, logits: bool = False,
-                argmax: bool = False) -> tuple[torch.Tensor, torch.Tensor | None, list[int] | None]:
+    def forward(self, input_ids: torch.Tensor, meta, logits: bool = False, argmax: bool = False,
+                race: Race | None = None) -> tuple[torch.Tensor, torch.Tensor | None, list[int] | None]:
         """Hidden states before the final norm, [T, hidden], as Qwen2Model.forward returns them; with `logits`
         (covers_head) every row's float32 logits as Qwen2Model.logits makes them, with `argmax` too each row's
-        first largest logit (the sampler's greedy token), else None for each. Hidden states and logits are this
-        stack's buffers: valid until its next call."""
+        token: its first largest logit (the sampler's greedy token), or where `race` gives the row a temperature,
+        the token the sampler's keyed race draws with its key; else None for each. Hidden states and logits are
+        this stack's buffers: valid until its next call."""
         T = input_ids.shape[0]
-        x, out = self._call(input_ids, meta, logits, argmax, 1)
+        x, out = self._call(input_ids, meta, logits, argmax, 1, race)
         return x, out if logits else None, self._tokens[:T].tolist() if logits and argmax else None
 
-    def decode_ahead(self, input_ids: torch.Tensor, meta, forwards: int) -> list[list[int]]:
-        """Forwards of a batch of decodes run back to back in one call, each on the greedy tokens of the one before
-        and a position further on (covers_head rows, up to max_forwards; meta's block tables reach the last
-        forward's slots): each forward's tokens. Hidden states and logits are the last forward's."""
+    def decode_ahead(self, input_ids: torch.Tensor, meta, forwards: int, race: Race | None = None) -> list[list[int]]:
+        """Forwards of a batch of decodes run back to back in one call, each on the tokens of the one before
+        (greedy, or drawn as `race` says) and a position further on (covers_head rows, up to max_forwards; meta's
+        block tables reach the last forward's slots): each forward's tokens. Hidden states and logits are the last
+        forward's."""
         T = input_ids.shape[0]
-        self._call(input_ids, meta, True, True, forwards)
+        self._call(input_ids, meta, True, True, forwards, race)
         return self._tokens[:forwards * T].reshape(forwards, T).tolist()
 
-    def _call(self, input_ids: torch.Tensor, meta, logits: bool, argmax: bool,
-              forwards: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _call(self, input_ids: torch.Tensor, meta, logits: bool, argmax: bool, forwards: int,
+              race: Race | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """The C call over the step's rows; its hidden-state and logits buffers."""
         T = input_ids.shape[0]
         if T > self._rows:  # grow-only, from room for a few rows
@@ -202,10 +206,20 @@ class FusedStack:
         st = _Step(x_at, input_ids.data_ptr(), T, self._cos_at, self._sin_at, meta.slots.data_ptr(), bt.data_ptr(),
                    bt.shape[1], meta.tok_req.data_ptr(), meta.tok_pos.data_ptr(), torch.get_num_threads(),
                    None if self.stage_us is None else self.stage_us.data_ptr(), out_at if logits else None,
-                   self._tokens_at if logits and argmax else None, forwards)
+                   self._tokens_at if logits and argmax else None, forwards,
+                   *((race.temps.ctypes.data, race.keys.ctypes.data) if race is not None and argmax else (None, None)))
         if self._fn(ctypes.addressof(self._model), ctypes.addressof(self._scratch), ctypes.addressof(st)):
             raise IndexError("index out of range in self")  # a token id past the embedding, as torch says it
         return x, out
+
+
+@dataclass(slots=True)
+class Race:
+    """Rows of a call whose tokens are drawn, not greedy: each row's temperature (float32 [rows], 0 for a greedy
+    row) and each forward's key of each row (int64 [forwards, rows], Sampler.race_keys'), both C-contiguous."""
+
+    temps: np.ndarray
+    keys: np.ndarray
 
 
 def build_stack(option: str, model, attention, lib, max_batch_rows: int) -> tuple[FusedStack | None, str]:

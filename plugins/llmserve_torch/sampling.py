@@ -224,13 +224,6 @@ class Sampler:
         # the backend where its kernel library builds): no uniform draw per vocabulary entry
         self.keyed_race = None
 
-    @staticmethod
-    def plain_greedy(reqs: Sequence[ScheduledRequest], bitmask: torch.Tensor | None) -> bool:
-        """Whether each row's token is its first largest raw logit and nothing else is asked: greedy, no logprobs,
-        no logit processing, no constraint mask (the backend's fused call then takes the argmax itself)."""
-        return bitmask is None and all(r.sampling.temperature == 0.0 and r.sampling.logprobs is None
-                                       and not _needs_processing(r.sampling, r.num_output_tokens) for r in reqs)
-
     def _uniforms(self, sub: list[SamplingParams], reqs: Sequence[ScheduledRequest], s_rows: list[int], V: int,
                   device: torch.device) -> torch.Tensor:
         """One uniform draw per vocabulary entry of each sampled row: seeded rows from (seed, output index), the
@@ -247,14 +240,31 @@ class Sampler:
                 u[j] = _uniform((V,), self._seeded, device)
         return u
 
-    def race_keys(self, sub: list[SamplingParams], out_index: list[int]) -> torch.Tensor:
-        """One 64-bit key a sampled row for keyed_race: a seeded row's from (seed, output index), the rest drawn from
-        the backend's generator in one call."""
-        keys = torch.randint(-(2**63), 2**63 - 1, (len(sub),), generator=self.generator, dtype=torch.int64)
+    def race_keys(self, sub: list[SamplingParams], out_index: list[int], forwards: int = 1) -> torch.Tensor:
+        """64-bit keys for keyed_race, [forwards, rows]: each sampled row's for its next `forwards` tokens, a seeded
+        row's from (seed, output index), the rest drawn from the backend's generator in one call."""
+        keys = torch.randint(-(2**63), 2**63 - 1, (forwards, len(sub)), generator=self.generator, dtype=torch.int64)
         for j, sp in enumerate(sub):
             if sp.seed is not None:
-                keys[j] = step_seed(sp.seed, out_index[j])  # 63 bits: fits an int64
+                for f in range(forwards):
+                    keys[f, j] = step_seed(sp.seed, out_index[j] + f)  # 63 bits: fits an int64
         return keys
+
+    def race_temperatures(self, reqs: Sequence[ScheduledRequest], bitmask: torch.Tensor | None,
+                          vocab: int) -> list[float] | None:
+        """Each row's temperature where every row's token is a greedy argmax or a draw by the keyed race from its
+        raw logits alone (no top-k/top-p/min-p, logprobs, logit processing or constraint mask): 0 for a greedy
+        row. None where a row needs more (the sampler then takes the logits), or the race is not built here."""
+        if bitmask is not None or self.keyed_race is None:
+            return None
+        temps = []
+        for r in reqs:
+            sp = r.sampling
+            if sp.logprobs is not None or _needs_processing(sp, r.num_output_tokens) or (
+                    sp.temperature > 0.0 and (0 < sp.top_k < vocab or np.float32(sp.top_p) < 1.0 or sp.min_p > 0)):
+                return None
+            temps.append(sp.temperature)
+        return temps
 
     def _draw(self, rows: torch.Tensor, reqs: Sequence[ScheduledRequest], s_rows: list[int]) -> torch.Tensor:
         """The tokens of the sampled rows (rows: their logits, reqs[s_rows[j]] row j's request): temperature,
@@ -270,7 +280,7 @@ class Sampler:
         need_sort = any(0 < sp.top_k < V or np.float32(sp.top_p) < 1.0 for sp in sub)
         need_min_p = any(sp.min_p > 0 for sp in sub)
         if self.keyed_race is not None and rows.device.type == "cpu":
-            keys = self.race_keys(sub, [reqs[i].num_output_tokens for i in s_rows])
+            keys = self.race_keys(sub, [reqs[i].num_output_tokens for i in s_rows])[0]
             if need_sort or need_min_p:  # the filters take the tempered logits: the race then divides by 1
                 rows = filter_logits(rows / temp.unsqueeze(1), top_k.long(), top_p.float(), min_p.float(),
                                      need_sort=need_sort, need_min_p=need_min_p)

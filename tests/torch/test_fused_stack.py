@@ -60,7 +60,7 @@ def test_fused_layers_equal_the_python_path(request, model, quantization, dtype)
 def _head_steps(backend, seed, sampling=None):
     """A prompt chunk in the call (no row samples), one above its rows (Python), one of four rows whose last
     samples, decodes of two sequences, then of one: per step _forward's (hidden, logits, tokens) as execute asks
-    for them (greedy tokens where the sampler's plain_greedy holds for its rows)."""
+    for them (tokens where the sampler's race_temperatures holds for its rows)."""
     d = Driver(backend, seed=seed)
     g = torch.Generator().manual_seed(seed)
     a, b = torch.randint(0, 200, (10,), generator=g).tolist(), torch.randint(0, 200, (4,), generator=g).tolist()
@@ -71,9 +71,10 @@ def _head_steps(backend, seed, sampling=None):
     plan += [[d.request("a", a + [5] * 4, 13, 1, sampling)]]
     out = []
     for reqs in plan:
-        greedy = backend.sampler.plain_greedy([r for r in reqs if r.do_sample], None)
-        hidden, logits, tokens = backend._forward(batch_of(reqs), greedy)[:3]
-        out.append((hidden.clone(), None if logits is None else logits.clone(), tokens))  # the stack's buffers
+        sample_reqs = [r for r in reqs if r.do_sample]
+        temps = backend.sampler.race_temperatures(sample_reqs, None, backend.vocab_size)
+        hidden, logits, tokens = backend._forward(batch_of(reqs), temps)[:3]
+        out.append((hidden.clone(), None if logits is None else logits.clone(), tokens, sample_reqs))  # its buffers
     return out
 
 
@@ -82,14 +83,15 @@ def _head_steps(backend, seed, sampling=None):
 @pytest.mark.parametrize("model", ["qwen2_dir", "llama_dir"])
 def test_the_fused_call_makes_the_python_paths_logits_and_greedy_tokens(request, model, quantization, dtype):
     """Where every row of a step samples, the final norm and the int8 LM head (int4 keeps the head at int8) run in
-    the same call: float32 logits equal to Qwen2Model.logits' (its bf16 rounding included), and for greedy rows
-    the sampler's argmax. A row that samples at a temperature or asks for logprobs gets logits, not a token."""
+    the same call: float32 logits equal to Qwen2Model.logits' (its bf16 rounding included), for greedy rows the
+    sampler's argmax, for rows at a temperature alone the sampler's keyed race. A row that filters by top-p or asks
+    for logprobs gets logits, not a token."""
     path = request.getfixturevalue(model)
     path = path[0] if isinstance(path, tuple) else path
     fused, plain = _backend(path, dtype, quantization, "auto"), _backend(path, dtype, quantization, "off")
     assert fused.stack.head_rows == 4
     made = []
-    for (hidden, logits, tokens), (plain_hidden, _, _) in zip(_head_steps(fused, 1), _head_steps(plain, 1)):
+    for (hidden, logits, tokens, _), (plain_hidden, *_) in zip(_head_steps(fused, 1), _head_steps(plain, 1)):
         want = plain.model.logits(plain_hidden)
         assert torch.equal(hidden, plain_hidden)
         if logits is None:
@@ -99,10 +101,17 @@ def test_the_fused_call_makes_the_python_paths_logits_and_greedy_tokens(request,
         assert torch.equal(logits, want) and tokens == want.argmax(dim=-1).tolist()
         made.append(len(tokens))
     assert made == [0, 0, 0, 2, 2, 2, 1]
-    for sampling in (SamplingParams(temperature=1.0), SamplingParams(temperature=0.0, logprobs=2)):
+    # a seeded row at a temperature alone: the keyed race's token, as the sampler draws it from those logits
+    backend = _backend(path, dtype, quantization, "auto")
+    steps = _head_steps(backend, 1, SamplingParams(temperature=0.9, seed=11))
+    assert [logits is not None for _, logits, _, _ in steps] == [False] * 3 + [True] * 4
+    for _, logits, tokens, reqs in steps[3:]:
+        assert tokens == backend.sampler.sample(logits, reqs)[0]
+    # top-p, or logprobs: the sampler's to do, on the call's logits
+    for sampling in (SamplingParams(temperature=1.0, top_p=0.5), SamplingParams(temperature=0.0, logprobs=2)):
         steps = _head_steps(_backend(path, dtype, quantization, "auto"), 1, sampling)
-        assert [logits is not None for _, logits, _ in steps] == [False] * 3 + [True] * 4
-        assert all(tokens is None for _, _, tokens in steps)
+        assert [logits is not None for _, logits, _, _ in steps] == [False] * 3 + [True] * 4
+        assert all(tokens is None for _, _, tokens, _ in steps)
 
 
 def test_execute_samples_the_same_tokens_from_the_fused_logits(llama_dir):
@@ -138,8 +147,8 @@ def test_the_fused_argmax_takes_the_first_of_equal_logits(tmp_path, threads):
     try:
         for dtype in ("float32", "bfloat16"):
             steps = _head_steps(_backend(tmp_path, dtype, "int8", "auto"), 4)
-            assert [tokens for _, _, tokens in steps] == [None] * 3 + [[0, 0]] * 3 + [[0]]
-            assert all(bool((logits == logits[:, :1]).all()) for _, logits, _ in steps[3:])
+            assert [tokens for _, _, tokens, _ in steps] == [None] * 3 + [[0, 0]] * 3 + [[0]]
+            assert all(bool((logits == logits[:, :1]).all()) for _, logits, _, _ in steps[3:])
     finally:
         torch.set_num_threads(before)
 
@@ -227,19 +236,24 @@ def _pin_share(backend, share):
 def test_uneven_matmul_shares_make_the_same_outputs(llama_dir, quantization):
     """Two members share the matmuls out by their measured rates: whatever the split (0.2 to 0.8 of the outputs
     to the first), each output is made as the Python path makes it, so hidden states, logits and greedy tokens are
-    its own, the head's argmax merging vocabulary shares of any size."""
+    its own, the head's argmax merging vocabulary shares of any size, and a drawn row's token the sampler's."""
     before = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
         plain = _backend(llama_dir, "bfloat16", quantization, "off")
-        want = [(h, plain.model.logits(h)) for h, _, _ in _head_steps(plain, 5)]
+        drawn = SamplingParams(temperature=0.9, seed=2)
+        want = [(h, plain.model.logits(h)) for h, *_ in _head_steps(plain, 5)]
+        want_drawn = [plain.sampler.sample(plain.model.logits(h), reqs)[0] for h, _, _, reqs in
+                      _head_steps(plain, 5, drawn)[3:]]  # (the steps where every row samples)
         for share in (0.2, 0.37, 0.8):
             fused = _backend(llama_dir, "bfloat16", quantization, "auto")
             _pin_share(fused, share)
-            for (hidden, logits, tokens), (plain_hidden, plain_logits) in zip(_head_steps(fused, 5), want):
+            for (hidden, logits, tokens, _), (plain_hidden, plain_logits) in zip(_head_steps(fused, 5), want):
                 assert torch.equal(hidden, plain_hidden)
                 if logits is not None:
                     assert torch.equal(logits, plain_logits) and tokens == plain_logits.argmax(dim=-1).tolist()
+            # rows at a temperature: the race reads every member's logits, whatever their shares
+            assert [tokens for *_, tokens, _ in _head_steps(fused, 5, drawn)] == [None] * 3 + want_drawn
             assert float(fused.stack._balance[0]) == pytest.approx(share)
     finally:
         torch.set_num_threads(before)
@@ -292,14 +306,19 @@ def _engine_outputs(path, dtype, quantization, steps, sampling):
 
 @pytest.mark.parametrize(("quantization", "dtype"), [("int4", "bfloat16"), ("int8", "float32")])
 def test_several_forwards_in_one_call_give_one_forward_a_steps_tokens(llama_dir, quantization, dtype):
-    """scheduler.num_scheduler_steps: greedy decodes run ahead in the one call (decode_ahead: positions, slots and
-    ids moved on inside it) and give exactly the tokens of a forward a step, a sequence's last run clamped at its
-    max_tokens; a batch with a seeded temperature row runs one forward a step, as before."""
+    """scheduler.num_scheduler_steps: greedy decodes and seeded rows at a temperature alone run ahead in the one
+    call (decode_ahead: positions, slots and ids moved on inside it, each forward's keys from (seed, output index))
+    and give exactly the tokens of a forward a step, a sequence's last run clamped at its max_tokens; while a row
+    filters by top-p the batch runs one forward a step."""
     greedy = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in (19, 7, 23, 12)]
     mixed = greedy[:2] + [SamplingParams(temperature=0.9, seed=4, max_tokens=9, ignore_eos=True)] + greedy[3:]
-    for sampling in (greedy, mixed):
+    drawn = [SamplingParams(temperature=t, seed=i, max_tokens=m, ignore_eos=True)
+             for i, (t, m) in enumerate([(0.7, 13), (1.0, 21), (1.3, 6), (0.5, 17)])]
+    top_p = greedy[:2] + [SamplingParams(temperature=0.9, top_p=0.8, seed=1, max_tokens=25, ignore_eos=True)]
+    for sampling in (greedy, mixed, drawn, top_p):
         one, f1 = _engine_outputs(llama_dir, dtype, quantization, 1, sampling)
         many, f8 = _engine_outputs(llama_dir, dtype, quantization, 8, sampling)
         assert many == one
-        assert set(f1) == {1} and max(f8) == 8
-        assert [len(one[f"r{i}"][0]) for i in range(4)] == [sp.max_tokens for sp in sampling]
+        assert set(f1) == {1} and max(f8) == (1 if sampling is top_p else 8)
+        assert [len(one[f"r{i}"][0]) for i in range(len(sampling))] == [sp.max_tokens for sp in sampling]
+    assert len({tuple(toks) for toks, _ in many.values()}) > 1  # (not every row the same tokens)

@@ -88,10 +88,14 @@ struct Step {
   int32_t threads;
   double* stage_us;  // null, or kStages sums in microseconds this call adds to (benchmarks/profile_step.py)
   float* logits;     // null, or [rows, head.n]: every row's float32 logits (the last forward's)
-  int64_t* tokens;   // null, or [forwards, rows]: each row's first largest logit (with logits)
+  int64_t* tokens;   // null, or [forwards, rows]: each row's token (with logits): greedy or drawn (temps)
   // forwards run back to back (a batch of decodes, with tokens): forward f reads the tokens of forward f - 1 as its
   // ids, each row a position further on, its K/V slot found in block_tables (which reach the last forward's)
   int32_t forwards;
+  // null where every row is greedy (its first largest logit), or [rows]: a row's temperature, 0 for a greedy row;
+  // a row with one > 0 draws its token from softmax(logits / t) by the race (race.cpp) with keys[f * rows + r]
+  const float* temps;
+  const uint64_t* keys;  // [forwards, rows], with temps
 };
 
 // What a step's time is split into when the caller asks (Step::stage_us), in this order
@@ -241,9 +245,10 @@ struct Flow {
 };
 
 // The final norm, the int8 LM head (float32 out, rounded through T as QuantLinear's y.to(x.dtype) does before
-// lm_head's .float()), and where asked each row's argmax: first within each member's share of the vocabulary, then
-// over the members in order (a later share wins only with a larger value: the first maximum, as
-// llmserve_argmax_f32 finds it). best: [members, rows]; mt: the matmuls' team (matmul_team)
+// lm_head's .float()), and where asked each row's token: a greedy row's first largest logit within each member's
+// share of the vocabulary, a sampled row's race (Step::temps) over each member's share of its chunks once every
+// logit is made; then over the members in order (a later share wins only with a larger value: the first maximum,
+// as llmserve_argmax_f32 and llmserve_race_f32 find it). best: [members, rows]; mt: the matmuls' team
 template <typename T>
 void head(const Team& tm, const Team& mt, const Model& m, const Flow<T>& f, const Step& st, Best* best) {
   const int R = st.rows, H = m.hidden, V = m.head.n;
@@ -258,21 +263,28 @@ void head(const Team& tm, const Team& mt, const Model& m, const Flow<T>& f, cons
   for (int r = 0; r < R; ++r) {
     float* y = st.logits + static_cast<int64_t>(r) * V;
     for (int j = j0; j < j1; ++j) y[j] = round_to<T>(y[j]);
-    if (st.tokens == nullptr || j0 == j1) continue;
+    if (st.tokens == nullptr || (st.temps != nullptr && st.temps[r] > 0.f)) continue;
     const int at = j0 + first_max(y + j0, j1 - j0);
-    best[mt.id * R + r] = {y[at], at};
+    best[mt.id * R + r] = j0 < j1 ? Best{y[at], at} : Best{0.f, -1};
   }
   if (st.tokens == nullptr) return;
+  if (st.temps != nullptr) {  // the sampled rows, once every member's logits are made
+    tm.sync();
+    const int chunks = race_chunk_count(V);
+    for (int r = 0; r < R; ++r)
+      if (st.temps[r] > 0.f)
+        best[tm.id * R + r] = race_chunks(st.logits + static_cast<int64_t>(r) * V, V, tm.begin(chunks),
+                                          tm.end(chunks), st.temps[r], st.keys[r]);
+  }
   tm.sync();
   if (!tm.lead()) return;
   for (int r = 0; r < R; ++r) {
     Best b = best[r];
     for (int id = 1; id < tm.size; ++id) {
-      Team other = mt;
-      other.id = id;
-      if (other.share_end(V) > other.share_begin(V) && best[id * R + r].value > b.value) b = best[id * R + r];
+      const Best& e = best[id * R + r];
+      if (e.at >= 0 && (b.at < 0 || e.value > b.value)) b = e;
     }
-    st.tokens[r] = b.at;
+    st.tokens[r] = b.at < 0 ? 0 : b.at;  // (no logit won: NaNs; torch's argmax over them gives 0 too)
   }
 }
 
@@ -355,6 +367,7 @@ void next_forward(Step& f, const Model& m, std::vector<int64_t>& slots, std::vec
   }
   f.ids = f.tokens;
   f.tokens += f.rows;
+  if (f.keys != nullptr) f.keys += f.rows;
   f.slots = slots.data(), f.tok_pos = pos.data();
 }
 
