@@ -74,5 +74,11 @@ void team_paged_attention(const Team& tm, const void* q, int64_t qs, const void*
 inline int token_splits(int num_tokens, int threads) {
   return num_tokens >= threads ? 1 : (threads + num_tokens - 1) / num_tokens;
 }
+// The member of a team of `size` whose items of a paged attention call over `num_tokens` tokens read token t's
+// newest key: the one with its last share of the keys (items go to the members round-robin)
+inline int newest_key_member(int t, int num_tokens, int size) {
+  const int splits = token_splits(num_tokens, size);
+  return (t * splits + splits - 1) % size;
+}
 // The shares' scratch of a paged attention call on `threads` threads (grown once; null when tokens are not split)
 float* attention_part(int nt, int H, int D, int threads);

@@ -195,7 +195,8 @@ inline void values_bf16_d64(int G, const uint16_t* vc, const int32_t* bt, int b0
 // token, the layer's K/V evicted first as a step's weights evict it, 2 threads of a Zen 5 EPYC: 7.8-10.0 -> 5.3 us
 // a layer at 161 keys, 27-31 -> 15.7 at 600.
 //
-// Items go round-robin to the team's members (neighbouring query tokens of a prompt chunk have similar contexts).
+// Items go round-robin to the team's members (neighbouring query tokens of a prompt chunk have similar contexts;
+// newest_key_member in kernels.h follows this).
 template <typename T, int DC>
 void paged_attention(const Team& tm, const T* q, int64_t q_stride, const T* kc, const T* vc,
                      const int32_t* block_tables, int max_blocks, const int32_t* tok_req, const int32_t* tok_pos,
