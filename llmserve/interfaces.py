@@ -89,8 +89,9 @@ class Scheduler(ABC):
     def stats(self) -> SchedulerStats:
         """Queue lengths, preemptions and the cache's stats, as declared types."""
 
-    def limit_forwards(self, most: int) -> None:  # noqa: B027 - optional
-        """Offer no batch more forwards than this (SchedulerOutput.num_steps): the backend's max_decode_forwards."""
+    def limit_forwards(self, most: int, max_rows: int | None = None) -> None:  # noqa: B027 - optional
+        """Offer no batch more forwards than `most` (SchedulerOutput.num_steps), and several only to a batch of at
+        most `max_rows` sequences (None: any): the backend's max_decode_forwards and max_decode_forward_rows."""
 
     @property
     @abstractmethod
@@ -124,6 +125,8 @@ class ModelBackend(ABC):
     # the most forwards one execute() may run on a batch of decodes, each on the tokens the one before sampled
     # (SchedulerOutput.num_steps, ModelOutput.more_token_ids); 1: one forward a step. Read after init_kv_cache
     max_decode_forwards: int = 1
+    # the most sequences a batch of decodes may hold and still run several forwards (None: any number)
+    max_decode_forward_rows: int | None = None
 
     @abstractmethod
     def num_kv_blocks(self, block_size: int) -> int:

@@ -8,7 +8,8 @@ __all__ = ["FakeBackend", "next_token"]
 # eos_token_id may be a list (every one ends a sequence); generation_defaults stands in for a checkpoint's
 # generation_config.json (SamplingParams fields, e.g. {"temperature": 0.0, "max_tokens": 8})
 _OPTIONS = {"vocab_size": 257, "eos_token_id": 256, "max_model_len": 4096, "num_blocks": 2048,
-            "step_cost_s": 0.0, "token_cost_s": 0.0, "generation_defaults": {}, "max_decode_forwards": 1}
+            "step_cost_s": 0.0, "token_cost_s": 0.0, "generation_defaults": {}, "max_decode_forwards": 1,
+            "max_decode_forward_rows": None}
 
 
 def _build(config) -> FakeBackend:
@@ -24,7 +25,9 @@ def _build(config) -> FakeBackend:
                        eos_token_id=o["eos_token_id"], num_blocks=int(o["num_blocks"]),
                        step_cost_s=float(o["step_cost_s"]), token_cost_s=float(o["token_cost_s"]),
                        generation_defaults=dict(o["generation_defaults"]),
-                       max_decode_forwards=int(o["max_decode_forwards"]))
+                       max_decode_forwards=int(o["max_decode_forwards"]),
+                       max_decode_forward_rows=None if o["max_decode_forward_rows"] is None
+                       else int(o["max_decode_forward_rows"]))
 
 
 @hookimpl

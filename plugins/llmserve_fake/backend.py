@@ -43,6 +43,7 @@ class FakeBackend(ModelBackend):
         token_cost_s: float = 0.0,
         generation_defaults: dict[str, Any] | None = None,
         max_decode_forwards: int = 1,
+        max_decode_forward_rows: int | None = None,
     ):
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
@@ -51,6 +52,7 @@ class FakeBackend(ModelBackend):
         self.eos_token_ids = frozenset(ids) - {None}
         self.generation_defaults = generation_defaults or {}
         self.max_decode_forwards = max_decode_forwards
+        self.max_decode_forward_rows = max_decode_forward_rows
         self._num_blocks = num_blocks
         self.step_cost_s = step_cost_s
         self.token_cost_s = token_cost_s
@@ -121,7 +123,9 @@ class FakeBackend(ModelBackend):
         """Forwards 2..num_steps of a batch of decodes without constraints or logprobs, each on the tokens of the one
         before (as a backend that feeds its tokens back); None where it runs one."""
         steps = min(batch.num_steps, self.max_decode_forwards)
-        if steps <= 1 or batch.token_bitmask is not None or logprobs is not None or any(
+        rows = self.max_decode_forward_rows
+        if steps <= 1 or batch.token_bitmask is not None or logprobs is not None or (
+                rows is not None and len(batch.requests) > rows) or any(
                 r.num_new_tokens != 1 or not r.do_sample or r.sampling.prompt_logprobs is not None
                 for r in batch.requests):
             return None

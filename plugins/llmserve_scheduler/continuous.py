@@ -40,6 +40,7 @@ class ContinuousScheduler(Scheduler):
         self.max_num_batched_tokens = max_num_batched_tokens
         self.enable_chunked_prefill = enable_chunked_prefill
         self.num_scheduler_steps = num_scheduler_steps
+        self.forward_rows: int | None = None  # the most sequences a batch runs several forwards with (None: any)
         self._waiting: list[tuple[tuple, Request]] = []  # heap of (order_key, request)
         self._num_waiting = 0  # live entries (aborted ones are dropped lazily from the heap)
         self._running: list[Request] = []  # sorted by order_key: best first, preemption victims last
@@ -90,8 +91,9 @@ class ContinuousScheduler(Scheduler):
             self.allocator.free(rid)
             self._finished_ids.append(rid)
 
-    def limit_forwards(self, most: int) -> None:
+    def limit_forwards(self, most: int, max_rows: int | None = None) -> None:
         self.num_scheduler_steps = min(self.num_scheduler_steps, most)
+        self.forward_rows = max_rows
 
     @property
     def num_waiting(self) -> int:
@@ -201,8 +203,10 @@ class ContinuousScheduler(Scheduler):
         batch.num_prefill_tokens = prefill
         batch.num_decode_tokens = decode
         # several forwards where no waiting sequence could have joined the next (none waits, or every seat is taken)
+        # (and only for as many sequences as the backend runs ahead: no blocks reserved for forwards it won't run)
         if self.num_scheduler_steps > 1 and decode and not prefill and not batch.preempted_request_ids \
-                and (not self._num_waiting or len(self._running) >= max_seqs):
+                and (not self._num_waiting or len(self._running) >= max_seqs) \
+                and (self.forward_rows is None or len(out) <= self.forward_rows):
             batch.num_steps = self._lookahead(out)
         return batch
 

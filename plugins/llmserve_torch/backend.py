@@ -217,6 +217,7 @@ class TorchBackend(ModelBackend):
                                                       build_kernel(), max(sc.max_num_batched_tokens, sc.max_num_seqs))
             if self.stack is not None:  # greedy tokens fed back inside the one call
                 self.max_decode_forwards = self.stack.max_forwards
+                self.max_decode_forward_rows = self.stack.head_rows  # (decode_ahead's rows)
         else:
             self.stack, self.stack_note = None, "it runs with the cpu attention kernel"
         if self.attention.name == "triton":  # Triton runs here: sample in one pass over the logits too

@@ -13,9 +13,10 @@ from llmserve_paged_cache.allocator import PagedAllocator
 from llmserve_scheduler import ContinuousScheduler
 
 
-def engine(steps: int, forwards: int = 8, max_seqs: int = 4, num_blocks: int = 256, tokenizer: str = "none"):
+def engine(steps: int, forwards: int = 8, max_seqs: int = 4, num_blocks: int = 256, tokenizer: str = "none",
+           rows: int | None = None):
     return Engine.from_config({
-        "backend": {"name": "fake", "options": {"max_decode_forwards": forwards}},
+        "backend": {"name": "fake", "options": {"max_decode_forwards": forwards, "max_decode_forward_rows": rows}},
         "tokenizer": {"name": tokenizer}, "cache": {"num_blocks": num_blocks, "block_size": 4},
         "scheduler": {"max_num_seqs": max_seqs, "max_num_batched_tokens": 64, "num_scheduler_steps": steps}})
 
@@ -106,6 +107,30 @@ def test_no_run_where_the_backend_runs_one_forward():
     assert engine(8, forwards=64).stats()["scheduler"]["num_scheduler_steps"] == 8  # what /stats shows
     _, _, steps = run(eng, requests())
     assert all(m.num_forwards == 1 for m in steps)
+
+
+def test_no_run_for_more_sequences_than_the_backend_runs_ahead():
+    """A backend that runs several forwards for at most two sequences (max_decode_forward_rows): with three
+    decoding, one forward a step and no blocks reserved ahead; once two are left, runs of eight. The tokens are
+    one forward a step's."""
+    eng = engine(8, forwards=8, rows=2)
+    grown = []  # blocks each step's sequences hold past what their tokens need
+    inner = eng.scheduler.schedule
+
+    def schedule():
+        out = inner()
+        alloc = eng.scheduler.allocator
+        grown.append((len(out.requests), out.num_steps, max(
+            (len(alloc.block_table(r.request_id)) * 4 - len(r.token_ids) for r in out.requests), default=0)))
+        return out
+
+    eng.scheduler.schedule = schedule
+    reqs = [([1, 2, 3], SamplingParams(max_tokens=m, ignore_eos=True)) for m in (12, 30, 45)]
+    _, got, steps = run(eng, reqs)
+    assert summary(got) == summary(run(engine(1), reqs)[1])
+    assert all(k == 1 and spare < 4 for n, k, spare in grown if n == 3)  # (a block's slack at most)
+    assert any(k == 8 for n, k, _ in grown if n <= 2)
+    assert max(m.num_forwards for m in steps) == 8
 
 
 def _decoding(sched, alloc, rid, prompt, max_tokens=100):

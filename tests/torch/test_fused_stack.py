@@ -89,7 +89,7 @@ def test_the_fused_call_makes_the_python_paths_logits_and_greedy_tokens(request,
     path = request.getfixturevalue(model)
     path = path[0] if isinstance(path, tuple) else path
     fused, plain = _backend(path, dtype, quantization, "auto"), _backend(path, dtype, quantization, "off")
-    assert fused.stack.head_rows == 4
+    assert fused.stack.head_rows == 4 == fused.max_decode_forward_rows  # (the rows it runs ahead)
     made = []
     for (hidden, logits, tokens, _), (plain_hidden, *_) in zip(_head_steps(fused, 1), _head_steps(plain, 1)):
         want = plain.model.logits(plain_hidden)
