@@ -295,7 +295,7 @@ void head(const Team& tm, const Team& mt, const Model& m, const Flow<T>& f, cons
 // row's q|k heads itself, in its own copy (the same arithmetic on the same values, so the same results), and stores
 // the K and V of the rows whose newest key its own share of the attention reads, so the members meet neither before
 // the store nor before the attention: two barriers a layer fewer. In one engine (switched every four steps), 2-core
-// Zen 5 EPYC: where the VM's CPUs sat far apart the call took 0.963-0.992 of its time at one sequence, 0.980-0.987
+// Zen 5 EPYC: where the VM's CPUs sat far apart the call took 0.979-0.992 of its time at one sequence, 0.980-0.987
 // at two; where they sat near, 0.994-1.002.
 template <typename T>
 void own_rope_and_kv(const Team& tm, const Model& m, const Layer& L, const Step& st, const void* qkv, T* qk) {
