@@ -24,6 +24,10 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 FOOTPRINT_KEYS = ("weight_bytes", "matmul_params", "kv_bytes_per_token")
+# Read bandwidth readings further apart than this (largest / smallest) say the machine changed speed during the run:
+# the 2-core dev VM switches between ~50 and ~90 GB/s minutes apart, and a run whose steps ran at the slow speed
+# but whose probe caught the fast one printed 1.7× the bound where steady runs printed 1.1-1.3×
+UNSTEADY = 1.25
 
 
 def _best_seconds(fn: Callable[[], Any], reps: int, budget: float = 0.2) -> float:
@@ -181,9 +185,11 @@ def decode_bound(steps: list[tuple[int, int, float]], footprint: dict[str, int],
                      "compute_ms": compute * 1e3, "ratio": step / bound,
                      "binds": "memory" if memory >= compute else "compute",
                      "read_gbs": memory * p.bandwidth / step / 1e9})  # the floor's bytes over the step's time
+    bw = p.bandwidth_readings
     return {"probe": {**asdict(p), "bandwidth_gbs": p.bandwidth / 1e9, "gemm_gflops": p.gemm_rate / 1e9,
-                      "bandwidth_readings_gbs": [x / 1e9 for x in p.bandwidth_readings],
-                      "gemm_readings_gflops": [x / 1e9 for x in p.gemm_readings]},
+                      "bandwidth_readings_gbs": [x / 1e9 for x in bw],
+                      "gemm_readings_gflops": [x / 1e9 for x in p.gemm_readings],
+                      "unsteady": len(bw) > 1 and max(bw) > UNSTEADY * min(bw)},
             "footprint": {k: footprint[k] for k in FOOTPRINT_KEYS}, "by_batch": rows}
 
 
@@ -236,3 +242,7 @@ def print_decode_bound(r: dict[str, Any], max_rows: int = 8) -> None:
               f"{x['binds']:8s} {x['read_gbs']:.1f}")
     if len(r["by_batch"]) > len(rows):
         print(f"  ({len(r['by_batch']) - len(rows)} more batch sizes with fewer steps in --json)")
+    if p.get("unsteady"):
+        print(f"  note: the read bandwidth moved between the probes ({bws} GB/s): the machine changed speed during "
+              f"the run, and the steps may have run at the slower; step/bound is against the best reading, so "
+              f"it overstates the gap (run again)")

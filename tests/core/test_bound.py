@@ -33,6 +33,19 @@ def test_decode_bound_groups_steps_by_batch():
     assert abs(one["read_gbs"] - 5.0) < 1e-9  # the floor's 110 MB in the step's 22 ms
     assert abs(two["bound_ms"] - 10.0) < 1e-9 and abs(two["ratio"] - 5.0) < 1e-9  # memory 10 ms vs compute 2 ms
     assert r["probe"]["bandwidth_gbs"] == 10.0 and r["footprint"] == fp
+    assert not r["probe"]["unsteady"]  # 8 and 10 GB/s: within 1.25×
+
+
+def test_a_run_whose_bandwidth_moved_between_the_probes_is_marked(capsys):
+    from llmserve_bench.bound import print_decode_bound
+
+    fp = {"weight_bytes": 100_000_000, "matmul_params": 50_000_000, "kv_bytes_per_token": 10_000}
+    p = Probe(bandwidth_readings=[88e9, 52e9], gemm_readings=[100e9], gemm_shape=(2, 8, 32), dtype="float32",
+              threads=2, seconds=0.0)
+    r = decode_bound([(1, 100, 0.002)], fp, p)
+    assert r["probe"]["unsteady"] and r["probe"]["bandwidth_gbs"] == 88.0  # still the best reading
+    print_decode_bound(r)
+    assert "moved between the probes (88.0, 52.0 GB/s)" in capsys.readouterr().out
 
 
 def test_bound_is_skipped_when_the_backend_does_not_say_what_a_step_reads():
