@@ -1,8 +1,7 @@
 #!/usr/bin/env python
-"""Sampled decoding on CPU: the kernel library's race (in the fused call, rows at a temperature alone running
-ahead as greedy ones do) and the rank filter among the largest logits, against the torch paths they replaced
-(torch's uniform draws, a torch sort of the whole row, one forward a step for any sampled row), alternated in one
-engine.
+"""Sampled decoding on CPU: the kernel library's sampler (its top-k/top-p/min-p filter and keyed race; in the fused
+call, rows at a temperature alone running ahead as greedy ones do), against the torch paths it replaced (torch's
+uniform draws, a torch sort of the whole row, one forward a step for any sampled row), alternated in one engine.
 
 Each round decodes `--output-len` tokens of `--concurrency` requests for every sampling case (greedy, temperature
 1, temperature 0.7 with top_p 0.9, temperature 1 with top_k 40), under each path in the order kernel torch torch
@@ -36,17 +35,16 @@ CASES = {"greedy": {"temperature": 0.0}, "temperature 1": {"temperature": 1.0},
 
 @contextlib.contextmanager
 def torch_paths(sampler):
-    """The sampler as it drew before the kernel's race: torch's uniforms, torch's sort of every filtered row (and
-    without the race, no sampled row runs ahead: Sampler.race_temperatures)."""
+    """The sampler as it drew before the kernel's: torch's uniforms, torch's sort of every filtered row (and without
+    the kernel, no sampled row runs ahead: Sampler.race_temperatures)."""
     import llmserve_torch.sampling as sampling
 
-    race, sampler.keyed_race = sampler.keyed_race, None
+    race, sampler.keyed_sample = sampler.keyed_sample, None
     try:
-        with mock.patch.object(sampling, "_rank_filter_among_largest", lambda *a: None), \
-                mock.patch.object(sampling, "_sort_descending", lambda x: x.sort(dim=-1, descending=True)):
+        with mock.patch.object(sampling, "_sort_descending", lambda x: x.sort(dim=-1, descending=True)):
             yield
     finally:
-        sampler.keyed_race = race
+        sampler.keyed_sample = race
 
 
 def run(args) -> dict:
@@ -57,7 +55,7 @@ def run(args) -> dict:
 
     engine = build_engine(args, args.num_scheduler_steps)
     sampler = engine.backend.sampler
-    if sampler.keyed_race is None:
+    if sampler.keyed_sample is None:
         raise SystemExit("the kernel library did not build here: nothing to compare")
     g = torch.Generator().manual_seed(args.seed)
 

@@ -203,7 +203,8 @@ _ATTENTION = (None, [_P, _L, _P, _P, _P, _I, _P, _P, _P, _L, _I, _I, _I, _I, _I,
 _SIGNATURES = {
     "llmserve_write_kv": (None, [_P, _L, _P, _L, _P, _P, _P, _I, _L, _I, _I]),
     "llmserve_argmax_f32": (None, [_P, _I, _I, _L, _P, _I]),
-    "llmserve_race_f32": (None, [_P, _I, _I, _L, _P, _P, _P, _I]),
+    "llmserve_sample_f32": (None, [_P, _I, _I, _L, _P, _P, _P, _P, _P, _P, _I]),
+    "llmserve_filter_f32": (None, [_P, _I, _I, _L, _P, _P, _P, _P, _P]),
     "llmserve_paged_attention_f32": _ATTENTION,
     "llmserve_paged_attention_bf16": _ATTENTION,
     "llmserve_add_rms_norm": (None, [_P, _L, _P, _L, _P, _P, _L, _I, _I, _F, _I, _I]),
@@ -346,23 +347,30 @@ def cpu_argmax():
     return argmax
 
 
-def cpu_race():
-    """The exponential race over the rows of a float32 CPU matrix via the kernel library (csrc/race.cpp), as
-    race(x, temperatures, keys) → tokens, or None if the library cannot build. x's rows are contiguous; masked
-    entries are -inf; temperatures float32 and keys int64 (read as uint64), one each a row."""
+def cpu_sample():
+    """Sampling over the rows of a float32 CPU matrix via the kernel library (csrc/race.cpp), as
+    sample(x, temperatures, keys, top_k=None, top_p=None, min_p=None) → tokens, or None if the library cannot
+    build: each row's top-k/top-p/min-p filter (None: none), then the keyed race. x's rows are contiguous; masked
+    entries are -inf; one temperature (> 0), key (int64, read as uint64) and filter value a row."""
     try:
         lib = build_kernel()
     except RuntimeError:
         return None
-    fn = lib.llmserve_race_f32
+    fn = lib.llmserve_sample_f32
 
-    def race(x: torch.Tensor, temperatures: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
-        out = torch.empty(x.shape[0], dtype=torch.long)
-        fn(x.data_ptr(), x.shape[0], x.shape[1], x.stride(0), temperatures.data_ptr(), keys.data_ptr(),
-           out.data_ptr(), torch.get_num_threads())
+    def sample(x: torch.Tensor, temperatures: torch.Tensor, keys: torch.Tensor, top_k: torch.Tensor | None = None,
+               top_p: torch.Tensor | None = None, min_p: torch.Tensor | None = None) -> torch.Tensor:
+        R = x.shape[0]
+        top_k = torch.zeros(R, dtype=torch.int32) if top_k is None else top_k.to(torch.int32).contiguous()
+        top_p = torch.ones(R) if top_p is None else top_p.float().contiguous()
+        min_p = torch.zeros(R) if min_p is None else min_p.float().contiguous()
+        temperatures, keys = temperatures.float().contiguous(), keys.contiguous()
+        out = torch.empty(R, dtype=torch.long)
+        fn(x.data_ptr(), R, x.shape[1], x.stride(0), temperatures.data_ptr(), top_k.data_ptr(), top_p.data_ptr(),
+           min_p.data_ptr(), keys.data_ptr(), out.data_ptr(), torch.get_num_threads())
         return out
 
-    return race
+    return sample
 
 
 def make_attention(name: str, arch: ArchConfig, kv: KVCache) -> PagedAttention:

@@ -12,7 +12,7 @@ from llmserve.batch import ModelOutput, SchedulerOutput
 from llmserve.config import EngineConfig, check_options
 from llmserve.errors import ConfigError
 from llmserve.interfaces import ModelBackend
-from llmserve_torch.attention import KERNELS, StepMetadata, build_kernel, cpu_argmax, cpu_race, make_attention
+from llmserve_torch.attention import KERNELS, StepMetadata, build_kernel, cpu_argmax, cpu_sample, make_attention
 from llmserve_torch.cuda_graphs import DecodeGraphs, batch_buckets, table_width
 from llmserve_torch.footprint import footprint
 from llmserve_torch.fused import DECODER_OPS
@@ -211,7 +211,7 @@ class TorchBackend(ModelBackend):
         self.attention = make_attention(self.options["attention"], self.arch, self.kv)
         if self.attention.name == "cpu":
             self.sampler.fast_argmax = cpu_argmax()
-            self.sampler.keyed_race = cpu_race()
+            self.sampler.keyed_sample = cpu_sample()
             sc = self.config.scheduler
             self.stack, self.stack_note = build_stack(self.options["fuse_layers"], self.model, self.attention,
                                                       build_kernel(), max(sc.max_num_batched_tokens, sc.max_num_seqs))

@@ -6,10 +6,11 @@ or on preemption. Requests without a seed share the backend's generator (seeded 
 The token is argmax(probs / E) with E ~ Exp(1) per vocabulary entry (the exponential-race form of
 sampling from probs), so sorting for top-k/top-p never changes which random number a token gets.
 
-On CPU the race runs in the kernel library (csrc/race.cpp) in log form, argmax(x / t - log E), E's
-uniform draws a hash of a 64-bit key and the vocabulary index: a seeded row's key comes from (seed,
-num_output_tokens), the others' from the backend's generator, one draw a row instead of one a
-vocabulary entry (49152 of them took ~0.1 ms a row, the race in torch ~0.3 ms in all).
+On CPU, where the kernel library builds, top-k/top-p/min-p and the race run there (csrc/race.cpp):
+the filters without sorting the row (torch's sort of a 49152-entry row took 2.9 ms), the race in log
+form, argmax(x / t - log E), E's uniform draws a hash of a 64-bit key and the vocabulary index: a
+seeded row's key comes from (seed, num_output_tokens), the others' from the backend's generator,
+one draw a row instead of one a vocabulary entry (49152 of them took ~0.1 ms a row).
 """
 
 from __future__ import annotations
@@ -75,20 +76,13 @@ def apply_logit_processors(logits: torch.Tensor, reqs: Sequence[ScheduledRequest
                 row[torch.tensor(stops, dtype=torch.long, device=dev)] = _MASK
 
 
-# On CPU a row's top-k / top-p set is found among its largest logits where it lies within them, instead of sorting
-# its whole vocabulary: torch's sort of one 49152-entry row took 2.9 ms (2 threads of a Zen 5 EPYC), longer than
-# SmolLM2's whole decode step, numpy's 0.47 ms, and numpy's 1024 largest 0.10 ms
-RANK_CANDIDATES = 1024
-
-
 def filter_logits(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor,
-                  need_sort: bool | None = None, need_min_p: bool | None = None,
-                  candidates: int = RANK_CANDIDATES) -> torch.Tensor:
-    """Mask (to -inf) what top-k, top-p and min-p exclude; x is [R, V] after temperature; returns x.
+                  need_sort: bool | None = None, need_min_p: bool | None = None) -> torch.Tensor:
+    """Mask (to -inf) what top-k, top-p and min-p exclude; x is [R, V] after temperature; returns x. (On CPU the
+    kernel library's sampler filters instead, where it builds: csrc/race.cpp's filter_row.)
 
     need_sort / need_min_p: whether any row filters by rank / by min-p, when the caller knows it without asking
-    the device (each question is a sync with the GPU). candidates: how many of a row's largest logits the CPU looks
-    for its rank-filtered set in first (_rank_filter_among_largest).
+    the device (each question is a sync with the GPU).
     """
     V = x.shape[1]
     if need_sort is None:
@@ -96,84 +90,29 @@ def filter_logits(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min
     if need_min_p is None:
         need_min_p = bool((min_p > 0).any())
     if need_sort:
-        ranked = _rank_filter_among_largest(x, top_k, top_p, candidates) if x.device.type == "cpu" else None
-        x = _rank_filter_sorted(x, top_k, top_p) if ranked is None else ranked
+        sorted_x, order = _sort_descending(x)
+        rank = torch.arange(V, device=x.device).unsqueeze(0)
+        k = torch.where(top_k > 0, top_k, V).clamp(max=V).unsqueeze(1)
+        drop = rank >= k
+        sorted_x = sorted_x.masked_fill(drop, _MASK)
+        probs = sorted_x.softmax(dim=-1)
+        cum = probs.cumsum(dim=-1)
+        # drop a token when the tokens ranked above it already reach top_p (the first always stays)
+        drop |= (cum - probs) >= top_p.unsqueeze(1)
+        x = x.scatter(1, order, sorted_x.masked_fill(drop, _MASK))
     if need_min_p:
         probs = x.softmax(dim=-1)
         x = x.masked_fill(probs < min_p.unsqueeze(1) * probs.max(dim=-1, keepdim=True).values, _MASK)
     return x
 
 
-def _keep_ranked(ranked: torch.Tensor, k: torch.Tensor, top_p: torch.Tensor,
-                 denominator: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """ranked: [R, n] logits in descending order. Which ranks top-k (k: [R]) and then top-p drop: a token drops
-    when the tokens ranked above it already reach top_p of what top-k keeps (the first always stays). denominator:
-    [R, 1] each row's sum of exp(logit - its largest) over what top-k keeps, where that reaches past `ranked`.
-    Returns (drop [R, n], the ranked logits top-k keeps)."""
-    drop = torch.arange(ranked.shape[1], device=ranked.device).unsqueeze(0) >= k.unsqueeze(1)
-    kept = ranked.masked_fill(drop, _MASK)
-    if denominator is None:
-        probs = kept.softmax(dim=-1)
-    else:
-        probs = (kept - ranked[:, :1]).exp() / denominator
-    cum = probs.cumsum(dim=-1)
-    drop |= (cum - probs) >= top_p.unsqueeze(1)
-    return drop, kept
-
-
 def _sort_descending(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Each row in descending order, and where each entry came from. On CPU by numpy (~0.5 ms a 49152-entry row on
-    a Zen 5 EPYC, where torch's sort took 2.9 ms on two threads)."""
+    a Zen 5 EPYC, where torch's sort took 2.9 ms on two threads: longer than the model's decode step)."""
     if x.device.type != "cpu":
         return x.sort(dim=-1, descending=True)
     order = torch.from_numpy(np.argsort(-x.numpy(), axis=-1))
     return x.gather(1, order), order
-
-
-def _rank_filter_sorted(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """top-k then top-p over each row's whole vocabulary, sorted."""
-    V = x.shape[1]
-    sorted_x, order = _sort_descending(x)
-    drop, kept = _keep_ranked(sorted_x, torch.where(top_k > 0, top_k, V).clamp(max=V), top_p)
-    return x.scatter(1, order, kept.masked_fill(drop, _MASK))
-
-
-def _largest(x: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each CPU row's n largest entries in descending order, and where they came from: numpy's partition, then a
-    sort of those (0.10-0.14 ms for 256-4096 of a 49152-entry row, where torch.topk took 0.08-0.47)."""
-    neg = -x.numpy()
-    part = np.argpartition(neg, n - 1, axis=-1)[:, :n]
-    where = torch.from_numpy(np.take_along_axis(part, np.argsort(np.take_along_axis(neg, part, -1), axis=-1), -1))
-    return x.gather(1, where), where
-
-
-def _rank_filter_among_largest(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
-                               candidates: int) -> torch.Tensor | None:
-    """top-k then top-p where each row's kept tokens are among its `candidates` largest logits (or its top_k,
-    where that is more): the same set as the sort finds. A row that keeps its last candidate may keep more past
-    it, and is sorted. None where the candidates would be half the vocabulary or more (sorting costs no more)."""
-    R, V = x.shape
-    k = torch.where(top_k > 0, top_k, V).clamp(max=V)
-    whole = k >= V  # rows that top-k leaves whole: top-p's shares are of the whole row
-    by_p = whole & (top_p < 1.0)  # rows top-p alone filters: their kept tokens may reach past the candidates
-    n = max([candidates if by_p.any() else 1] + k[~whole].tolist())
-    if 2 * n > V:
-        return None
-    ranked, where = _largest(x, n)
-    # a row's sum over what top-k keeps: the ranked logits where top-k cuts, the whole row where it does not
-    beyond_k = torch.arange(n).unsqueeze(0) >= k.unsqueeze(1)
-    denominator = (ranked.masked_fill(beyond_k, _MASK) - ranked[:, :1]).exp().sum(dim=-1, keepdim=True)
-    if whole.any():
-        denominator[whole] = (x[whole] - ranked[whole, :1]).exp().sum(dim=-1, keepdim=True)
-    drop, kept = _keep_ranked(ranked, k, top_p, denominator)
-    out = torch.full_like(x, _MASK).scatter_(1, where, kept.masked_fill(drop, _MASK))
-    unfiltered = whole & ~by_p
-    if unfiltered.any():
-        out[unfiltered] = x[unfiltered]
-    unsure = by_p & ~drop[:, -1]
-    if unsure.any():
-        out[unsure] = _rank_filter_sorted(x[unsure], top_k[unsure], top_p[unsure])
-    return out
 
 
 def _uniform(shape: tuple[int, ...], gen: torch.Generator, device: torch.device) -> torch.Tensor:
@@ -220,9 +159,10 @@ class Sampler:
         # the exponential race in one pass, race(logits, uniforms, temperature) → tokens (set by the backend on a
         # GPU with Triton); used where no row filters by rank or min-p
         self.fast_race = None
-        # the race on CPU with noise from a key a row, race(x, temperatures, keys) → tokens (csrc/race.cpp: set by
-        # the backend where its kernel library builds): no uniform draw per vocabulary entry
-        self.keyed_race = None
+        # sampling on CPU in the kernel library, sample(x, temperatures, keys, top_k, top_p, min_p) → tokens
+        # (attention.cpu_sample, csrc/race.cpp: set by the backend where its kernel library builds): the filters
+        # without a sort of the row, the race with noise from a key a row, not a uniform draw per vocabulary entry
+        self.keyed_sample = None
 
     def _uniforms(self, sub: list[SamplingParams], reqs: Sequence[ScheduledRequest], s_rows: list[int], V: int,
                   device: torch.device) -> torch.Tensor:
@@ -241,7 +181,7 @@ class Sampler:
         return u
 
     def race_keys(self, sub: list[SamplingParams], out_index: list[int], forwards: int = 1) -> torch.Tensor:
-        """64-bit keys for keyed_race, [forwards, rows]: each sampled row's for its next `forwards` tokens, a seeded
+        """64-bit keys for keyed_sample, [forwards, rows]: each sampled row's for its next `forwards` tokens, a seeded
         row's from (seed, output index), the rest drawn from the backend's generator in one call."""
         keys = torch.randint(-(2**63), 2**63 - 1, (forwards, len(sub)), generator=self.generator, dtype=torch.int64)
         for j, sp in enumerate(sub):
@@ -255,7 +195,7 @@ class Sampler:
         """Each row's temperature where every row's token is a greedy argmax or a draw by the keyed race from its
         raw logits alone (no top-k/top-p/min-p, logprobs, logit processing or constraint mask): 0 for a greedy
         row. None where a row needs more (the sampler then takes the logits), or the race is not built here."""
-        if bitmask is not None or self.keyed_race is None:
+        if bitmask is not None or self.keyed_sample is None:
             return None
         temps = []
         for r in reqs:
@@ -279,13 +219,9 @@ class Sampler:
         # decided on the values the device sees (top_p as float32: 1 - 1e-9 is 1.0 there)
         need_sort = any(0 < sp.top_k < V or np.float32(sp.top_p) < 1.0 for sp in sub)
         need_min_p = any(sp.min_p > 0 for sp in sub)
-        if self.keyed_race is not None and rows.device.type == "cpu":
+        if self.keyed_sample is not None and rows.device.type == "cpu":  # the filters too, in the kernel
             keys = self.race_keys(sub, [reqs[i].num_output_tokens for i in s_rows])[0]
-            if need_sort or need_min_p:  # the filters take the tempered logits: the race then divides by 1
-                rows = filter_logits(rows / temp.unsqueeze(1), top_k.long(), top_p.float(), min_p.float(),
-                                     need_sort=need_sort, need_min_p=need_min_p)
-                temp = torch.ones_like(temp)
-            return self.keyed_race(rows.contiguous(), temp, keys)
+            return self.keyed_sample(rows.contiguous(), temp, keys, top_k, top_p, min_p)
         u = self._uniforms(sub, reqs, s_rows, V, rows.device)
         if self.fast_race is not None and not need_sort and not need_min_p:
             return self.fast_race(rows, u, temp)

@@ -25,10 +25,10 @@ def make_sampler(kind: str = "torch", seed: int = 0, eos=()) -> Sampler:
     """A CPU sampler drawing with torch's uniforms ("torch") or with the kernel library's keyed race ("kernel")."""
     s = Sampler(torch.device("cpu"), seed=seed, eos_token_ids=eos)
     if kind == "kernel":
-        from llmserve_torch.attention import cpu_race
+        from llmserve_torch.attention import cpu_sample
 
-        s.keyed_race = cpu_race()
-        if s.keyed_race is None:
+        s.keyed_sample = cpu_sample()
+        if s.keyed_sample is None:
             pytest.skip("no C++ compiler: the kernel library did not build")
     return s
 
@@ -192,53 +192,61 @@ def test_a_zero_uniform_draw_never_picks_a_masked_token(monkeypatch, sp):
     assert toks[0] in (0, 1) if sp.top_k == 2 else True
 
 
-def _filter_both_ways(x, top_k, top_p, candidates):
-    """The rows filtered among their largest `candidates` logits (CPU), and by sorting the whole row."""
-    from llmserve_torch.sampling import _rank_filter_sorted
+def _kernel_filter(x, temps, top_k, top_p, min_p):
+    """csrc/race.cpp's filter_row over each row: x / t with what it drops at -1e30."""
+    from llmserve_torch.attention import build_kernel
 
-    k, p, m = torch.tensor(top_k), torch.tensor(top_p), torch.zeros(len(top_k))
-    return (filter_logits(x.clone(), k, p, m, candidates=candidates), _rank_filter_sorted(x.clone(), k, p))
+    make_sampler("kernel")  # (skips where the library does not build)
+    R, n = x.shape
+    y = torch.empty(R, n)
+    args = [torch.tensor(temps).float(), torch.tensor(top_k, dtype=torch.int32), torch.tensor(top_p).float(),
+            torch.tensor(min_p).float()]  # (held while the call reads them)
+    build_kernel().llmserve_filter_f32(x.data_ptr(), R, n, x.stride(0), *(a.data_ptr() for a in args), y.data_ptr())
+    return y
 
 
-def test_top_k_top_p_among_the_largest_logits_keep_what_the_sort_keeps():
-    """Rows of every kind in one batch: top-k inside the candidates, top-k past them, top-p alone where the
-    candidates reach it, top-p where they do not (a flat row: sorted), both, neither, masked tokens."""
+def test_the_kernel_filter_keeps_what_the_sort_keeps():
+    """Rows of every kind in one batch (top-k, top-p, both, min-p, none; a nearly flat row whose top-p set is
+    most of the vocabulary; masked entries; a top-k past the unmasked entries): the kernel keeps what
+    filter_logits' sort keeps, at each row's temperature."""
     g = torch.Generator().manual_seed(0)
-    x = torch.randn(9, 2000, generator=g) * 3
-    x[4] = torch.randn(2000, generator=g) * 0.01  # nearly flat: top_p 0.9 keeps ~1800 tokens, past 64 candidates
-    x[7, 100:] = float("-inf")  # a constraint's mask: 100 tokens left
-    top_k = [0, 5, 100, 0, 0, 40, 0, 0, 70]
-    top_p = [0.9, 1.0, 1.0, 0.5, 0.9, 0.8, 1.0, 0.99, 0.95]
-    fast, ref = _filter_both_ways(x, top_k, top_p, candidates=64)
-    assert torch.equal(torch.isfinite(fast), torch.isfinite(ref))
-    assert torch.equal(fast[torch.isfinite(fast)], x[torch.isfinite(ref)])  # kept logits unchanged
-    kept = torch.isfinite(fast).sum(dim=1).tolist()
-    assert kept[1] == 5 and kept[2] == 100 and kept[6] == 2000 and 1000 < kept[4] < 2000 and kept[7] <= 100
-    assert all(0 < n < 64 for n in (kept[0], kept[3], kept[5]))
+    x = torch.randn(10, 3000, generator=g) * 3
+    x[4] = torch.randn(3000, generator=g) * 0.01
+    x[7, 100:] = float("-inf")
+    top_k = [0, 5, 100, 0, 0, 40, 0, 0, 70, 200]
+    top_p = [0.9, 1.0, 1.0, 0.5, 0.9, 0.8, 1.0, 0.99, 0.95, 1.0]
+    min_p = [0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.05, 0.0, 0.1, 0.0]
+    temps = [1.0, 0.7, 1.3, 1.0, 1.0, 0.5, 1.0, 2.0, 0.9, 1.0]
+    x[9, 150:] = float("-inf")  # top_k 200 of 150 entries: all of them
+    x[0] = torch.randn(3000, generator=g) * 0.01
+    x[0, 17] = 9.0  # p = 0.73 at t = 1: top_p 0.9 needs entries 9 below it (past the first span of candidates)
+    t = torch.tensor(temps).unsqueeze(1)
+    ref = filter_logits(x / t, torch.tensor(top_k), torch.tensor(top_p), torch.tensor(min_p))
+    got = _kernel_filter(x, temps, top_k, top_p, min_p)
+    kept = got > -1e30
+    assert torch.equal(kept, torch.isfinite(ref))
+    assert torch.allclose(got[kept], ref[kept], rtol=1e-6)
+    n = kept.sum(dim=1).tolist()
+    assert n[1] == 5 and n[2] == 100 and n[9] == 150 and 1000 < n[4] < 3000 and n[7] <= 100 and n[6] < 3000
+    assert 1 < n[0] < 3000  # the token at 9 and some of the rest
 
 
-def test_the_rank_filter_matches_the_sort_on_many_random_rows():
+def test_the_kernel_filter_matches_the_sort_on_many_random_rows():
     g = torch.Generator().manual_seed(1)
     x = torch.randn(200, 1000, generator=g) * torch.rand(200, 1, generator=g) * 6
     top_k = torch.randint(0, 120, (200,), generator=g).tolist()
     top_p = (torch.rand(200, generator=g) * 0.9 + 0.1).tolist()
-    fast, ref = _filter_both_ways(x, top_k, top_p, candidates=32)
-    assert torch.equal(torch.isfinite(fast), torch.isfinite(ref))
-
-
-def test_candidates_of_half_the_vocabulary_or_more_sort():
-    from llmserve_torch.sampling import _rank_filter_among_largest
-
-    x = torch.randn(2, 100)
-    assert _rank_filter_among_largest(x, torch.tensor([0, 0]), torch.tensor([0.9, 0.9]), 51) is None
-    assert _rank_filter_among_largest(x, torch.tensor([60, 0]), torch.tensor([0.9, 0.9]), 10) is None
-    assert _rank_filter_among_largest(x, torch.tensor([30, 0]), torch.tensor([0.9, 0.9]), 10) is not None
+    min_p = [0.0] * 150 + (torch.rand(50, generator=g) * 0.3).tolist()
+    temps = (torch.rand(200, generator=g) + 0.5).tolist()
+    ref = filter_logits(x / torch.tensor(temps).unsqueeze(1), torch.tensor(top_k), torch.tensor(top_p),
+                        torch.tensor(min_p))
+    assert torch.equal(_kernel_filter(x, temps, top_k, top_p, min_p) > -1e30, torch.isfinite(ref))
 
 
 @pytest.mark.parametrize("vocab", [50, 64, 1000, 49152])
 def test_the_kernel_race_finds_the_same_token_on_one_thread_or_two(vocab):
     """A row's chunks shared out between two threads (one row), or one thread a row (several): the same tokens."""
-    race = make_sampler("kernel").keyed_race
+    race = make_sampler("kernel").keyed_sample
     g = torch.Generator().manual_seed(vocab)
     x = torch.randn(3, vocab, generator=g) * 2
     x[1, ::3] = float("-inf")  # masked entries
@@ -259,7 +267,7 @@ def test_the_kernel_race_finds_the_same_token_on_one_thread_or_two(vocab):
 def test_the_kernel_race_samples_softmax_over_a_vocabulary_of_several_chunks():
     """200 logits (three whole 64-entry chunks and a shorter one): each token's share of 40000 draws is its
     softmax probability; new keys each draw."""
-    race = make_sampler("kernel").keyed_race
+    race = make_sampler("kernel").keyed_sample
     g = torch.Generator().manual_seed(5)
     logits = torch.randn(200, generator=g) * 1.5
     n = 40000
@@ -277,7 +285,7 @@ def test_the_kernel_race_samples_softmax_over_a_vocabulary_of_several_chunks():
 def test_the_kernel_race_noise_is_finite_at_every_draw():
     """Token 0's logit 1000 above the rest: no draw of noise may lift another past it. The largest draw once
     rounded to u = 1.0, whose noise is +inf: one entry in 2^24, so ~12 of these 4000 rows of 49152 entries."""
-    race = make_sampler("kernel").keyed_race
+    race = make_sampler("kernel").keyed_sample
     n, vocab = 4000, 49152
     x = torch.full((1, vocab), -1000.0)
     x[0, 0] = 0.0
