@@ -211,10 +211,10 @@ constexpr int kOwnRows = 2;
 // each. With a few rows each member keeps its own copy of the residual stream and makes the norms', SiLU·up's, RoPE's
 // (own_rope_and_kv) and (one token's keys shared out) the attention merge's whole outputs itself: the same arithmetic
 // on the same values, so the same results, and the next matmul reads this member's copy. A barrier a stage goes (six
-// a layer in all), and the wait while one member did a row alone. That pays where the VM's two CPUs are far apart (a barrier then takes
-// 200-650 ns against 25-65): builds alternated in one process, SmolLM2's fused layers at ~90 GB/s (the far
-// placement) 0.956-0.968 of the time at one sequence, 0.960 at two; at ~55 GB/s 1.000-1.005 and 0.978-0.998; at
-// four sequences the repeated work lost (1.031 at ~55).
+// a layer in all), and the wait while one member did a row alone. That pays where the VM's two CPUs are far apart
+// (a barrier then takes 200-650 ns against 25-65): builds alternated in one process, SmolLM2's fused layers at
+// ~90 GB/s (the far placement) 0.956-0.968 of the time at one sequence, 0.960 at two; at ~55 GB/s 1.000-1.005 and
+// 0.978-0.998; at four sequences the repeated work lost (1.031 at ~55).
 template <typename T>
 struct Flow {
   Team ew;        // the team the elementwise stages run on: tm, or this member alone
@@ -251,7 +251,7 @@ struct Flow {
 // lm_head's .float()), and where asked each row's token: a greedy row's first largest logit within each member's
 // share of the vocabulary, a sampled row's race (Step::temps) over each member's share of its chunks once every
 // logit is made; then over the members in order (a later share wins only with a larger value: the first maximum,
-// as llmserve_argmax_f32 and llmserve_race_f32 find it). best: [members, rows]; mt: the matmuls' team
+// as llmserve_argmax_f32 and llmserve_sample_f32 find it). best: [members, rows]; mt: the matmuls' team
 template <typename T>
 void head(const Team& tm, const Team& mt, const Model& m, const Flow<T>& f, const Step& st, Best* best) {
   const int R = st.rows, H = m.hidden, V = m.head.n;
