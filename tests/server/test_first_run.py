@@ -98,8 +98,11 @@ def _serve(*flags: str, backend: tuple[str, ...] = ("--backend", "fake")) -> tup
     port = free_port()
     env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'plugins'}"}
     env.pop("LLMSERVE_API_KEY", None)
-    # the command `make serve` runs, as a terminal's Ctrl-C reaches it: SIGINT to its process
-    proc = subprocess.Popen([sys.executable, "-m", "llmserve", "serve", *backend, "--port", str(port), *flags], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    # the command `make serve` runs, as a terminal's Ctrl-C reaches it: SIGINT to its process, whose SIGINT is
+    # the default one as in a terminal's foreground (a suite run in the background, nohup'd, would hand it ignored)
+    proc = subprocess.Popen([sys.executable, "-m", "llmserve", "serve", *backend, "--port", str(port), *flags],
+                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     return proc, f"http://127.0.0.1:{port}"
 
 
