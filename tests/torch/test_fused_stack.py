@@ -322,3 +322,22 @@ def test_several_forwards_in_one_call_give_one_forward_a_steps_tokens(llama_dir,
         assert set(f1) == {1} and max(f8) == (1 if sampling is top_p else 8)
         assert [len(one[f"r{i}"][0]) for i in range(len(sampling))] == [sp.max_tokens for sp in sampling]
     assert len({tuple(toks) for toks, _ in many.values()}) > 1  # (not every row the same tokens)
+
+
+def test_two_rows_of_one_sequence_read_each_others_keys(llama_dir):
+    """A prompt chunk of two tokens runs on each member's own copies; the second token's attention reads the key
+    the first stored in the same step, so the members meet after the store there (own_rope_and_kv): the logits are
+    the Python path's. Fresh sequences on reused blocks (whose old keys a read before the store would find), two
+    threads, many times (a missing barrier failed it most runs)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        fused, plain = _backend(llama_dir, "bfloat16", "int4", "auto"), _backend(llama_dir, "bfloat16", "int4", "off")
+        g = torch.Generator().manual_seed(3)
+        for i in range(60):
+            toks = torch.randint(0, 200, (2,), generator=g).tolist()
+            got, want = [backend.compute_logits(batch_of([Driver(backend, seed=i).request("a", toks, 0, 2)]))
+                         for backend in (fused, plain)]
+            assert torch.equal(got, want), i
+    finally:
+        torch.set_num_threads(before)

@@ -294,7 +294,8 @@ void head(const Team& tm, const Team& mt, const Model& m, const Flow<T>& f, cons
 // With each member's own copies (Flow: a row or two) RoPE and the K/V store meet no one: each member ropes every
 // row's q|k heads itself, in its own copy (the same arithmetic on the same values, so the same results), and stores
 // the K and V of the rows whose newest key its own share of the attention reads, so the members meet neither before
-// the store nor before the attention: two barriers a layer fewer. In one engine (switched every four steps), 2-core
+// the store nor before the attention: two barriers a layer fewer. (Not where the rows are two tokens of one sequence,
+// a prompt's chunk: the second reads the first's key too, so the members meet after the store there.) In one engine (switched every four steps), 2-core
 // Zen 5 EPYC: where the VM's CPUs sat far apart the call took 0.979-0.992 of its time at one sequence, 0.980-0.987
 // at two; where they sat near, 0.994-1.002.
 template <typename T>
@@ -336,8 +337,10 @@ void run(const Team& tm, const Model& m, const Scratch& s, const Step& st, float
     clock.mark(kQkv);
     const void* qs = s.qkv;  // the attention's queries, and their row stride
     int64_t q_stride = qkv_w;
-    if (f.own) {  // no barrier: own_rope_and_kv
+    if (f.own) {  // no barrier: own_rope_and_kv (but two rows of one sequence read each other's keys)
       own_rope_and_kv<T>(tm, m, L, st, s.qkv, f.qk);
+      static_assert(kOwnRows <= 2, "with more rows, any two of one sequence read each other's keys");
+      if (R > 1 && st.tok_req[0] == st.tok_req[1]) tm.sync();
       qs = f.qk, q_stride = q + kv;
     } else {
       team_rope(tm, s.qkv, qkv_w, R, m.heads + m.kv_heads, m.head_dim, st.cos, st.sin, st.tok_pos, E);
