@@ -216,12 +216,12 @@ class Sampler:
                                [sp.top_p for sp in sub], [sp.min_p for sp in sub]], dtype=torch.float64)
         temp, top_k, top_p, min_p = params.to(rows.device, non_blocking=True)
         temp = temp.float()
-        # decided on the values the device sees (top_p as float32: 1 - 1e-9 is 1.0 there)
-        need_sort = any(0 < sp.top_k < V or np.float32(sp.top_p) < 1.0 for sp in sub)
-        need_min_p = any(sp.min_p > 0 for sp in sub)
         if self.keyed_sample is not None and rows.device.type == "cpu":  # the filters too, in the kernel
             keys = self.race_keys(sub, [reqs[i].num_output_tokens for i in s_rows])[0]
             return self.keyed_sample(rows.contiguous(), temp, keys, top_k, top_p, min_p)
+        # decided on the values the device sees (top_p as float32: 1 - 1e-9 is 1.0 there)
+        need_sort = any(0 < sp.top_k < V or np.float32(sp.top_p) < 1.0 for sp in sub)
+        need_min_p = any(sp.min_p > 0 for sp in sub)
         u = self._uniforms(sub, reqs, s_rows, V, rows.device)
         if self.fast_race is not None and not need_sort and not need_min_p:
             return self.fast_race(rows, u, temp)
