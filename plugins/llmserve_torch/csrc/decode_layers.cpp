@@ -210,11 +210,11 @@ constexpr int kOwnRows = 2;
 // Where the elementwise stages' outputs live. With many rows the stages are shared out and the members meet after
 // each. With a few rows each member keeps its own copy of the residual stream and makes the norms', SiLU·up's, RoPE's
 // (own_rope_and_kv) and (one token's keys shared out) the attention merge's whole outputs itself: the same arithmetic
-// on the same values, so the same results, and the next matmul reads this member's copy. A barrier a stage goes (six
-// a layer in all), and the wait while one member did a row alone. That pays where the VM's two CPUs are far apart
-// (a barrier then takes 200-650 ns against 25-65): builds alternated in one process, SmolLM2's fused layers at
-// ~90 GB/s (the far placement) 0.956-0.968 of the time at one sequence, 0.960 at two; at ~55 GB/s 1.000-1.005 and
-// 0.978-0.998; at four sequences the repeated work lost (1.031 at ~55).
+// on the same values, so the same results, and the next matmul reads this member's copy. A barrier a stage goes (five
+// a layer are left at one sequence, six with q|k|v biases), and the wait while one member did a row alone. That
+// pays where the VM's two CPUs are far apart (a barrier then takes 200-650 ns against 25-65): builds alternated in
+// one process, SmolLM2's fused layers at ~90 GB/s (the far placement) 0.956-0.968 of the time at one sequence,
+// 0.960 at two; at ~55 GB/s 1.000-1.005 and 0.978-0.998; at four sequences the repeated work lost (1.031 at ~55).
 template <typename T>
 struct Flow {
   Team ew;        // the team the elementwise stages run on: tm, or this member alone
@@ -294,10 +294,10 @@ void head(const Team& tm, const Team& mt, const Model& m, const Flow<T>& f, cons
 // With each member's own copies (Flow: a row or two) RoPE and the K/V store meet no one: each member ropes every
 // row's q|k heads itself, in its own copy (the same arithmetic on the same values, so the same results), and stores
 // the K and V of the rows whose newest key its own share of the attention reads, so the members meet neither before
-// the store nor before the attention: two barriers a layer fewer. (Not where the rows are two tokens of one sequence,
-// a prompt's chunk: the second reads the first's key too, so the members meet after the store there.) In one engine (switched every four steps), 2-core
-// Zen 5 EPYC: where the VM's CPUs sat far apart the call took 0.979-0.992 of its time at one sequence, 0.980-0.987
-// at two; where they sat near, 0.994-1.002.
+// the store nor before the attention: two barriers a layer fewer. (Not where the rows are two tokens of one
+// sequence, a prompt's chunk: the second reads the first's key too, so the members meet after the store there.) In
+// one engine (switched every four steps), 2-core Zen 5 EPYC: where the VM's CPUs sat far apart the call took
+// 0.979-0.992 of its time at one sequence, 0.980-0.987 at two; where they sat near, 0.994-1.002.
 template <typename T>
 void own_rope_and_kv(const Team& tm, const Model& m, const Layer& L, const Step& st, const void* qkv, T* qk) {
   const int R = st.rows, q = m.heads * m.head_dim, kv = m.kv_heads * m.head_dim;
