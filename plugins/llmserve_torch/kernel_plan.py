@@ -49,7 +49,7 @@ class KernelPlan:
 
     def describe(self) -> dict:
         """For /stats and the start-up log."""
-        return {k: {"kernel": p.kernel, "activations": str(p.act).replace("torch.", ""),
+        return {k: {"kernel": p.kernel, "activations": _dtype_name(p.act),
                     "quantized_up_to_rows": None if p.max_rows >= NEVER else p.max_rows, "how": p.how,
                     "timings_ms": p.timings} for k, p in self.kinds.items()}
 
@@ -66,14 +66,29 @@ def _time(fn, reps: int = 2) -> float:
 
 
 def _pick_act(group: list, serving: torch.dtype) -> torch.dtype:
-    """bf16 or the serving dtype, whichever runs the kernel faster at one row (on a few linears)."""
+    """bf16 or the serving dtype, whichever runs the kernel faster at one row (on a few linears); kept per machine."""
     if serving == torch.bfloat16:
         return serving
     few = group[:4]
+    # remembered like the crossovers: timed afresh at each load, two calls flipped under CPU contention, and two
+    # loads of one model on one machine then ran different kernels
+    key = _key(few, serving, "activations")
+    known = _recall(key)
+    if known is not None and known.get("act") in _ACTS:
+        return _ACTS[known["act"]]
     x = {lin.in_features: torch.randn(1, lin.in_features) for lin in few}
     t = {dt: _time(lambda dt=dt: [lin.quantized(x[lin.in_features].to(dt), dt) for lin in few], reps=2)
          for dt in (torch.bfloat16, serving)}
-    return min(t, key=t.get)
+    act = min(t, key=t.get)
+    _remember(key, {"act": _dtype_name(act), "timings_ms": {_dtype_name(dt): round(v, 3) for dt, v in t.items()}})
+    return act
+
+
+def _dtype_name(dt: torch.dtype) -> str:
+    return str(dt).replace("torch.", "")
+
+
+_ACTS = {_dtype_name(dt): dt for dt in (torch.bfloat16, torch.float32, torch.float16)}
 
 
 def plan_kernels(plan: KernelPlan, linears: list, serving: torch.dtype, max_batch_rows: int,
@@ -92,19 +107,19 @@ def plan_kernels(plan: KernelPlan, linears: list, serving: torch.dtype, max_batc
             elif limit != "auto":
                 kp = KindPlan(act, int(limit), "asked for")
             else:
-                key = _key(group, serving, act, max_batch_rows)
-                kp = _recall(key, act)
+                key = _key(group, serving, _dtype_name(act), max_batch_rows)
+                kp = _recalled_plan(key, act)
                 if kp is None:
                     kp = KindPlan(act, NEVER, "measured")
                     _measure_crossover(group, kp, serving, max_batch_rows)
-                    _remember(key, kp)
+                    _remember(key, {"max_rows": kp.max_rows, "timings": kp.timings})
         kp.kernel = group[0].kernel
         plan.kinds[kind] = kp
         if kp.max_rows >= max_batch_rows:
             for lin in group:
                 lin.dense = None  # never used: free its memory
         log.info("quantized %s linears (%d): %s, %s activations, quantized kernel up to %s rows (%s)", kind,
-                 len(group), kp.kernel, str(act).replace("torch.", ""),
+                 len(group), kp.kernel, _dtype_name(act),
                  "all" if kp.max_rows >= max_batch_rows else kp.max_rows, kp.how)
 
 
@@ -136,30 +151,39 @@ def _plans_file():
     return kernel_cache_dir() / "quant-plans.json"
 
 
-def _key(group: list, serving: torch.dtype, act: torch.dtype, max_batch_rows: int) -> str:
-    """What a measurement depends on: the CPU, torch and its threads, dtypes, the linears' shapes, our kernels."""
+def _key(group: list, serving: torch.dtype, *what) -> str:
+    """What a measurement depends on: the CPU, torch and its threads, the serving dtype, the linears' shapes, our
+    kernels, and what was measured (what)."""
     from collections import Counter
 
     # the CPU and our kernel library's build (our int8 kernel is part of what was measured)
     from llmserve_torch.attention import cpu_id, kernel_library_id
 
     shapes = sorted(Counter((lin.kind, lin.out_features, lin.in_features) for lin in group).items())
-    facts = [cpu_id(), torch.__version__, torch.get_num_threads(), str(serving), str(act), max_batch_rows, shapes,
-             kernel_library_id()]
+    facts = [cpu_id(), torch.__version__, torch.get_num_threads(), str(serving), shapes, kernel_library_id(), *what]
     return hashlib.sha256(json.dumps(facts, default=str).encode()).hexdigest()[:24]
 
 
-def _recall(key: str, act: torch.dtype) -> KindPlan | None:
-    """A crossover measured earlier for the same key (None: measure now)."""
+def _recall(key: str) -> dict | None:
+    """What was measured earlier for the same key (None: measure now)."""
     try:
         entry = json.loads(_plans_file().read_text())[key]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return entry if isinstance(entry, dict) else None
+
+
+def _recalled_plan(key: str, act: torch.dtype) -> KindPlan | None:
+    """A crossover measured earlier for the same key."""
+    entry = _recall(key)
+    try:
         return KindPlan(act, int(entry["max_rows"]), "measured earlier on this machine",
                         {int(r): t for r, t in entry["timings"].items()})
-    except (OSError, ValueError, KeyError, TypeError):
+    except (ValueError, KeyError, TypeError, AttributeError):
         return None
 
 
-def _remember(key: str, kp: KindPlan) -> None:
+def _remember(key: str, entry: dict) -> None:
     """Add a measurement to the plans file (best effort: an unwritable cache only costs a re-measure)."""
     path = _plans_file()
     try:
@@ -168,7 +192,9 @@ def _remember(key: str, kp: KindPlan) -> None:
             known = json.loads(path.read_text())
         except (OSError, ValueError):
             known = {}
-        known[key] = {"max_rows": kp.max_rows, "timings": kp.timings}
+        if not isinstance(known, dict):
+            known = {}
+        known[key] = entry
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".quant-plans-")
         with os.fdopen(fd, "w") as f:
             json.dump(known, f, indent=1)
