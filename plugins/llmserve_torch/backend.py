@@ -323,7 +323,7 @@ class TorchBackend(ModelBackend):
             return None
         reqs = batch.requests
         keys = self.sampler.race_keys([r.sampling for r in reqs], [r.num_output_tokens for r in reqs], forwards)
-        return Race(np.asarray(temps, dtype=np.float32), keys.numpy())
+        return Race(np.asarray(temps, dtype=np.float32), keys.numpy(), self.sampler.race_filters(reqs, self.vocab_size))
 
     def _graph_step(self, batch: SchedulerOutput) -> torch.Tensor | None:
         """Logits of every request of a decode-only step replayed from a CUDA graph, or None where the step runs
@@ -360,7 +360,7 @@ class TorchBackend(ModelBackend):
             sample_reqs = [r for r in reqs if r.do_sample]
             logits = tokens = more = None
             if graphed is None:
-                temps = self.sampler.race_temperatures(sample_reqs, batch.token_bitmask, self.vocab_size)
+                temps = self.sampler.race_temperatures(sample_reqs, batch.token_bitmask)
                 hidden, logits, tokens, more, meta, sample_rows = self._forward(batch, temps)
             sampled: list[int | None] = [None] * len(reqs)
             logprobs = None

@@ -54,7 +54,8 @@ class _Step(ctypes.Structure):
                 ("block_tables", ctypes.c_void_p), ("max_blocks", ctypes.c_int32), ("tok_req", ctypes.c_void_p),
                 ("tok_pos", ctypes.c_void_p), ("threads", ctypes.c_int32), ("stage_us", ctypes.c_void_p),
                 ("logits", ctypes.c_void_p), ("tokens", ctypes.c_void_p), ("forwards", ctypes.c_int32),
-                ("temps", ctypes.c_void_p), ("keys", ctypes.c_void_p)]
+                ("temps", ctypes.c_void_p), ("keys", ctypes.c_void_p), ("filters", ctypes.c_void_p),
+                ("filtered", ctypes.c_void_p)]
 
 
 # what the C call can time a step's layers by (its enum Stage, in order): FusedStack.stage_us
@@ -128,6 +129,7 @@ class FusedStack:
         self._cos_at, self._sin_at = self._cos.data_ptr(), self._sin.data_ptr()
         self._rows = 0
         self._scratch = None
+        self._filtered = np.empty((0, 0), dtype=np.float32)  # the head's filtered rows (_race_args)
         # None, or float64 [len(STAGES)] that each call adds its kernels' microseconds to (profiling only: a clock
         # read per kernel)
         self.stage_us: torch.Tensor | None = None
@@ -207,10 +209,19 @@ class FusedStack:
                    bt.shape[1], meta.tok_req.data_ptr(), meta.tok_pos.data_ptr(), torch.get_num_threads(),
                    None if self.stage_us is None else self.stage_us.data_ptr(), out_at if logits else None,
                    self._tokens_at if logits and argmax else None, forwards,
-                   *((race.temps.ctypes.data, race.keys.ctypes.data) if race is not None and argmax else (None, None)))
+                   *(self._race_args(race, T) if race is not None and argmax else (None,) * 4))
         if self._fn(ctypes.addressof(self._model), ctypes.addressof(self._scratch), ctypes.addressof(st)):
             raise IndexError("index out of range in self")  # a token id past the embedding, as torch says it
         return x, out
+
+    def _race_args(self, race: Race, rows: int) -> tuple:
+        """Step's temps, keys, filters and filtered: where a row filters, room for its filtered logits (grow-only;
+        192 KiB a row at a 49k vocabulary, so only once a filtering row comes)."""
+        if race.filters is None:
+            return race.temps.ctypes.data, race.keys.ctypes.data, None, None
+        if self._filtered.shape[0] < rows:
+            self._filtered = np.empty((rows, self.model.lm_head.out_features), dtype=np.float32)
+        return race.temps.ctypes.data, race.keys.ctypes.data, race.filters.ctypes.data, self._filtered.ctypes.data
 
 
 @dataclass(slots=True)
@@ -220,6 +231,9 @@ class Race:
 
     temps: np.ndarray
     keys: np.ndarray
+    # None where no drawn row filters, or float32 [3, rows]: each row's top_k (0: none), top_p (1: none) and min_p
+    # (0: none), Sampler.race_filters'
+    filters: np.ndarray | None = None
 
 
 def build_stack(option: str, model, attention, lib, max_batch_rows: int) -> tuple[FusedStack | None, str]:

@@ -41,6 +41,16 @@ def _needs_processing(sp: SamplingParams, num_output_tokens: int) -> bool:
                 or (sp.min_tokens and num_output_tokens < sp.min_tokens))
 
 
+def _ranks(sp: SamplingParams, vocab: int) -> bool:
+    """Whether top-k or top-p drops anything (top_p decided as float32, the value the kernels see: 1 - 1e-9 is 1.0)."""
+    return 0 < sp.top_k < vocab or np.float32(sp.top_p) < 1.0
+
+
+def _filters(sp: SamplingParams, vocab: int) -> bool:
+    """Whether top-k, top-p or min-p drops anything (kernels.h's row_filters)."""
+    return _ranks(sp, vocab) or sp.min_p > 0
+
+
 def apply_logit_processors(logits: torch.Tensor, reqs: Sequence[ScheduledRequest],
                            eos_token_ids: Collection[int]) -> None:
     """In place: repetition (prompt+output), presence/frequency (output), logit bias, min_tokens stop masking."""
@@ -190,21 +200,30 @@ class Sampler:
                     keys[f, j] = step_seed(sp.seed, out_index[j] + f)  # 63 bits: fits an int64
         return keys
 
-    def race_temperatures(self, reqs: Sequence[ScheduledRequest], bitmask: torch.Tensor | None,
-                          vocab: int) -> list[float] | None:
+    def race_temperatures(self, reqs: Sequence[ScheduledRequest], bitmask: torch.Tensor | None) -> list[float] | None:
         """Each row's temperature where every row's token is a greedy argmax or a draw by the keyed race from its
-        raw logits alone (no top-k/top-p/min-p, logprobs, logit processing or constraint mask): 0 for a greedy
-        row. None where a row needs more (the sampler then takes the logits), or the race is not built here."""
+        own logits (top-k/top-p/min-p too: race_filters; no logprobs, logit processing or constraint mask): 0 for a
+        greedy row. None where a row needs more (the sampler then takes the logits), or the race is not built
+        here."""
         if bitmask is not None or self.keyed_sample is None:
             return None
         temps = []
         for r in reqs:
             sp = r.sampling
-            if sp.logprobs is not None or _needs_processing(sp, r.num_output_tokens) or (
-                    sp.temperature > 0.0 and (0 < sp.top_k < vocab or np.float32(sp.top_p) < 1.0 or sp.min_p > 0)):
+            if sp.logprobs is not None or _needs_processing(sp, r.num_output_tokens):
                 return None
             temps.append(sp.temperature)
         return temps
+
+    @staticmethod
+    def race_filters(reqs: Sequence[ScheduledRequest], vocab: int) -> np.ndarray | None:
+        """The drawn rows' top_k, top_p and min_p as float32 [3, rows] (a greedy row's: none) for the keyed race, or
+        None where no drawn row filters."""
+        if not any(r.sampling.temperature > 0.0 and _filters(r.sampling, vocab) for r in reqs):
+            return None
+        return np.array([[max(r.sampling.top_k, 0) if r.sampling.temperature > 0.0 else 0 for r in reqs],
+                         [r.sampling.top_p if r.sampling.temperature > 0.0 else 1.0 for r in reqs],
+                         [r.sampling.min_p if r.sampling.temperature > 0.0 else 0.0 for r in reqs]], dtype=np.float32)
 
     def _draw(self, rows: torch.Tensor, reqs: Sequence[ScheduledRequest], s_rows: list[int]) -> torch.Tensor:
         """The tokens of the sampled rows (rows: their logits, reqs[s_rows[j]] row j's request): temperature,
@@ -219,8 +238,7 @@ class Sampler:
         if self.keyed_sample is not None and rows.device.type == "cpu":  # the filters too, in the kernel
             keys = self.race_keys(sub, [reqs[i].num_output_tokens for i in s_rows])[0]
             return self.keyed_sample(rows.contiguous(), temp, keys, top_k, top_p, min_p)
-        # decided on the values the device sees (top_p as float32: 1 - 1e-9 is 1.0 there)
-        need_sort = any(0 < sp.top_k < V or np.float32(sp.top_p) < 1.0 for sp in sub)
+        need_sort = any(_ranks(sp, V) for sp in sub)
         need_min_p = any(sp.min_p > 0 for sp in sub)
         u = self._uniforms(sub, reqs, s_rows, V, rows.device)
         if self.fast_race is not None and not need_sort and not need_min_p:

@@ -72,7 +72,7 @@ def _head_steps(backend, seed, sampling=None):
     out = []
     for reqs in plan:
         sample_reqs = [r for r in reqs if r.do_sample]
-        temps = backend.sampler.race_temperatures(sample_reqs, None, backend.vocab_size)
+        temps = backend.sampler.race_temperatures(sample_reqs, None)
         hidden, logits, tokens = backend._forward(batch_of(reqs), temps)[:3]
         out.append((hidden.clone(), None if logits is None else logits.clone(), tokens, sample_reqs))  # its buffers
     return out
@@ -84,7 +84,7 @@ def _head_steps(backend, seed, sampling=None):
 def test_the_fused_call_makes_the_python_paths_logits_and_greedy_tokens(request, model, quantization, dtype):
     """Where every row of a step samples, the final norm and the int8 LM head (int4 keeps the head at int8) run in
     the same call: float32 logits equal to Qwen2Model.logits' (its bf16 rounding included), for greedy rows the
-    sampler's argmax, for rows at a temperature alone the sampler's keyed race. A row that filters by top-p or asks
+    sampler's argmax, for drawn rows the sampler's keyed race (after its top-k/top-p/min-p filters). A row that asks
     for logprobs gets logits, not a token."""
     path = request.getfixturevalue(model)
     path = path[0] if isinstance(path, tuple) else path
@@ -101,17 +101,19 @@ def test_the_fused_call_makes_the_python_paths_logits_and_greedy_tokens(request,
         assert torch.equal(logits, want) and tokens == want.argmax(dim=-1).tolist()
         made.append(len(tokens))
     assert made == [0, 0, 0, 2, 2, 2, 1]
-    # a seeded row at a temperature alone: the keyed race's token, as the sampler draws it from those logits
-    backend = _backend(path, dtype, quantization, "auto")
-    steps = _head_steps(backend, 1, SamplingParams(temperature=0.9, seed=11))
-    assert [logits is not None for _, logits, _, _ in steps] == [False] * 3 + [True] * 4
-    for _, logits, tokens, reqs in steps[3:]:
-        assert tokens == backend.sampler.sample(logits, reqs)[0]
-    # top-p, or logprobs: the sampler's to do, on the call's logits
-    for sampling in (SamplingParams(temperature=1.0, top_p=0.5), SamplingParams(temperature=0.0, logprobs=2)):
-        steps = _head_steps(_backend(path, dtype, quantization, "auto"), 1, sampling)
+    # seeded drawn rows, at a temperature alone or filtered: the keyed race's token, as the sampler draws it from
+    # those logits
+    for sampling in (SamplingParams(temperature=0.9, seed=11), SamplingParams(temperature=1.0, top_p=0.5, seed=3),
+                     SamplingParams(temperature=0.8, top_k=7, min_p=0.05, seed=4)):
+        backend = _backend(path, dtype, quantization, "auto")
+        steps = _head_steps(backend, 1, sampling)
         assert [logits is not None for _, logits, _, _ in steps] == [False] * 3 + [True] * 4
-        assert all(tokens is None for _, _, tokens, _ in steps)
+        for _, logits, tokens, reqs in steps[3:]:
+            assert tokens == backend.sampler.sample(logits, reqs)[0]
+    # logprobs: the sampler's to do, on the call's logits
+    steps = _head_steps(_backend(path, dtype, quantization, "auto"), 1, SamplingParams(temperature=0.0, logprobs=2))
+    assert [logits is not None for _, logits, _, _ in steps] == [False] * 3 + [True] * 4
+    assert all(tokens is None for _, _, tokens, _ in steps)
 
 
 def test_execute_samples_the_same_tokens_from_the_fused_logits(llama_dir):
@@ -241,10 +243,10 @@ def test_uneven_matmul_shares_make_the_same_outputs(llama_dir, quantization):
     torch.set_num_threads(2)
     try:
         plain = _backend(llama_dir, "bfloat16", quantization, "off")
-        drawn = SamplingParams(temperature=0.9, seed=2)
+        drawn = [SamplingParams(temperature=0.9, seed=2), SamplingParams(temperature=0.9, top_p=0.9, top_k=20, seed=2)]
         want = [(h, plain.model.logits(h)) for h, *_ in _head_steps(plain, 5)]
-        want_drawn = [plain.sampler.sample(plain.model.logits(h), reqs)[0] for h, _, _, reqs in
-                      _head_steps(plain, 5, drawn)[3:]]  # (the steps where every row samples)
+        want_drawn = [[plain.sampler.sample(plain.model.logits(h), reqs)[0] for h, _, _, reqs in
+                       _head_steps(plain, 5, sp)[3:]] for sp in drawn]  # (the steps where every row samples)
         for share in (0.2, 0.37, 0.8):
             fused = _backend(llama_dir, "bfloat16", quantization, "auto")
             _pin_share(fused, share)
@@ -252,8 +254,9 @@ def test_uneven_matmul_shares_make_the_same_outputs(llama_dir, quantization):
                 assert torch.equal(hidden, plain_hidden)
                 if logits is not None:
                     assert torch.equal(logits, plain_logits) and tokens == plain_logits.argmax(dim=-1).tolist()
-            # rows at a temperature: the race reads every member's logits, whatever their shares
-            assert [tokens for *_, tokens, _ in _head_steps(fused, 5, drawn)] == [None] * 3 + want_drawn
+            # drawn rows: the race reads every member's logits, whatever their shares (a filtered row's filter too)
+            for sp, want_tokens in zip(drawn, want_drawn):
+                assert [tokens for *_, tokens, _ in _head_steps(fused, 5, sp)] == [None] * 3 + want_tokens
             assert float(fused.stack._balance[0]) == pytest.approx(share)
     finally:
         torch.set_num_threads(before)
@@ -309,17 +312,19 @@ def test_several_forwards_in_one_call_give_one_forward_a_steps_tokens(llama_dir,
     """scheduler.num_scheduler_steps: greedy decodes and seeded rows at a temperature alone run ahead in the one
     call (decode_ahead: positions, slots and ids moved on inside it, each forward's keys from (seed, output index))
     and give exactly the tokens of a forward a step, a sequence's last run clamped at its max_tokens; while a row
-    filters by top-p the batch runs one forward a step."""
+    filters by top-k, top-p or min-p too."""
     greedy = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in (19, 7, 23, 12)]
     mixed = greedy[:2] + [SamplingParams(temperature=0.9, seed=4, max_tokens=9, ignore_eos=True)] + greedy[3:]
     drawn = [SamplingParams(temperature=t, seed=i, max_tokens=m, ignore_eos=True)
              for i, (t, m) in enumerate([(0.7, 13), (1.0, 21), (1.3, 6), (0.5, 17)])]
-    top_p = greedy[:2] + [SamplingParams(temperature=0.9, top_p=0.8, seed=1, max_tokens=25, ignore_eos=True)]
-    for sampling in (greedy, mixed, drawn, top_p):
+    filtered = [SamplingParams(temperature=0.9, top_p=0.8, seed=1, max_tokens=25, ignore_eos=True), greedy[1],
+                SamplingParams(temperature=1.1, top_k=5, seed=2, max_tokens=16, ignore_eos=True),
+                SamplingParams(temperature=0.7, min_p=0.1, top_p=0.95, seed=3, max_tokens=11, ignore_eos=True)]
+    for sampling in (greedy, mixed, drawn, filtered):
         one, f1 = _engine_outputs(llama_dir, dtype, quantization, 1, sampling)
         many, f8 = _engine_outputs(llama_dir, dtype, quantization, 8, sampling)
         assert many == one
-        assert set(f1) == {1} and max(f8) == (1 if sampling is top_p else 8)
+        assert set(f1) == {1} and max(f8) == 8
         assert [len(one[f"r{i}"][0]) for i in range(len(sampling))] == [sp.max_tokens for sp in sampling]
     assert len({tuple(toks) for toks, _ in many.values()}) > 1  # (not every row the same tokens)
 

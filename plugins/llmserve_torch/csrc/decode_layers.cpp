@@ -96,6 +96,10 @@ struct Step {
   // a row with one > 0 draws its token from softmax(logits / t) by the race (race.cpp) with keys[f * rows + r]
   const float* temps;
   const uint64_t* keys;  // [forwards, rows], with temps
+  // null where no drawn row filters, or [3, rows]: each row's top_k (a whole number as a float; 0: none), top_p (1:
+  // none) and min_p (0: none), which a drawn row's race then runs over (filter_row, into filtered: [rows, vocab])
+  const float* filters;
+  float* filtered;
 };
 
 // What a step's time is split into when the caller asks (Step::stage_us), in this order
@@ -250,8 +254,9 @@ struct Flow {
 // The final norm, the int8 LM head (float32 out, rounded through T as QuantLinear's y.to(x.dtype) does before
 // lm_head's .float()), and where asked each row's token: a greedy row's first largest logit within each member's
 // share of the vocabulary, a sampled row's race (Step::temps) over each member's share of its chunks once every
-// logit is made; then over the members in order (a later share wins only with a larger value: the first maximum,
-// as llmserve_argmax_f32 and llmserve_sample_f32 find it). best: [members, rows]; mt: the matmuls' team
+// logit is made (a row that filters, Step::filters, once one member has filtered it); then over the members in
+// order (a later share wins only with a larger value: the first maximum, as llmserve_argmax_f32 and
+// llmserve_sample_f32 find it). best: [members, rows]; mt: the matmuls' team
 template <typename T>
 void head(const Team& tm, const Team& mt, const Model& m, const Flow<T>& f, const Step& st, Best* best) {
   const int R = st.rows, H = m.hidden, V = m.head.n;
@@ -273,11 +278,27 @@ void head(const Team& tm, const Team& mt, const Model& m, const Flow<T>& f, cons
   if (st.tokens == nullptr) return;
   if (st.temps != nullptr) {  // the sampled rows, once every member's logits are made
     tm.sync();
+    // a filtered row's x / t with what its filters drop masked, by one member (rows dealt out in turn; each is one
+    // pass and a partial sort of the few largest), then raced at t = 1 as llmserve_sample_f32 does
+    const auto is_filtered = [&](int r) {
+      return st.filters != nullptr && st.temps[r] > 0.f &&
+             row_filters(static_cast<int>(st.filters[r]), st.filters[R + r], st.filters[2 * R + r], V);
+    };
+    if (st.filters != nullptr) {
+      thread_local std::vector<int32_t> cand;
+      for (int r = tm.id; r < R; r += tm.size)
+        if (is_filtered(r))
+          filter_row(st.logits + static_cast<int64_t>(r) * V, V, st.temps[r], static_cast<int>(st.filters[r]),
+                     st.filters[R + r], st.filters[2 * R + r], st.filtered + static_cast<int64_t>(r) * V, cand);
+      tm.sync();
+    }
     const int chunks = race_chunk_count(V);
     for (int r = 0; r < R; ++r)
-      if (st.temps[r] > 0.f)
-        best[tm.id * R + r] = race_chunks(st.logits + static_cast<int64_t>(r) * V, V, tm.begin(chunks),
-                                          tm.end(chunks), st.temps[r], st.keys[r]);
+      if (st.temps[r] > 0.f) {
+        const bool f = is_filtered(r);
+        best[tm.id * R + r] = race_chunks((f ? st.filtered : st.logits) + static_cast<int64_t>(r) * V, V,
+                                          tm.begin(chunks), tm.end(chunks), f ? 1.f : st.temps[r], st.keys[r]);
+      }
   }
   tm.sync();
   if (!tm.lead()) return;

@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstdint>
+#include <vector>
 
 #include "team.h"
 
@@ -37,6 +38,16 @@ struct Best {
 constexpr int kRaceChunk = 64;
 inline int race_chunk_count(int64_t n) { return static_cast<int>((n + kRaceChunk - 1) / kRaceChunk); }
 Best race_chunks(const float* x, int64_t n, int c0, int c1, float t, uint64_t key);
+
+// Whether top-k, top-p or min-p drops anything from an n-entry row (top_k 0: none, top_p 1: none, min_p 0: none)
+inline bool row_filters(int top_k, float top_p, float min_p, int64_t n) {
+  return (top_k > 0 && top_k < n) || top_p < 1.f || min_p > 0.f;
+}
+
+// y[0, n) = x / t with what top-k, top-p and min-p drop masked (race.cpp); a row's draw is then race_chunks over y at
+// t = 1. cand: the caller's scratch (one per thread)
+void filter_row(const float* x, int64_t n, float t, int top_k, float top_p, float min_p, float* y,
+                std::vector<int32_t>& cand);
 
 // y = x · W^T, int4 groups of 32 with float16 scales and offsets (quant_matmul.cpp); this member's tiles of
 // outputs (share_begin / share_end)

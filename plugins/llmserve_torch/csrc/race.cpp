@@ -71,6 +71,8 @@ namespace {
 // by index), `span` doubled from kFirstSpan until they hold what the filter keeps
 constexpr float kFirstSpan = 8.f;
 
+}  // namespace
+
 // y = x / t over the row (masked entries stay kMasked), then what top-k, top-p and min-p drop masked, as sampling.py's
 // filter_logits keeps them: top-k keeps the k largest; top-p keeps of those the smallest prefix, largest first, whose
 // probabilities (softmax over what top-k kept) reach top_p (a token drops where the tokens above it reach top_p
@@ -144,8 +146,6 @@ void filter_row(const float* x, int64_t n, float t, int top_k, float top_p, floa
   }
 }
 
-}  // namespace
-
 namespace {
 
 // Each row's token (row[r]: its n logits) drawn from softmax(row / temps[r]) with keys[r]'s noise; a row where
@@ -200,7 +200,7 @@ void llmserve_sample_f32(const float* x, int rows, int n, int64_t stride, const 
   std::vector<int> filtered;  // the rows a filter applies to
   for (int r = 0; r < rows; ++r) {
     row[r] = x + r * stride;
-    if ((top_k[r] > 0 && top_k[r] < n) || top_p[r] < 1.f || min_p[r] > 0.f) filtered.push_back(r);
+    if (row_filters(top_k[r], top_p[r], min_p[r], n)) filtered.push_back(r);
   }
   thread_local std::vector<float> buf;  // the filtered rows' y (the calling thread's, shared by pointer); grown once
   const int nf = static_cast<int>(filtered.size());
