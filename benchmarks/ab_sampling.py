@@ -1,6 +1,6 @@
 #!/usr/bin/env python
 """Sampled decoding on CPU: the kernel library's sampler (its top-k/top-p/min-p filter and keyed race; in the fused
-call, rows at a temperature alone running ahead as greedy ones do), against the torch paths it replaced (torch's
+call, sampled rows running ahead as greedy ones do, filtered by the head), against the torch paths it replaced (torch's
 uniform draws, a torch sort of the whole row, one forward a step for any sampled row), alternated in one engine.
 
 Each round decodes `--output-len` tokens of `--concurrency` requests for every sampling case (greedy, temperature
