@@ -218,10 +218,12 @@ class Sampler:
     @staticmethod
     def race_filters(reqs: Sequence[ScheduledRequest], vocab: int) -> np.ndarray | None:
         """The drawn rows' top_k, top_p and min_p as float32 [3, rows] (a greedy row's: none) for the keyed race, or
-        None where no drawn row filters."""
+        None where no drawn row filters. A top_k of the vocabulary or more is none (0): as a float32 a top_k near
+        2^31 would not fit the int the kernel reads."""
         if not any(r.sampling.temperature > 0.0 and _filters(r.sampling, vocab) for r in reqs):
             return None
-        return np.array([[max(r.sampling.top_k, 0) if r.sampling.temperature > 0.0 else 0 for r in reqs],
+        return np.array([[r.sampling.top_k if r.sampling.temperature > 0.0 and 0 < r.sampling.top_k < vocab else 0
+                          for r in reqs],
                          [r.sampling.top_p if r.sampling.temperature > 0.0 else 1.0 for r in reqs],
                          [r.sampling.min_p if r.sampling.temperature > 0.0 else 0.0 for r in reqs]], dtype=np.float32)
 

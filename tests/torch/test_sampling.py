@@ -292,3 +292,15 @@ def test_the_kernel_race_noise_is_finite_at_every_draw():
     keys = torch.randint(-(2**63), 2**63 - 1, (n,), generator=torch.Generator().manual_seed(3))
     toks = race(x.expand(n, vocab), torch.ones(n), keys)
     assert toks.tolist() == [0] * n
+
+
+def test_race_filters_hand_the_kernel_what_it_can_read():
+    """The fused call's filter values: none for greedy rows and for a top_k of the vocabulary or more (a top_k near
+    2^31 is no int as a float32), None where no drawn row filters."""
+    rows = [req(SamplingParams(temperature=0.0, top_k=5)), req(SamplingParams(temperature=0.8, top_k=2**31 - 1,
+                                                                                top_p=0.9)),
+            req(SamplingParams(temperature=1.0, top_k=7, min_p=0.2)), req(SamplingParams(temperature=0.5))]
+    f = Sampler.race_filters(rows, 100)
+    assert f.dtype.name == "float32" and f.tolist() == [[0, 0, 7, 0], [1.0, pytest.approx(0.9), 1.0, 1.0],
+                                                        [0.0, 0.0, pytest.approx(0.2), 0.0]]
+    assert Sampler.race_filters([rows[0], rows[3], req(SamplingParams(temperature=0.7, top_k=100))], 100) is None
