@@ -85,6 +85,7 @@ def _pick_act(group: list, serving: torch.dtype) -> torch.dtype:
 
 
 def _dtype_name(dt: torch.dtype) -> str:
+    """"bfloat16" for torch.bfloat16: how the plans file, /stats and the log name a dtype."""
     return str(dt).replace("torch.", "")
 
 
