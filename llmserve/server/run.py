@@ -61,8 +61,4 @@ def serve(config) -> int:
     gc.freeze()
     log.info("serving %s on http://%s:%d", config.served_model_name, sc.host, sc.port)
     server.run()
-    # handed back for the interpreter's teardown: objects still frozen there are never freed, and extension
-    # modules that count theirs at exit then print pages of "leaked" reports (nanobind's: Triton's bindings,
-    # which transformers brings in through torch._dynamo). Costs ~1 s of the exit with the default model
-    gc.unfreeze()
     return 0

@@ -141,16 +141,16 @@ def test_ctrl_c_while_starting_exits_130_without_a_traceback():
 
 
 def test_the_served_process_exits_without_leak_reports_from_extension_modules():
-    """serve() freezes what start-up made (gc.freeze) and unfreezes it for the teardown: left frozen, Triton's
-    nanobind bindings (imported whenever transformers is, for a served HF model or tokenizer) printed pages of
-    "nanobind: leaked ..." after every Ctrl-C."""
+    """serve() freezes what start-up made (gc.freeze); `llmserve serve` then ends without the interpreter's
+    teardown, in which Triton's nanobind bindings (imported whenever transformers is, for a served HF model or
+    tokenizer) printed pages of "nanobind: leaked ..." after every Ctrl-C."""
     code = (
         "import sys, triton, uvicorn\n"  # what serving a model with transformers imports
-        "uvicorn.Server.run = lambda self, sockets=None: None\n"  # start-up and teardown, no serving between
-        "from llmserve.config import config_from_dict\n"
-        "from llmserve.server.run import serve\n"
-        "sys.exit(serve(config_from_dict({'backend': {'name': 'fake'}}, source='t')))\n")
+        "uvicorn.Server.run = lambda self, sockets=None: None\n"  # start-up and the exit, no serving between
+        "from llmserve.cli import main\n"
+        f"sys.exit(main(['serve', '--backend', 'fake', '--port', '{free_port()}']))\n")
     env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'plugins'}"}
     p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stderr
+    assert "serving fake on http://127.0.0.1" in p.stderr  # (it did start: logged before the server runs)
     assert "leaked" not in p.stderr, p.stderr[-2000:]
