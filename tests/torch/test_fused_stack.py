@@ -309,10 +309,10 @@ def _engine_outputs(path, dtype, quantization, steps, sampling):
 
 @pytest.mark.parametrize(("quantization", "dtype"), [("int4", "bfloat16"), ("int8", "float32")])
 def test_several_forwards_in_one_call_give_one_forward_a_steps_tokens(llama_dir, quantization, dtype):
-    """scheduler.num_scheduler_steps: greedy decodes and seeded rows at a temperature alone run ahead in the one
-    call (decode_ahead: positions, slots and ids moved on inside it, each forward's keys from (seed, output index))
-    and give exactly the tokens of a forward a step, a sequence's last run clamped at its max_tokens; while a row
-    filters by top-k, top-p or min-p too."""
+    """scheduler.num_scheduler_steps: greedy decodes and seeded drawn rows (at a temperature alone, or filtered by
+    top-k, top-p or min-p) run ahead in the one call (decode_ahead: positions, slots and ids moved on inside it, each
+    forward's keys from (seed, output index)) and give exactly the tokens of a forward a step, a sequence's last run
+    clamped at its max_tokens."""
     greedy = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in (19, 7, 23, 12)]
     mixed = greedy[:2] + [SamplingParams(temperature=0.9, seed=4, max_tokens=9, ignore_eos=True)] + greedy[3:]
     drawn = [SamplingParams(temperature=t, seed=i, max_tokens=m, ignore_eos=True)
