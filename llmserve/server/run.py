@@ -57,7 +57,8 @@ def serve(config) -> int:
 
     server = DrainingServer(uvicorn_config(app, sc))
     # what start-up made (torch, the model, the plugins) lives until exit: keep it out of every
-    # collection, which shortens GC pauses while serving and the interpreter's teardown after the drain
+    # collection, which shortens GC pauses while serving (the serve command then exits without the
+    # interpreter's teardown: cli._leave_after_serving says why)
     gc.freeze()
     log.info("serving %s on http://%s:%d", config.served_model_name, sc.host, sc.port)
     server.run()

@@ -220,12 +220,11 @@ class Sampler:
         """The drawn rows' top_k, top_p and min_p as float32 [3, rows] (a greedy row's: none) for the keyed race, or
         None where no drawn row filters. A top_k of the vocabulary or more is none (0): as a float32 a top_k near
         2^31 would not fit the int the kernel reads."""
-        if not any(r.sampling.temperature > 0.0 and _filters(r.sampling, vocab) for r in reqs):
+        drawn = [r.sampling if r.sampling.temperature > 0.0 else None for r in reqs]
+        if not any(sp is not None and _filters(sp, vocab) for sp in drawn):
             return None
-        return np.array([[r.sampling.top_k if r.sampling.temperature > 0.0 and 0 < r.sampling.top_k < vocab else 0
-                          for r in reqs],
-                         [r.sampling.top_p if r.sampling.temperature > 0.0 else 1.0 for r in reqs],
-                         [r.sampling.min_p if r.sampling.temperature > 0.0 else 0.0 for r in reqs]], dtype=np.float32)
+        return np.array([(sp.top_k if 0 < sp.top_k < vocab else 0, sp.top_p, sp.min_p) if sp is not None else
+                         (0, 1.0, 0.0) for sp in drawn], dtype=np.float32).T.copy()  # [3, rows], C-contiguous
 
     def _draw(self, rows: torch.Tensor, reqs: Sequence[ScheduledRequest], s_rows: list[int]) -> torch.Tensor:
         """The tokens of the sampled rows (rows: their logits, reqs[s_rows[j]] row j's request): temperature,
