@@ -211,10 +211,12 @@ _SIGNATURES = {
     "llmserve_rope": (None, [_P, _L, _I, _I, _I, _P, _P, _I, _I]),
     "llmserve_silu_mul": (None, [_P, _L, _P, _L, _I, _I, _I, _I]),
     "llmserve_int8_matmul": (None, [_P, _L, _I, _P, _P, _P, _L, _I, _I, _I, _I]),
-    "llmserve_int4_matmul": (None, [_P, _L, _I, _P, _P, _L, _I, _I, _I, _I]),
+    "llmserve_quant_matmul": (None, [_I, _P, _L, _I, _P, _P, _L, _I, _I, _I, _I, _I]),
+    "llmserve_quant_format": (_I, [_I, _I, _I]),
+    "llmserve_quant_bytes": (_L, [_I, _I, _I]),
     "llmserve_decode_layers": (_I, [_P, _P, _P]),
     "llmserve_quant_isa": (ctypes.c_char_p, []),
-    "llmserve_int4_tile": (_I, []),
+    "llmserve_quant_tile": (_I, []),
 }
 
 

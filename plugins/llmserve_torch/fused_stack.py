@@ -25,6 +25,9 @@ WAIT_AHEAD = 256 << 10
 MAX_FORWARDS = 64
 
 
+INT8_ROWS = 8  # _QLinear.kind of int8 per row (kernels.h's kInt8Rows); a group kind's is its format code
+
+
 class _QLinear(ctypes.Structure):
     _fields_ = [("kind", ctypes.c_int32), ("n", ctypes.c_int32), ("k", ctypes.c_int32), ("w", ctypes.c_void_p),
                 ("scale", ctypes.c_void_p), ("bias", ctypes.c_void_p)]
@@ -79,9 +82,14 @@ def _why_not(model, attention, lib) -> str | None:
     if model.embed.dtype != model.dtype or not model.embed.is_contiguous():
         return "it copies embedding rows as they are: the table must be contiguous, in the activations' dtype"
     for lin in (L[k] for L in model.layers for k in ("qkv", "o", "gate_up", "down")):
-        if not isinstance(lin, QuantLinear) or not (lin.own_int4 or (lin.kind == "int8" and lin.own_int8)):
-            return "every linear of the layers must be quantized for llmserve's int4 or int8 kernels"
+        if not _ours(lin):
+            return "every linear of the layers must be quantized for llmserve's group or int8 kernels"
     return None
+
+
+def _ours(lin) -> bool:
+    """Whether our kernels run this linear in the call: a group format, or int8 per row (up to a few rows)."""
+    return isinstance(lin, QuantLinear) and (lin.fmt is not None or lin.own_int8)
 
 
 class FusedStack:
@@ -105,11 +113,11 @@ class FusedStack:
                                self._linear(L["down"]), L["in_norm"].data_ptr(), L["post_norm"].data_ptr(),
                                kv.k[i].data_ptr(), kv.v[i].data_ptr())
         self._layers = layers
-        # the LM head in the same call where it is int8 for our kernel (a Q8_0 file's, or int4 quantization's):
+        # the LM head in the same call where our kernels run it (a quantized file's, or int4 quantization's int8):
         # the most rows it takes there, 0 where it runs in Python
         head = model.lm_head
-        self.head_rows = (min(head.max_quantized_rows(), OWN_INT8_MAX_ROWS)
-                          if isinstance(head, QuantLinear) and head.own_int8 and head.bias is None else 0)
+        self.head_rows = (min(head.max_quantized_rows(), OWN_INT8_MAX_ROWS if head.kind == "int8" else self.max_rows)
+                          if _ours(head) and head.bias is None else 0)
         # the embedding rows are copied in the call too (a torch embedding was ~25 us of a step's Python)
         embed = model.embed
         # forwards one call runs on a batch of decodes (decode_ahead), each on the greedy tokens of the one before:
@@ -140,7 +148,7 @@ class FusedStack:
             bias = lin.bias.to(self.model.dtype).contiguous()
             self._keep.append(bias)
         w, scale = lin.kernel_tensors()
-        return _QLinear(4 if lin.kind == "int4" else 8, lin.out_features, lin.in_features, w.data_ptr(),
+        return _QLinear(INT8_ROWS if lin.fmt is None else lin.fmt, lin.out_features, lin.in_features, w.data_ptr(),
                         0 if scale is None else scale.data_ptr(), 0 if bias is None else bias.data_ptr())
 
     def covers(self, rows: int) -> bool:

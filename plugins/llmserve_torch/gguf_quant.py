@@ -1,7 +1,9 @@
-"""GGUF quantized tensors repacked into the CPU kernels' forms, without keeping a float copy.
+"""GGUF quantized tensors repacked into the CPU kernels' group kinds, at the file's own bits, without a float copy.
 
-4-bit types with a scale and offset per 32 values (Q4_0, Q4_1, Q4_K) map exactly onto int4 in groups
-of 32; the rest (Q8_0's per-32 scales, Q5_*, Q6_K) become int8 with one scale per output row.
+Each type's blocks map onto one group kind exactly (quant.QuantWeight): Q4_0 → int4 symmetric, Q4_1 and Q4_K →
+int4 with offsets, Q5_0 → int5 symmetric, Q5_1 and Q5_K → int5 with offsets, Q6_K → int6 symmetric with a scale
+per 16, Q8_0 → int8g (int8 in groups of 32). The K-quants' scales (a float16 super-block scale times a 6- or 8-bit
+sub-block scale) are float32 here and become float16 in the kernels' layout: rounded to 11 significant bits.
 """
 
 from __future__ import annotations
@@ -11,10 +13,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from llmserve_torch.quant import QuantWeight, quantize_int8
+from llmserve_torch.quant import QuantWeight
 
-INT4_TYPES = ("Q4_0", "Q4_1", "Q4_K")
-INT8_TYPES = ("Q8_0", "Q5_0", "Q5_1", "Q5_K", "Q6_K")
+# each type's group kind, whether it has offsets (else symmetric) and its scales a block
+KINDS = {"Q4_0": "int4", "Q4_1": "int4", "Q4_K": "int4", "Q5_0": "int5", "Q5_1": "int5", "Q5_K": "int5",
+         "Q6_K": "int6", "Q8_0": "int8g"}
 
 
 def _f16(b: np.ndarray) -> np.ndarray:
@@ -27,20 +30,42 @@ def _nibbles(qs: np.ndarray) -> np.ndarray:
     return np.concatenate([qs & 0x0F, qs >> 4], axis=-1)
 
 
-def _int4_parts(qtype: str, blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Blocks of one type → (q [n, 32·k], scale, offset [n, k]) with value = q * scale + offset."""
+def _bits(qh: np.ndarray, count: int) -> np.ndarray:
+    """[n, 4] bytes, a little-endian bit mask → [n, count] of its bits 0, 1, ... as 0 or 1."""
+    mask = np.ascontiguousarray(qh).view("<u4")
+    return ((mask >> np.arange(count, dtype=np.uint32)) & 1).astype(np.uint8)
+
+
+def _parts(qtype: str, blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """Blocks of one type → (q [n, values], scale [n, scales], offset like scale or None): the group kind's values
+    (quant.QuantWeight's: w = q * scale + offset, or (q - centre) * scale)."""
     if qtype == "Q4_0":  # d, 16 bytes: (q - 8) * d
-        d = _f16(blocks[:, 0:2])
-        return _nibbles(blocks[:, 2:]), d, -8 * d
+        return _nibbles(blocks[:, 2:]), _f16(blocks[:, 0:2]), None
     if qtype == "Q4_1":  # d, m, 16 bytes: q * d + m
         return _nibbles(blocks[:, 4:]), _f16(blocks[:, 0:2]), _f16(blocks[:, 2:4])
-    # Q4_K: d, dmin, 12 bytes of 6-bit scales and mins, 128 bytes; 8 sub-blocks of 32: d*sc*q - dmin*m
+    if qtype == "Q5_0":  # d, 32 high bits, 16 bytes: (q - 16) * d
+        return _nibbles(blocks[:, 6:]) | (_bits(blocks[:, 2:6], 32) << 4), _f16(blocks[:, 0:2]), None
+    if qtype == "Q5_1":  # d, m, 32 high bits, 16 bytes: q * d + m
+        return _nibbles(blocks[:, 8:]) | (_bits(blocks[:, 4:8], 32) << 4), _f16(blocks[:, 0:2]), _f16(blocks[:, 2:4])
+    if qtype == "Q8_0":  # d, 32 signed bytes: q * d (stored + 128: a symmetric 8-bit group kind's centre)
+        return (blocks[:, 2:].view(np.int8).astype(np.int16) + 128).astype(np.uint8), _f16(blocks[:, 0:2]), None
+    n = blocks.shape[0]
+    if qtype == "Q6_K":  # 128 bytes low nibbles, 64 bytes 2-bit highs, 16 int8 scales, d: d * sc * (q - 32) per 16
+        ql = (blocks[:, :128].reshape(n, 2, 1, 64) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)) & 0x0F
+        qh = (blocks[:, 128:192].reshape(n, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)) & 3
+        q = ql.reshape(n, 256) | (qh.reshape(n, 256) << 4)
+        return q, _f16(blocks[:, 208:210]) * blocks[:, 192:208].view(np.int8).astype(np.float32), None
+    # Q4_K, Q5_K: d, dmin, 12 bytes of 6-bit scales and mins, (Q5_K: 32 bytes of high bits), 128 bytes; 8 sub-blocks
+    # of 32: d * sc * q - dmin * m
     from gguf.quants import Q4_K
 
     d, dmin = _f16(blocks[:, 0:2]), _f16(blocks[:, 2:4])
     sc, m = Q4_K.get_scale_min(np.ascontiguousarray(blocks[:, 4:16]))
-    qs = blocks[:, 16:].reshape(-1, 4, 1, 32)  # 4 chunks of 32 bytes: low nibbles sub-block 2c, high 2c+1
-    q = np.concatenate([qs & 0x0F, qs >> 4], axis=2).reshape(-1, 256)
+    qs = blocks[:, -128:].reshape(n, 4, 1, 32)  # 4 chunks of 32 bytes: low nibbles sub-block 2c, high 2c+1
+    q = np.concatenate([qs & 0x0F, qs >> 4], axis=2).reshape(n, 256)
+    if qtype == "Q5_K":  # sub-block i's fifth bits: bit i of each of the 32 bytes
+        qh = blocks[:, 16:48].reshape(n, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 8, 1)
+        q = q | ((qh & 1).reshape(n, 256) << 4)
     return q, d * sc.astype(np.float32), -dmin * m.astype(np.float32)
 
 
@@ -49,15 +74,11 @@ def repack(tensor: Any) -> QuantWeight | None:
     from gguf import GGML_QUANT_SIZES
 
     qtype = tensor.tensor_type.name
-    if qtype in INT4_TYPES:
-        rows = tensor.data.shape[0]
-        _, type_size = GGML_QUANT_SIZES[tensor.tensor_type]
-        q, scale, offset = _int4_parts(qtype, np.asarray(tensor.data).reshape(-1, type_size))
-        as_rows = lambda a: torch.from_numpy(np.ascontiguousarray(a)).reshape(rows, -1)  # noqa: E731
-        return QuantWeight("int4", as_rows(q), as_rows(scale).float(), as_rows(offset).float(), qtype)
-    if qtype in INT8_TYPES:
-        from gguf.quants import dequantize
-
-        w = torch.from_numpy(dequantize(tensor.data, tensor.tensor_type))
-        return quantize_int8(w, qtype)
-    return None
+    if qtype not in KINDS:
+        return None
+    rows = tensor.data.shape[0]
+    _, type_size = GGML_QUANT_SIZES[tensor.tensor_type]
+    q, scale, offset = _parts(qtype, np.asarray(tensor.data).reshape(-1, type_size))
+    as_rows = lambda a: torch.from_numpy(np.ascontiguousarray(a)).reshape(rows, -1)  # noqa: E731
+    return QuantWeight(KINDS[qtype], as_rows(q), as_rows(scale).float(), None if offset is None else
+                       as_rows(offset).float(), qtype)

@@ -1,7 +1,7 @@
-"""Weight-only quantized weights and linears on CPU: int8 per output channel, int4 in groups of 32.
+"""Weight-only quantized weights and linears on CPU: int8 per output channel, and group formats of 4 to 8 bits.
 
-The matmuls are our own C kernels for a few rows (csrc/quant_matmul.cpp for int4, csrc/decoder_ops.cpp for
-int8) where the kernel library builds, else torch's own (aten._weight_int8pack_mm,
+The matmuls are our own C kernels (csrc/quant_matmul.cpp for the group formats, csrc/decoder_ops.cpp for int8 at a
+few rows) where the kernel library builds, else torch's own (aten._weight_int8pack_mm,
 aten._weight_int4pack_mm_for_cpu), which are fast only at a few rows and only with bf16 activations on the
 CPUs measured so far. A QuantLinear hands large batches (prefill, many decodes) to a dense copy of the
 weight; kernel_plan.py measures where that crossover lies.
@@ -15,8 +15,11 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-GROUP = 32  # int4 group size: the group of llama.cpp's Q4_0 / Q4_1 blocks and Q4_K sub-blocks
-KINDS = ("int8", "int4")
+GROUP = 32  # a group: llama.cpp's Q4_0 ... Q8_0 block and the K-quants' sub-block (Q6_K's scales: per 16)
+# the group kinds and their bits: each GGUF type's blocks map onto one at the file's own bits (gguf_quant.py);
+# int8g is int8 in groups of 32 (Q8_0), not int8's one scale per row
+GROUP_BITS = {"int4": 4, "int5": 5, "int6": 6, "int8g": 8}
+KINDS = ("int8", *GROUP_BITS)
 MODES = ("auto", "none", "int8", "int4")
 
 
@@ -24,14 +27,16 @@ MODES = ("auto", "none", "int8", "int4")
 class QuantWeight:
     """A linear's weight, [out, in], stored quantized.
 
-    int8: q int8 [out, in], scale [out]:                       w = q * scale
-    int4: q uint8 0..15 [out, in], scale, offset [out, in/32]: w = q * scale + offset (llama.cpp's Q4_1 form)
+    int8: q int8 [out, in], scale [out]:  w = q * scale
+    a group kind of b bits (GROUP_BITS): q uint8 0 .. 2^b - 1 [out, in], scale [out, in/32] (or [out, in/16]: Q6_K's
+      scales per 16, "half"), offset like scale or None: w = q * scale + offset (llama.cpp's Q4_1 form), or without
+      offsets w = (q - 2^(b-1)) * scale (symmetric: Q4_0, Q5_0, Q6_K, Q8_0)
     """
 
     kind: str
     q: torch.Tensor
     scale: torch.Tensor  # float32
-    offset: torch.Tensor | None = None  # float32, int4 only
+    offset: torch.Tensor | None = None  # float32, group kinds with offsets only
     source: str = "rtn"  # where the values came from: a GGUF type (Q4_1, ...) or rtn (rounded at load)
 
     @property
@@ -39,11 +44,30 @@ class QuantWeight:
         """[out, in] of the matrix it stands for."""
         return tuple(self.q.shape)
 
+    @property
+    def bits(self) -> int:
+        """Bits a value (int8: 8)."""
+        return GROUP_BITS.get(self.kind, 8)
+
+    @property
+    def half(self) -> bool:
+        """A group kind's scales (and offsets) are per 16 inputs, not per 32."""
+        return self.kind != "int8" and self.scale.shape[1] * 16 == self.q.shape[1]
+
+    @property
+    def centre(self) -> int:
+        """The value a symmetric group kind's zero is stored as: 2^(bits-1)."""
+        return 1 << (self.bits - 1)
+
     def dequantize(self) -> torch.Tensor:
         """The float32 matrix."""
         if self.kind == "int8":
             return self.q.float() * self.scale[:, None]
-        return (self.q.float().unflatten(1, (-1, GROUP)) * self.scale[..., None] + self.offset[..., None]).flatten(1)
+        per = self.q.shape[1] // self.scale.shape[1]  # inputs a scale
+        q = self.q.float().unflatten(1, (-1, per))
+        if self.offset is None:
+            return ((q - self.centre) * self.scale[..., None]).flatten(1)
+        return (q * self.scale[..., None] + self.offset[..., None]).flatten(1)
 
     def map_rows(self, fn) -> QuantWeight:
         """The same weight with fn (a reordering of axis 0, e.g. llama.cpp's Q/K permutation undone) applied."""
@@ -82,7 +106,8 @@ def quantize_int4(w: torch.Tensor) -> QuantWeight:
 
 
 def to_kind(w: torch.Tensor | QuantWeight, kind: str) -> QuantWeight:
-    """w as a QuantWeight of that kind: kept when it is one already, else rounded to nearest from floats."""
+    """w as a QuantWeight of that kind (int8 or int4): kept when it is one already, else rounded to nearest from
+    floats."""
     if isinstance(w, QuantWeight):
         if w.kind == kind:
             return w
@@ -90,11 +115,37 @@ def to_kind(w: torch.Tensor | QuantWeight, kind: str) -> QuantWeight:
     return quantize_int8(w) if kind == "int8" else quantize_int4(w)
 
 
+def regroup(qw: QuantWeight, kind: str, offsets: bool, half: bool) -> QuantWeight:
+    """A group-kind weight in a group kind of as many bits or more, with offsets and scales per 16 if asked: the same
+    values exactly (a symmetric weight's offsets are -centre * scale, in float16 whenever its scales are)."""
+    bits = GROUP_BITS[kind]
+    assert qw.kind in GROUP_BITS and bits >= qw.bits and (offsets or qw.offset is None) and (half or not qw.half)
+    q, scale, offset = qw.q, qw.scale, qw.offset
+    if offset is None and offsets:
+        offset = -qw.centre * scale
+    elif offset is None:  # still symmetric: the same distances from the new centre
+        q = (q.to(torch.int16) + ((1 << (bits - 1)) - qw.centre)).to(torch.uint8)
+    if half and not qw.half:
+        scale = scale.repeat_interleave(2, dim=1)
+        offset = None if offset is None else offset.repeat_interleave(2, dim=1)
+    return QuantWeight(kind, q, scale, offset, qw.source)
+
+
 def cat_rows(parts: list[QuantWeight]) -> QuantWeight:
-    """Stack weights along the output axis (fused q|k|v, gate|up); mixed kinds meet at int8."""
-    kind = parts[0].kind if len({p.kind for p in parts}) == 1 else "int8"
+    """Stack weights along the output axis (fused q|k|v, gate|up). Group kinds meet exactly in the widest's bits (with
+    offsets if any has them, scales per 16 if any has those) where the kernel has that format; else at int8."""
+    kinds = {p.kind for p in parts}
+    if kinds <= set(GROUP_BITS):
+        kind = max(kinds, key=GROUP_BITS.__getitem__)
+        offsets, half = any(p.offset is not None for p in parts), any(p.half for p in parts)
+        if group_format(GROUP_BITS[kind], offsets, half) is not None:
+            parts = [regroup(p, kind, offsets, half) for p in parts]
+        else:
+            kind = "int8"
+    else:
+        kind = "int8"
     parts = [to_kind(p, kind) for p in parts]
-    offset = torch.cat([p.offset for p in parts]) if kind == "int4" else None
+    offset = None if parts[0].offset is None else torch.cat([p.offset for p in parts])
     sources = sorted({p.source for p in parts})
     return QuantWeight(kind, torch.cat([p.q for p in parts]), torch.cat([p.scale for p in parts]), offset,
                        "+".join(sources))
@@ -131,47 +182,87 @@ def own_kernel_isa() -> str | None:
     return None if lib is None else lib.llmserve_quant_isa().decode()
 
 
-def own_int4_tile() -> int:
-    """The row tile of our int4 kernel's weight layout on this CPU: 16 with AVX-512, else 1 (rows in order)."""
-    return _own_kernels().llmserve_int4_tile()
+def own_quant_tile() -> int:
+    """The row tile of our group kernel's weight layout on this CPU: 16 with AVX-512, else 1 (rows in order)."""
+    return _own_kernels().llmserve_quant_tile()
 
 
-def pack_int4_own(qw: QuantWeight) -> torch.Tensor:
-    """csrc/quant_matmul.cpp's form of an int4 weight: one byte tensor, [tiles, 20 * t * groups] for tiles of t rows.
+def group_format(bits: int, offsets: bool, half: bool) -> int | None:
+    """The kernel library's code for a group format (kernels.h's quant_format), or None where it has no such format
+    (or does not build)."""
+    lib = _own_kernels()
+    fmt = -1 if lib is None else lib.llmserve_quant_format(bits, int(offsets), int(half))
+    return None if fmt < 0 else fmt
 
-    A tile's values, then its scales, then its offsets (w = q * scale + offset), each [groups, t] in float16: 5 bits
-    a weight, as llama.cpp's Q4_1 (float32 scales and offsets made it 6). Values two a byte, byte j of a group of 32
-    holding inputs j (low nibble) and j + 16 (high). With tiles of t > 1 rows (AVX-512), the rows are padded to a
-    whole tile with zeros and each tile's group is t rows' 16 bytes as four chunks, chunk c holding each row's bytes
-    4c..4c+3 in turn; with t = 1 (rows in order) a row's groups follow each other."""
-    g = qw.q.view(qw.q.shape[0], -1, 2, GROUP // 2)
-    packed = (g[:, :, 0] | (g[:, :, 1] << 4)).flatten(1)  # [out, in/2]
-    scale, offset = qw.scale.half(), qw.offset.half()
-    if not (scale.isfinite().all() and offset.isfinite().all()):
-        raise ValueError("int4 scales or offsets beyond float16's range")
-    t = own_int4_tile()
-    pad = -packed.shape[0] % t
-    packed, scale, offset = (F.pad(v, (0, 0, 0, pad)) for v in (packed, scale, offset))
-    tiles, groups = packed.shape[0] // t, scale.shape[1]
-    # [tiles, t rows, groups, 4 chunks, 4 bytes] → [tiles, groups, chunks, rows, bytes]
-    packed = packed.view(tiles, t, groups, 4, 4).permute(0, 2, 3, 1, 4).reshape(tiles, groups, -1)
-    scale, offset = (v.view(tiles, t, groups).transpose(1, 2).reshape(tiles, -1).view(torch.uint8)
-                     .view(tiles, groups, -1) for v in (scale, offset))
-    parts = [packed, scale, offset]  # each [tiles, groups, bytes]
-    if t > 1:  # group after group
-        return torch.cat(parts, dim=2).reshape(tiles, -1).contiguous()
-    return torch.cat([v.reshape(tiles, -1) for v in parts], dim=1).contiguous()  # a row's values, scales, offsets
+
+def weight_format(qw: QuantWeight) -> int | None:
+    """A group-kind weight's format code for our kernels (None: they cannot run it)."""
+    return group_format(qw.bits, qw.offset is not None, qw.half)
+
+
+def _bit_planes(q: torch.Tensor, bits: int) -> torch.Tensor:
+    """[rows, groups, 32] values → [rows, groups, 4 * bits] bytes as csrc/quant_matmul.cpp's Fmt lays a group out:
+    8 bits as they are; else a nibble plane (byte j: value j low, j + 16 high), then for each bit above the fourth a
+    4-byte plane whose byte j's bit c is value 4c + j's and bit 4 + c value 16 + 4c + j's."""
+    if bits == 8:
+        return q
+    out = [(q[..., :16] & 15) | ((q[..., 16:] & 15) << 4)]
+    for p in range(bits - 4):
+        b = ((q >> (4 + p)) & 1).view(*q.shape[:-1], 2, 4, 4)  # [.., half, c, j]
+        weights = torch.tensor([1, 2, 4, 8], dtype=torch.uint8).view(1, 1, 4, 1)
+        lo, hi = ((b[..., h, :, :] * weights).sum(-2) for h in (0, 1))
+        out.append((lo | (hi << 4)).to(torch.uint8))
+    return torch.cat(out, dim=-1)
+
+
+def pack_own(qw: QuantWeight) -> torch.Tensor:
+    """csrc/quant_matmul.cpp's form of a group-kind weight: one byte tensor, [tiles, bytes] for tiles of t rows.
+
+    Per group of 32 inputs a row's values (4 * bits bytes, _bit_planes), its float16 scales (one, or two with
+    scales per 16) and its float16 offsets (as many, or none for a symmetric weight): 4.5 bits a weight for Q4_0,
+    5 for Q4_1, 8.5 for Q8_0, as in the file. With tiles of t > 1 rows (AVX-512), the rows are padded to a whole tile
+    with zeros and each tile's group is its values as 4-byte chunks, chunk c holding each row's chunk c in turn,
+    then its scales [parts, t], then its offsets [parts, t]; with t = 1 (rows in order) a row's groups' values follow
+    each other, then its scales [parts, groups], then its offsets."""
+    fmt = weight_format(qw)
+    if fmt is None:
+        raise ValueError(f"no kernel for {qw.kind} with{'' if qw.offset is not None else 'out'} offsets")
+    out, k = qw.shape
+    groups, parts = k // GROUP, 2 if qw.half else 1
+    values = _bit_planes(qw.q.view(out, groups, GROUP), qw.bits)  # [out, groups, 4 * bits]
+    halves = [qw.scale] if qw.offset is None else [qw.scale, qw.offset]
+    halves = [v.half() for v in halves]
+    if not all(v.isfinite().all() for v in halves):
+        raise ValueError(f"{qw.kind} scales or offsets beyond float16's range")
+    t = own_quant_tile()
+    pad = -out % t
+    values = F.pad(values, (0, 0, 0, 0, 0, pad))
+    halves = [F.pad(v, (0, 0, 0, pad)).view(-1, t, groups, parts) for v in halves]  # [tiles, t, groups, parts]
+    tiles = values.shape[0] // t
+    if t > 1:  # group after group: [tiles, groups, chunks, t, 4], then [tiles, groups, parts, t] each
+        chunks = values.view(tiles, t, groups, qw.bits, 4).permute(0, 2, 3, 1, 4).reshape(tiles, groups, -1)
+        rest = [v.permute(0, 2, 3, 1).reshape(tiles, groups, -1).contiguous().view(torch.uint8) for v in halves]
+        packed = torch.cat([chunks, *rest], dim=2).reshape(tiles, -1)
+    else:  # a row's values, then its scales [parts, groups], then its offsets
+        rest = [v.permute(0, 1, 3, 2).reshape(tiles, -1).contiguous().view(torch.uint8) for v in halves]
+        packed = torch.cat([values.reshape(tiles, -1), *rest], dim=1)
+    packed = packed.contiguous()
+    assert packed.numel() == _own_kernels().llmserve_quant_bytes(fmt, out, k)
+    return packed
 
 
 class QuantLinear:
     """y = x @ w.T (+ bias) through a weight-only quantized kernel, or a dense copy above plan's row limit."""
 
     __slots__ = ("kind", "source", "out_features", "in_features", "bias", "plan", "dense", "_w", "_scale", "_zero",
-                 "_scales", "_own4")
+                 "_scales", "_fmt", "bits_read")
 
     fused_gelu = False  # no post-op fusion in these kernels: the model applies its activation itself
 
     def __init__(self, qw: QuantWeight, bias: torch.Tensor | None, plan, dense=None):
+        self._fmt = weight_format(qw) if qw.kind in GROUP_BITS else None
+        if qw.kind in GROUP_BITS and self._fmt is None and not (qw.kind == "int4" and _own_kernels() is None):
+            qw = to_kind(qw, "int8")  # no kernel for this format here: int8 per row, rounded once more
         self.kind = qw.kind
         self.source = qw.source
         self.out_features, self.in_features = qw.shape
@@ -180,16 +271,16 @@ class QuantLinear:
         self.dense = dense  # a common.Linear over the dequantized weight, or None
         if qw.kind == "int8":
             self._w = qw.q.contiguous()
-        self._own4 = qw.kind == "int4" and _own_kernels() is not None
         self._scale, self._zero = qw.scale, None
-        if self._own4:  # our kernel: values, scales and offsets in one tensor of its own layout
-            self._w, self._scale = pack_int4_own(qw), None
+        if self._fmt is not None:  # our kernel: values, scales and offsets in one tensor of its own layout
+            self._w, self._scale = pack_own(qw), None
         elif qw.kind == "int4":
             # torch's form: w = (q - 8) * scale + zero; its CPU packing takes int32 values 0..15, two a byte,
             # [out, in/2]
-            self._zero = qw.offset + 8 * qw.scale
+            self._zero = (qw.offset if qw.offset is not None else -8 * qw.scale) + 8 * qw.scale
             self._w = torch.ops.aten._convert_weight_to_int4pack_for_cpu(qw.q.to(torch.int32).contiguous(), 1)
         self._scales = {}  # activation dtype → scales in it (torch's kernels want them in the activation dtype)
+        self.bits_read = 8 * self.nbytes / self.params  # a weight's bits the quantized kernel reads (scales too)
 
     @property
     def nbytes(self) -> int:
@@ -197,15 +288,15 @@ class QuantLinear:
         n = self._w.numel() * self._w.element_size()
         if self.kind == "int8":
             return n + self.out_features * 2
-        if self._own4:  # its scales and offsets are in it (rows padded to the kernel's tile)
+        if self._fmt is not None:  # its scales and offsets are in it (rows padded to the kernel's tile)
             return n
         return n + self.out_features * (self.in_features // GROUP) * 2 * 2  # in the bf16 activations for torch's
 
     @property
     def kernel(self) -> str:
         """Which matmul runs the quantized rows (for /stats and the start-up log)."""
-        if self._own4:
-            return f"llmserve int4 (int16 activations, {own_kernel_isa()})"
+        if self._fmt is not None:
+            return f"llmserve {self.kind} (int16 activations, {own_kernel_isa()})"
         if self.kind == "int8" and _own_int8_kernel() is not None:
             return f"llmserve int8 (int16 activations, {own_kernel_isa()}) up to {OWN_INT8_MAX_ROWS} rows, then aten"
         return f"aten {self.kind}"
@@ -216,9 +307,9 @@ class QuantLinear:
         return self.out_features * self.in_features
 
     @property
-    def own_int4(self) -> bool:
-        """int4 packed for llmserve's own kernel."""
-        return self._own4
+    def fmt(self) -> int | None:
+        """The group format our kernel runs it in (kernels.h's quant_format), or None (int8, or torch's int4)."""
+        return self._fmt
 
     @property
     def own_int8(self) -> bool:
@@ -232,7 +323,7 @@ class QuantLinear:
         return self.plan.choice(self.kind)[1] if self.dense is not None else NEVER
 
     def kernel_tensors(self) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """What our kernels read: int8 values and their float32 scales, or (int4) pack_int4_own's tensor and None."""
+        """What our kernels read: int8 values and their float32 scales, or (a group kind) pack_own's tensor and None."""
         return self._w, self._scale
 
     def relocate(self, place) -> None:
@@ -253,7 +344,8 @@ class QuantLinear:
         return s
 
     def quantized(self, x: torch.Tensor, act: torch.dtype) -> torch.Tensor:
-        """The quantized kernel with activations in act (result in act; ours: int8 gives float32, int4 x's dtype)."""
+        """The quantized kernel with activations in act (result in act; ours: int8 gives float32, a group kind x's
+        dtype)."""
         if self.kind == "int8":
             own = _own_int8_kernel()
             rows = x.shape[0]
@@ -264,12 +356,12 @@ class QuantLinear:
                 own(xc.data_ptr(), xc.stride(0), rows, self._w.data_ptr(), self._scale.data_ptr(), y.data_ptr(),
                     y.stride(0), self.out_features, self.in_features, xc.element_size(), torch.get_num_threads())
                 return y
-        elif self._own4:  # int4 packed for our kernel: it reads float32 or bf16 directly, any rows
+        elif self._fmt is not None:  # packed for our kernel: it reads float32 or bf16 directly, any rows
             xc = x.contiguous() if x.dtype in OWN_DTYPES else x.float().contiguous()
             y = torch.empty((xc.shape[0], self.out_features), dtype=xc.dtype)  # it writes x's dtype
-            _own_kernels().llmserve_int4_matmul(xc.data_ptr(), xc.stride(0), xc.shape[0], self._w.data_ptr(),
-                                                y.data_ptr(), y.stride(0), self.out_features, self.in_features,
-                                                xc.element_size(), torch.get_num_threads())
+            _own_kernels().llmserve_quant_matmul(self._fmt, xc.data_ptr(), xc.stride(0), xc.shape[0], self._w.data_ptr(),
+                                                 y.data_ptr(), y.stride(0), self.out_features, self.in_features,
+                                                 xc.element_size(), y.element_size(), torch.get_num_threads())
             return y
         xa = (x if x.dtype == act else x.to(act)).contiguous()
         if self.kind == "int8":

@@ -4,6 +4,7 @@ over prompt chunks and decodes."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from torch_helpers import Driver, batch_of, make_backend, make_llama
@@ -346,3 +347,37 @@ def test_two_rows_of_one_sequence_read_each_others_keys(llama_dir):
             assert torch.equal(got, want), i
     finally:
         torch.set_num_threads(before)
+
+
+# a Q4_K_M-like file: each tensor in its own type (q|k|v meet in int6 with offsets and scales per 16, gate|up in int5
+# with offsets), the LM head in Q6_K
+MIXED_TYPES = {"attn_q": "Q4_K", "attn_k": "Q5_0", "attn_v": "Q6_K", "attn_output": "Q5_1", "ffn_gate": "Q5_K",
+               "ffn_up": "Q5_0", "ffn_down": "Q8_0", "output": "Q6_K"}
+
+
+@pytest.fixture(scope="module")
+def mixed_gguf(tmp_path_factory):
+    from gguf_helpers import gguf_tensors, make_decoder, quantize, write_gguf
+
+    hf = make_decoder("llama", hidden=256, seed=5)  # K-quants need 256 inputs per row
+    tensors = {}
+    for name, t in gguf_tensors(hf).items():
+        qtype = MIXED_TYPES.get(name.split(".")[-2])
+        tensors[name] = (quantize(t, qtype), qtype) if qtype and t.ndim == 2 else t.astype(np.float32)
+    return write_gguf(tmp_path_factory.mktemp("mixed") / "mixed.gguf", hf, tensors=tensors)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_file_of_mixed_group_kinds_runs_fused_with_its_own_head(mixed_gguf, dtype):
+    """Every GGUF type at its own bits in one call, the Q6_K LM head included: hidden states, logits and greedy
+    tokens equal the Python path's."""
+    fused, plain = _backend(mixed_gguf, dtype, "auto", "auto"), _backend(mixed_gguf, dtype, "auto", "off")
+    kinds = fused.describe()["quantization"]["linears"]
+    assert kinds == {"int6 (Q4_K+Q5_0+Q6_K)": 2, "int5 (Q5_1)": 2, "int5 (Q5_0+Q5_K)": 2, "int8g (Q8_0)": 2,
+                     "int6 (Q6_K)": 1}
+    assert fused.stack is not None and fused.stack.head_rows == 4
+    for (hidden, logits, tokens, _), (plain_hidden, *_) in zip(_head_steps(fused, 2), _head_steps(plain, 2)):
+        assert torch.equal(hidden, plain_hidden)
+        if logits is not None:
+            want = plain.model.logits(plain_hidden)
+            assert torch.equal(logits, want) and tokens == want.argmax(dim=-1).tolist()

@@ -10,9 +10,9 @@
 //
 // Per layer: h = rms(x) → qkv = h·Wqkv (+ bias) → RoPE on q, k → K/V stored, paged attention → o =
 // attn·Wo → x += o, h = rms(x) → gate|up = h·Wgu → silu(gate)·up → down → x += down (into the next
-// layer's norm). Linears: kind 4 (int4 groups of 32, our packing) or 8 (int8 per row, float32 out,
-// rounded to the activations' dtype as torch's .to() does). The token ids' embedding rows are copied in first
-// (Step::ids); where the caller asks, the final norm and an int8 LM head follow in the same region (Step::logits),
+// layer's norm). Linears: a group format (kernels.h's quant_format: values of 4-8 bits in groups of 32, our
+// packing) or kInt8Rows (int8 per row, float32 out, rounded to the activations' dtype as torch's .to() does). The token ids' embedding rows are copied in first
+// (Step::ids); where the caller asks, the final norm and a quantized LM head follow in the same region (Step::logits),
 // then each row's greedy token (Step::tokens): the Python path's logits with QuantLinear's and lm_head's roundings,
 // then the argmax of the sampler's fast path. At one sequence the torch calls and Python around those were ~0.1 ms
 // of a ~1.6 ms step.
@@ -29,7 +29,7 @@
 namespace {
 
 struct QLinear {  // y[rows, n] = x[rows, k] · W^T (+ bias)
-  int32_t kind, n, k;  // kind 4: int4 (w, its scales inside); 8: int8 per row (w, scale)
+  int32_t kind, n, k;  // a group format (w, its scales inside), or kInt8Rows: int8 per row (w, scale)
   const void* w;
   const float* scale;
   const void* bias;  // in the activations' dtype, or null
@@ -61,7 +61,7 @@ struct Model {
   int32_t layers, hidden, heads, kv_heads, head_dim, inter, block_size, elem_size;
   float eps, attn_scale;
   const Layer* layer;
-  QLinear head;  // the LM head (kind 8), or kind 0 where the caller never asks for logits
+  QLinear head;  // the LM head, or kind 0 where the caller never asks for logits
   const void* final_norm;
   const void* embed;  // [vocab, hidden] in the activations' dtype: Step::ids' rows
   int32_t vocab;
@@ -168,9 +168,9 @@ template <typename T>
 void linear(const Team& tm, const QLinear& L, const void* x, int rows, void* y, float* f32, Balance* bal) {
   const int elem = sizeof(T);
   T* yt = static_cast<T*>(y);
-  if (L.kind == 4) {
+  if (is_group_format(L.kind)) {
     const Busy busy(tm, bal);
-    team_int4_matmul(tm, x, L.k, rows, static_cast<const uint8_t*>(L.w), y, L.n, L.n, L.k, elem);
+    team_quant_matmul(tm, L.kind, x, L.k, rows, static_cast<const uint8_t*>(L.w), y, L.n, L.n, L.k, elem, elem);
   } else {  // float32 out, then the activations' dtype (torch: y.to(x.dtype))
     const Busy busy(tm, bal);
     team_int8_matmul(tm, x, L.k, rows, static_cast<const int8_t*>(L.w), L.scale, f32, L.n, L.n, L.k, elem);
@@ -197,9 +197,9 @@ void wait_ahead_for(const Team& mt, const Model& m, const QLinear& L) {
     return;
   }
   int64_t first, last, unit;  // this member's items and each one's bytes
-  if (L.kind == 4) {
-    const int tiles = int4_tiles(L.n);
-    first = mt.share_begin(tiles), last = mt.share_end(tiles), unit = int4_tile_bytes(L.k);
+  if (is_group_format(L.kind)) {
+    const int tiles = quant_tiles(L.n);
+    first = mt.share_begin(tiles), last = mt.share_end(tiles), unit = quant_tile_bytes(L.kind, L.k);
   } else {
     first = mt.share_begin(L.n), last = mt.share_end(L.n), unit = L.k;
   }
@@ -251,7 +251,7 @@ struct Flow {
   }
 };
 
-// The final norm, the int8 LM head (float32 out, rounded through T as QuantLinear's y.to(x.dtype) does before
+// The final norm, the quantized LM head (float32 out, rounded through T as QuantLinear's y.to(x.dtype) does before
 // lm_head's .float()), and where asked each row's token: a greedy row's first largest logit within each member's
 // share of the vocabulary, a sampled row's race (Step::temps) over each member's share of its chunks once every
 // logit is made (a row that filters, Step::filters, once one member has filtered it); then over the members in
@@ -262,12 +262,20 @@ void head(const Team& tm, const Team& mt, const Model& m, const Flow<T>& f, cons
   const int R = st.rows, H = m.hidden, V = m.head.n;
   team_add_rms_norm(f.ew, f.x, H, nullptr, 0, m.final_norm, f.h, H, R, H, m.eps, sizeof(T));
   f.sync(tm);
+  int j0, j1;  // this member's logits: the matmul's share of them
   {
     const Busy busy(mt, m.balance);
-    team_int8_matmul(mt, f.h, H, R, static_cast<const int8_t*>(m.head.w), m.head.scale, st.logits, V, V, H,
-                     sizeof(T));
+    if (is_group_format(m.head.kind)) {
+      team_quant_matmul(mt, m.head.kind, f.h, H, R, static_cast<const uint8_t*>(m.head.w), st.logits, V, V, H,
+                        sizeof(T), 4);
+      const int tiles = quant_tiles(V);
+      j0 = std::min(V, mt.share_begin(tiles) * quant_tile()), j1 = std::min(V, mt.share_end(tiles) * quant_tile());
+    } else {
+      team_int8_matmul(mt, f.h, H, R, static_cast<const int8_t*>(m.head.w), m.head.scale, st.logits, V, V, H,
+                       sizeof(T));
+      j0 = mt.share_begin(V), j1 = mt.share_end(V);
+    }
   }
-  const int j0 = mt.share_begin(V), j1 = mt.share_end(V);
   for (int r = 0; r < R; ++r) {
     float* y = st.logits + static_cast<int64_t>(r) * V;
     for (int j = j0; j < j1; ++j) y[j] = round_to<T>(y[j]);

@@ -49,13 +49,25 @@ inline bool row_filters(int top_k, float top_p, float min_p, int64_t n) {
 void filter_row(const float* x, int64_t n, float t, int top_k, float top_p, float min_p, float* y,
                 std::vector<int32_t>& cand);
 
-// y = x · W^T, int4 groups of 32 with float16 scales and offsets (quant_matmul.cpp); this member's tiles of
-// outputs (share_begin / share_end)
-void team_int4_matmul(const Team& tm, const void* x, int64_t xs, int rows, const uint8_t* w, void* y, int64_t ys,
-                      int N, int K, int elem_size);
-// That layout's tiles for N outputs (a member's share is whole tiles) and one tile's bytes for K inputs
-int int4_tiles(int N);
-int64_t int4_tile_bytes(int K);
+// A quantized linear's weight format (decode_layers.cpp's QLinear::kind, llmserve_quant_matmul's fmt): int8 with one
+// scale per output row (decoder_ops.cpp), or a group format of quant_matmul.cpp: values of `bits` bits (4, 5, 6, 8)
+// in groups of 32 inputs, with float16 offsets or symmetric, scales per 16 inputs (half) or per 32
+constexpr int kInt8Rows = 8;
+constexpr int kGroupFormat = 0x100;
+constexpr int quant_format(int bits, bool offsets, bool half) {
+  return kGroupFormat | bits | (offsets ? 0x10 : 0) | (half ? 0x20 : 0);
+}
+inline bool is_group_format(int kind) { return (kind & kGroupFormat) != 0; }
+
+// y = x · W^T for a group format (quant_matmul.cpp), y float32 (out_size 4) or, with bf16 x, bf16 (2); this member's
+// tiles of outputs (share_begin / share_end)
+void team_quant_matmul(const Team& tm, int fmt, const void* x, int64_t xs, int rows, const uint8_t* w, void* y,
+                       int64_t ys, int N, int K, int elem_size, int out_size);
+// The group layout's rows a tile (16 with AVX-512, else 1), its tiles for N outputs (a member's share is whole tiles)
+// and one tile's bytes for K inputs
+int quant_tile();
+int quant_tiles(int N);
+int64_t quant_tile_bytes(int fmt, int K);
 // y = x · W^T, int8 per output row, float32 out (decoder_ops.cpp); this member's outputs
 // [tm.share_begin(N), tm.share_end(N))
 void team_int8_matmul(const Team& tm, const void* x, int64_t xs, int rows, const int8_t* w, const float* scale,

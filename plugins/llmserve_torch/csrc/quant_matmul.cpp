@@ -1,17 +1,20 @@
-// The int4 weight-only matmul: y[r, n] = sum_k x[r, k] * w[n, k], each quantized weight row read once from
-// memory for all rows (torch's _weight_int4pack_mm_for_cpu read ~16 GB/s with bf16 activations, and took a
-// slow path with float32 ones). Activations are quantized to int16 per group of 32, so the inner products run
-// on integer SIMD: with AVX-512, weight rows in tiles of 16 meet each int16's two bytes in vpdpbusd (vpmaddubsw
-// without VNNI); with AVX2, one row at a time through vpmaddwd; a scalar loop without either (-march=native
-// picks; pack_int4_own in quant.py lays the weights out for the build's path). Not int8 as llama.cpp's
-// Q8_1: SmolLM2's activations have outliers, a group's small values then round to zero, and greedy answers
-// changed with a prefix-cache hit (the last prompt rows taking this kernel instead of the dense copy).
+// Weight-only matmuls on group-quantized weights: y[r, n] = sum_k x[r, k] * w[n, k], each quantized weight row
+// read once from memory for all rows (torch's _weight_int4pack_mm_for_cpu read ~16 GB/s with bf16 activations, and
+// took a slow path with float32 ones). A group format (Fmt) holds values of 4, 5, 6 or 8 bits in groups of 32 inputs
+// with float16 scales (and offsets): a GGUF file's Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K and Q8_0 blocks each map
+// onto one of them at the file's own bits (gguf_quant.py), so no value is rounded twice. Activations are quantized to
+// int16 per group of 32, so the inner products run on integer SIMD: with AVX-512, weight rows in tiles of 16 meet
+// each int16's two bytes in vpdpbusd (vpmaddubsw without VNNI); with AVX2, one row at a time through vpmaddwd; a
+// scalar loop without either (-march=native picks; pack_own in quant.py lays the weights out for the build's path).
+// Not int8 as llama.cpp's Q8_1: SmolLM2's activations have outliers, a group's small values then round to zero, and
+// greedy answers changed with a prefix-cache hit (the last prompt rows taking this kernel instead of the dense copy).
 //
 // Plain C ABI, loaded with ctypes together with the other CPU kernels (one library).
 
 #include <math.h>
 
 #include <cstdint>
+#include <cstring>
 #include <vector>
 
 #if defined(__AVX2__)
@@ -23,7 +26,7 @@
 
 namespace {
 
-constexpr int kG4 = 32;  // int4 group: one scale and zero per 32 inputs (llama.cpp's Q4_0/Q4_1 block)
+constexpr int kG = 32;  // a group: 32 inputs, llama.cpp's Q4_0 ... Q8_0 block and the K-quants' sub-block
 
 // The largest |q| of an activation rounded to int16: 256 * 127 + 127, so that q splits into two signed bytes
 // (xh = (q + 128) >> 8 stays <= 127) for the AVX-512 path
@@ -35,78 +38,120 @@ constexpr int kTile = 16;
 #else
 constexpr int kTile = 1;
 #endif
-// Tile t of pack_int4_own's layout: 20 bytes a row and group, as llama.cpp's Q4_1 block. In tiles of 16, group
-// after group: its values (16 bytes a row), its float16 scales [16], its offsets [16], so a tile is read in one
-// sequential stream (values, scales and offsets in three regions of a tile ran 24 % slower at one row). Rows in
-// order (kTile 1): a row's values, then its scales, then its offsets (the AVX2 path reads eight groups' scales
-// at once).
-constexpr int kGroupBytes = kTile * 20;  // a tile's group: values, scales, offsets
 
+// A group format: 32 values q of Bits bits (0 .. 2^Bits - 1), then float16 scales and, with Off, offsets:
+// w = q * scale + offset, or without Off w = (q - 2^(Bits-1)) * scale (symmetric: Q4_0, Q5_0, Q6_K, Q8_0 store no
+// offset). With Half, scales and offsets are per 16 inputs (Q6_K's sub-blocks), else per 32. A row's group takes
+// kRowBytes: its values as Bits 4-byte chunks (Bits < 8: a nibble plane of 16 bytes, byte j holding inputs j (low
+// nibble) and j + 16 (high), then one 4-byte plane for each bit above the fourth, byte j's bit c holding input
+// 4c + j's and bit 4 + c input 16 + 4c + j's; Bits 8: the 32 bytes in order), then its scales, then its offsets.
+template <int Bits, bool Off, bool Half>
+struct Fmt {
+  static constexpr int kBits = Bits;
+  static constexpr bool kOff = Off, kHalf = Half;
+  static constexpr int kCentre = 1 << (Bits - 1);  // the integer sums meet w - zero = (q - kCentre) * scale
+  static constexpr int kParts = Half ? 2 : 1;      // scales (and offsets) a row's group
+  static constexpr int kValueBytes = 4 * Bits;
+  static constexpr int kRowBytes = kValueBytes + 2 * kParts * (Off ? 2 : 1);
+  static constexpr int kCode = quant_format(Bits, Off, Half);
+};
+
+// Tile t of pack_own's layout. In tiles of 16 rows, group after group: the group's values as chunks of 64 bytes,
+// dword r of chunk c holding row r's 4-byte chunk c (so a tile's group is read in one sequential stream: values,
+// scales and offsets in three regions of a tile ran 24 % slower at one row), then its scales [parts][16], then its
+// offsets [parts][16]. Rows in order (kTile 1): a row's groups' values, then its scales [parts][groups], then its
+// offsets [parts][groups] (the AVX2 path reads eight groups' scales at once).
+template <typename F>
 struct Block {
   const uint8_t* base;
   int ng;
-  Block(const uint8_t* w, int64_t t, int K) : base(w + t * (K / kG4) * kGroupBytes), ng(K / kG4) {}
+  Block(const uint8_t* w, int64_t t, int K) : base(w + t * (K / kG) * kTile * F::kRowBytes), ng(K / kG) {}
 #if defined(__AVX512BW__)
-  const uint8_t* values(int g) const { return base + g * kGroupBytes; }
-  const uint16_t* scales(int g) const { return reinterpret_cast<const uint16_t*>(values(g) + 256); }
-  const uint16_t* offsets(int g) const { return scales(g) + 16; }
+  const uint8_t* values(int g) const { return base + g * kTile * F::kRowBytes; }
+  const uint16_t* scales(int g, int part) const {
+    return reinterpret_cast<const uint16_t*>(values(g) + kTile * F::kValueBytes) + part * kTile;
+  }
+  const uint16_t* offsets(int g, int part) const { return scales(g, 0) + (F::kParts + part) * kTile; }
 #else
-  const uint8_t* values(int g) const { return base + g * 16; }
-  const uint16_t* scales(int g) const { return reinterpret_cast<const uint16_t*>(base + ng * 16) + g; }
-  const uint16_t* offsets(int g) const { return scales(g) + ng; }
+  const uint8_t* values(int g) const { return base + g * F::kValueBytes; }
+  const uint16_t* scales(int g, int part) const {
+    return reinterpret_cast<const uint16_t*>(base + ng * F::kValueBytes) + part * ng + g;
+  }
+  const uint16_t* offsets(int g, int part) const { return scales(g, part) + F::kParts * ng; }
 #endif
 };
+
+// One group's 32 values as integers (the scalar path and the AVX2 path's groups left over)
+template <typename F>
+inline void group_values(const uint8_t* v, int* q) {
+  if (F::kBits == 8) {
+    for (int i = 0; i < kG; ++i) q[i] = v[i];
+    return;
+  }
+  for (int j = 0; j < 16; ++j) q[j] = v[j] & 15, q[j + 16] = v[j] >> 4;
+  for (int p = 0; p < F::kBits - 4; ++p)
+    for (int j = 0; j < 4; ++j)
+      for (int c = 0; c < 4; ++c) {
+        const int b = v[16 + 4 * p + j];
+        q[4 * c + j] |= ((b >> c) & 1) << (4 + p);
+        q[16 + 4 * c + j] |= ((b >> (4 + c)) & 1) << (4 + p);
+      }
+}
 
 #if defined(__AVX512BW__)
 // ---- AVX-512: weight rows in tiles of 16, one output per lane ---------------------------------------------------
 //
-// The layout (pack_int4_own in quant.py makes it): rows in tiles of kTile, the last padded with zero rows; a tile's
-// group g is 256 bytes, four 64-byte chunks, dword r of chunk c holding bytes 4c..4c+3 of row r's group (so the
-// low nibbles are inputs 4c..4c+3 and the high ones 16 + 4c..16 + 4c + 3), then the group's 16 float16 scales and
-// 16 offsets (Block).
-// A 4-byte piece of the activations, broadcast, meets all 16 rows in one vpdpbusd: no horizontal sums, no
-// per-row tails (576 inputs are 18 groups: a per-row layout had 2 left over after blocks of four), one scale
-// vector per group. 120 SmolLM2-shaped matrices at one row, from memory, 2 threads of a Zen 5 EPYC: 1.80 ms in
-// the per-row layout (44 GB/s), 1.30 ms in tiles (61 GB/s).
+// A 4-byte piece of the activations, broadcast, meets all 16 rows in one vpdpbusd: no horizontal sums, no per-row
+// tails (576 inputs are 18 groups: a per-row layout had 2 left over after blocks of four), one scale vector per
+// group. 120 SmolLM2-shaped int4 matrices at one row, from memory, 2 threads of a Zen 5 EPYC: 1.80 ms in the per-row
+// layout (44 GB/s), 1.30 ms in tiles (61 GB/s).
 constexpr int kRowBlock = 4;  // rows of x that share one unpacking of a tile's group
 
 // Rows of activations, per group of 32: x ≈ d * q with q in -kQMax..kQMax, each q as two signed bytes q = 256 * h +
-// l (vpdpbusd multiplies unsigned by signed bytes: the 4-bit weights 64 at a time, no widening, the same integer
-// sums), c = -8 * d * sum(q) (the weights' centring: w - zero = (q - 8) * scale), xsum = the exact sum of x
+// l (vpdpbusd multiplies unsigned by signed bytes: the weights 64 at a time, no widening, the same integer sums); qs
+// and xs: the sums of q and the exact sums of x over inputs 0..15 (qs0, xs0) and 16..31 (qs1, xs1), or with whole
+// groups (no Half) over all 32 in qs0 and xs0
 struct Split {
   std::vector<int8_t> h, l;
-  std::vector<float> d, c, xsum;
+  std::vector<float> d, xs0, xs1;
+  std::vector<int32_t> qs0, qs1;
 };
 
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 inline __m512 load16_half(const uint16_t* p) {  // 16 float16 as float
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 inline __m512 load16(const uint16_t* p) {  // 16 bfloat16 as float: the 16 bits become the top half
   const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16));
 }
 
-template <typename T>
+template <bool Half, typename T>
 const Split& split_rows(const T* x, int64_t xs, int rows, int K) {
   thread_local Split a;  // grown once: a step calls this ~120 times
-  const int ng = K / kG4;
+  const int ng = K / kG;
   a.h.resize(static_cast<size_t>(rows) * K), a.l.resize(a.h.size());
-  a.d.resize(static_cast<size_t>(rows) * ng), a.c.resize(a.d.size()), a.xsum.resize(a.d.size());
+  a.d.resize(static_cast<size_t>(rows) * ng), a.xs0.resize(a.d.size()), a.xs1.resize(a.d.size());
+  a.qs0.resize(a.d.size()), a.qs1.resize(a.d.size());
   const __m512i c128 = _mm512_set1_epi32(128);
   for (int r = 0; r < rows; ++r)
     for (int g = 0; g < ng; ++g) {
-      const T* xg = x + r * xs + g * kG4;
+      const T* xg = x + r * xs + g * kG;
       const __m512 v0 = load16(xg), v1 = load16(xg + 16);
       const float mx = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
       const int64_t at = static_cast<int64_t>(r) * ng + g;
-      a.xsum[at] = _mm512_reduce_add_ps(_mm512_add_ps(v0, v1));
       const __m512 inv = _mm512_set1_ps(mx > 0.f ? kQMax / mx : 0.f);
       const __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, inv)), q1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, inv));
       a.d[at] = mx / kQMax;
-      a.c[at] = -8.f * a.d[at] * static_cast<float>(_mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1)));
-      int8_t* h = a.h.data() + static_cast<int64_t>(r) * K + g * kG4;
-      int8_t* l = a.l.data() + static_cast<int64_t>(r) * K + g * kG4;
+      if (Half) {
+        a.xs0[at] = _mm512_reduce_add_ps(v0), a.xs1[at] = _mm512_reduce_add_ps(v1);
+        a.qs0[at] = _mm512_reduce_add_epi32(q0), a.qs1[at] = _mm512_reduce_add_epi32(q1);
+      } else {
+        a.xs0[at] = _mm512_reduce_add_ps(_mm512_add_ps(v0, v1));
+        a.qs0[at] = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
+      }
+      int8_t* h = a.h.data() + static_cast<int64_t>(r) * K + g * kG;
+      int8_t* l = a.l.data() + static_cast<int64_t>(r) * K + g * kG;
       for (int half = 0; half < 2; ++half) {
         const __m512i q = half ? q1 : q0;
         const __m512i hi = _mm512_srai_epi32(_mm512_add_epi32(q, c128), 8);
@@ -118,50 +163,92 @@ const Split& split_rows(const T* x, int64_t xs, int rows, int K) {
   return a;
 }
 
-// acc + the sums of four unsigned-by-signed byte products per lane
+// acc + the sums of four unsigned-by-signed byte products per lane (u: weights of Bits bits)
+template <int Bits>
 inline __m512i dot4(__m512i acc, __m512i u, const int8_t* s4) {
   int32_t v;
   std::memcpy(&v, s4, 4);
+  const __m512i s = _mm512_set1_epi32(v);
 #if defined(__AVX512VNNI__)
-  return _mm512_dpbusd_epi32(acc, u, _mm512_set1_epi32(v));
-#else  // |15 * 127 + 15 * 128| fits the pairs' int16 sums: no saturation
-  return _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(u, _mm512_set1_epi32(v)), _mm512_set1_epi16(1)));
+  return _mm512_dpbusd_epi32(acc, u, s);
+#else
+  const __m512i ones = _mm512_set1_epi16(1);
+  if (Bits < 8)  // |2 * 63 * 128| fits vpmaddubsw's saturating int16 pair sums
+    return _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(u, s), ones));
+  // 8-bit weights would saturate them (2 * 255 * 128): each nibble on its own, the high one's sums times 16
+  const __m512i m4 = _mm512_set1_epi8(0x0F);
+  const __m512i lo = _mm512_madd_epi16(_mm512_maddubs_epi16(_mm512_and_si512(u, m4), s), ones);
+  const __m512i hi = _mm512_madd_epi16(_mm512_maddubs_epi16(_mm512_and_si512(_mm512_srli_epi16(u, 4), m4), s), ones);
+  return _mm512_add_epi32(acc, _mm512_add_epi32(lo, _mm512_slli_epi32(hi, 4)));
 #endif
+}
+
+// v's 16-bit lanes shifted left by n (right by -n): a plane's bits moved to their place within each byte
+inline __m512i shift16(__m512i v, int n) { return n >= 0 ? _mm512_slli_epi16(v, n) : _mm512_srli_epi16(v, -n); }
+
+// A tile's group unpacked: lo[c] lane r holds row r's values of inputs 4c..4c+3, hi[c] those of 16 + 4c..16 + 4c + 3
+template <typename F>
+inline void unpack_tile(const uint8_t* wg, __m512i* lo, __m512i* hi) {
+  if (F::kBits == 8) {
+    for (int c = 0; c < 4; ++c)
+      lo[c] = _mm512_loadu_si512(wg + 64 * c), hi[c] = _mm512_loadu_si512(wg + 64 * (c + 4));
+    return;
+  }
+  const __m512i m4 = _mm512_set1_epi8(0x0F);
+  for (int c = 0; c < 4; ++c) {
+    const __m512i p = _mm512_loadu_si512(wg + 64 * c);
+    lo[c] = _mm512_and_si512(p, m4), hi[c] = _mm512_and_si512(_mm512_srli_epi16(p, 4), m4);
+  }
+  for (int p = 0; p < F::kBits - 4; ++p) {  // plane p: bit c of a byte to bit 4 + p of lo[c], bit 4 + c of hi[c]
+    const __m512i plane = _mm512_loadu_si512(wg + 256 + 64 * p), bit = _mm512_set1_epi8(static_cast<char>(16 << p));
+    for (int c = 0; c < 4; ++c) {
+      lo[c] = _mm512_or_si512(lo[c], _mm512_and_si512(shift16(plane, 4 + p - c), bit));
+      hi[c] = _mm512_or_si512(hi[c], _mm512_and_si512(shift16(plane, p - c), bit));
+    }
+  }
 }
 
 // One tile against RB rows of x from row r0: y[r0.., n0..n0+15] (outputs past N are padding, not stored). Each
 // group asks for the weights `ahead` bytes on (prefetch_distance): the hardware prefetcher alone left a one-row
 // matmul short of the machine's bandwidth (a step's 30 layers do not fit the L3)
-template <int RB, typename T>
-void tile_rows(const Block& b, const Split& a, int r0, int K, T* y, int64_t ys, int n0, int N, int ahead) {
-  const int ng = K / kG4;
-  const __m512i m4 = _mm512_set1_epi8(0x0F);
+template <typename F, int RB, typename U>
+void tile_rows(const Block<F>& b, const Split& a, int r0, int K, U* y, int64_t ys, int n0, int N, int ahead) {
+  const int ng = K / kG;
+  constexpr int P = F::kParts;
   __m512 acc[RB], zacc[RB];  // two chains per row: the scale and the zero terms
   for (int r = 0; r < RB; ++r) acc[r] = _mm512_setzero_ps(), zacc[r] = _mm512_setzero_ps();
   for (int g = 0; g < ng; ++g) {
     const uint8_t* wg = b.values(g);
-    for (int c = 0; c < kGroupBytes; c += 64)
+    for (int c = 0; c < kTile * F::kRowBytes; c += 64)
       _mm_prefetch(reinterpret_cast<const char*>(wg) + ahead + c, _MM_HINT_T0);
     __m512i lo[4], hi[4];
-    for (int c = 0; c < 4; ++c) {
-      const __m512i p = _mm512_loadu_si512(wg + 64 * c);
-      lo[c] = _mm512_and_si512(p, m4), hi[c] = _mm512_and_si512(_mm512_srli_epi16(p, 4), m4);
+    unpack_tile<F>(wg, lo, hi);
+    __m512 sc[P], zc[P];
+    for (int p = 0; p < P; ++p) {
+      sc[p] = load16_half(b.scales(g, p));
+      if (F::kOff)  // the zero point
+        zc[p] = _mm512_fmadd_ps(_mm512_set1_ps(F::kCentre), sc[p], load16_half(b.offsets(g, p)));
     }
-    const __m512 sc = load16_half(b.scales(g));
-    const __m512 zc = _mm512_fmadd_ps(_mm512_set1_ps(8.f), sc, load16_half(b.offsets(g)));  // the zero point
     for (int r = 0; r < RB; ++r) {
       const int64_t row = r0 + r, at = row * ng + g;
-      const int8_t* h = a.h.data() + row * K + g * kG4;
-      const int8_t* l = a.l.data() + row * K + g * kG4;
-      __m512i sh = _mm512_setzero_si512(), sl = _mm512_setzero_si512();
+      const int8_t* h = a.h.data() + row * K + g * kG;
+      const int8_t* l = a.l.data() + row * K + g * kG;
+      __m512i sh[P], sl[P];  // per part: the high and low activation bytes' sums
+      for (int p = 0; p < P; ++p) sh[p] = sl[p] = _mm512_setzero_si512();
       for (int c = 0; c < 4; ++c) {
-        sh = dot4(dot4(sh, lo[c], h + 4 * c), hi[c], h + 16 + 4 * c);
-        sl = dot4(dot4(sl, lo[c], l + 4 * c), hi[c], l + 16 + 4 * c);
+        sh[0] = dot4<F::kBits>(sh[0], lo[c], h + 4 * c), sl[0] = dot4<F::kBits>(sl[0], lo[c], l + 4 * c);
+        sh[P - 1] = dot4<F::kBits>(sh[P - 1], hi[c], h + 16 + 4 * c);
+        sl[P - 1] = dot4<F::kBits>(sl[P - 1], hi[c], l + 16 + 4 * c);
       }
-      const __m512 s = _mm512_cvtepi32_ps(_mm512_add_epi32(_mm512_slli_epi32(sh, 8), sl));
-      // scale * d * (s - 8 * qsum) + zero * xsum
-      acc[r] = _mm512_fmadd_ps(sc, _mm512_fmadd_ps(s, _mm512_set1_ps(a.d[at]), _mm512_set1_ps(a.c[at])), acc[r]);
-      zacc[r] = _mm512_fmadd_ps(zc, _mm512_set1_ps(a.xsum[at]), zacc[r]);
+      const __m512 d = _mm512_set1_ps(a.d[at]);
+      for (int p = 0; p < P; ++p) {
+        // sum((q - centre) * xq), exact in int32 (at most 32 * 255 * 32639 < 2^28), then scale * d times it
+        const int qs = p ? a.qs1[at] : a.qs0[at];
+        const __m512i s = _mm512_sub_epi32(_mm512_add_epi32(_mm512_slli_epi32(sh[p], 8), sl[p]),
+                                           _mm512_set1_epi32(F::kCentre * qs));
+        acc[r] = _mm512_fmadd_ps(sc[p], _mm512_mul_ps(_mm512_cvtepi32_ps(s), d), acc[r]);
+        if (F::kOff) zacc[r] = _mm512_fmadd_ps(zc[p], _mm512_set1_ps(p ? a.xs1[at] : a.xs0[at]), zacc[r]);
+      }
     }
   }
   const int valid = N - n0 < kTile ? N - n0 : kTile;
@@ -174,23 +261,23 @@ void tile_rows(const Block& b, const Split& a, int r0, int K, T* y, int64_t ys, 
 
 // This member's tiles; every member quantizes x itself into its own buffers, at the same time (one thread did it
 // before the others started, which took as long, and a shared copy would need a barrier)
-template <typename T>
-void int4_matmul(const Team& tm, const T* x, int64_t xs, int rows, const uint8_t* w, T* y, int64_t ys, int N, int K) {
-  const int tiles = int4_tiles(N);
-  const Split& a = split_rows(x, xs, rows, K);
+template <typename F, typename T, typename U>
+void group_matmul(const Team& tm, const T* x, int64_t xs, int rows, const uint8_t* w, U* y, int64_t ys, int N, int K) {
+  const int tiles = quant_tiles(N);
+  const Split& a = split_rows<F::kHalf>(x, xs, rows, K);
   // SmolLM2's fused layers, builds alternated in one process (2 threads of a Zen 5 EPYC, weights in huge pages), 8
   // KiB against 4 KiB where the VM read ~90 GB/s: 0.91-0.94 at one sequence, 0.95 at two, 0.98 at three and four,
   // 1.02 at eight (so more rows keep 4 KiB); where it read ~55: 0.97-1.01 at one to four (docs/benchmarks.md)
   const int ahead = prefetch_distance(rows, 8192);
   const int t0 = tm.share_begin(tiles), t1 = tm.share_end(tiles);
   for (int t = t0; t < t1; ++t) {
-    const Block b(w, t, K);
+    const Block<F> b(w, t, K);
     int r0 = 0;
-    for (; r0 + kRowBlock <= rows; r0 += kRowBlock) tile_rows<kRowBlock>(b, a, r0, K, y, ys, t * kTile, N, ahead);
+    for (; r0 + kRowBlock <= rows; r0 += kRowBlock) tile_rows<F, kRowBlock>(b, a, r0, K, y, ys, t * kTile, N, ahead);
     switch (rows - r0) {
-      case 3: tile_rows<3>(b, a, r0, K, y, ys, t * kTile, N, ahead); break;
-      case 2: tile_rows<2>(b, a, r0, K, y, ys, t * kTile, N, ahead); break;
-      case 1: tile_rows<1>(b, a, r0, K, y, ys, t * kTile, N, ahead); break;
+      case 3: tile_rows<F, 3>(b, a, r0, K, y, ys, t * kTile, N, ahead); break;
+      case 2: tile_rows<F, 2>(b, a, r0, K, y, ys, t * kTile, N, ahead); break;
+      case 1: tile_rows<F, 1>(b, a, r0, K, y, ys, t * kTile, N, ahead); break;
       default: break;
     }
   }
@@ -199,46 +286,68 @@ void int4_matmul(const Team& tm, const T* x, int64_t xs, int rows, const uint8_t
 #else
 // ---- AVX2 and scalar: one weight row at a time, in its natural packing ------------------------------------------
 
-// One row of activations, per group of 32: x ≈ d * q with q in -kQMax..kQMax, qsum = sum(q), xsum = the exact sum
-// (the zero term needs no rounding: llama.cpp's Q8_1 keeps d * sum(q) there instead)
+// One row of activations, per group of 32: x ≈ d * q with q in -kQMax..kQMax; qs and xs: the sums of q and the
+// exact sums of x (the zero term needs no rounding: llama.cpp's Q8_1 keeps d * sum(q) there instead) over inputs
+// 0..15 (qs0, xs0) and over all 32 (qs, xs)
 struct Acts {
   std::vector<int16_t> q;
-  std::vector<float> d, xsum;
-  std::vector<int32_t> qsum;
+  std::vector<float> d, xs0, xs;
+  std::vector<int32_t> qs0, qs;
 };
 
 template <typename T>
 const Acts& quantize_rows(const T* x, int64_t xs, int rows, int K) {
   thread_local Acts a;  // grown once: a step calls this ~120 times
-  const int ng = K / kG4;
+  const int ng = K / kG;
   a.q.resize(static_cast<size_t>(rows) * K);
-  a.d.resize(static_cast<size_t>(rows) * ng), a.xsum.resize(a.d.size()), a.qsum.resize(a.d.size());
+  for (auto* v : {&a.d, &a.xs0, &a.xs}) v->resize(static_cast<size_t>(rows) * ng);
+  a.qs0.resize(a.d.size()), a.qs.resize(a.d.size());
   for (int r = 0; r < rows; ++r) {
     for (int g = 0; g < ng; ++g) {
-      const T* xg = x + r * xs + g * kG4;
-      float mx = 0.f, sum = 0.f;
-      for (int i = 0; i < kG4; ++i) {
+      const T* xg = x + r * xs + g * kG;
+      float mx = 0.f, sum[2] = {0.f, 0.f};
+      for (int i = 0; i < kG; ++i) {
         mx = fmaxf(mx, fabsf(load(xg[i])));
-        sum += load(xg[i]);
+        sum[i >= 16] += load(xg[i]);
       }
       const float inv = mx > 0.f ? kQMax / mx : 0.f;
-      int16_t* qg = a.q.data() + static_cast<int64_t>(r) * K + g * kG4;
-      int qsum = 0;
-      for (int i = 0; i < kG4; ++i) {
+      int16_t* qg = a.q.data() + static_cast<int64_t>(r) * K + g * kG;
+      int qsum[2] = {0, 0};
+      for (int i = 0; i < kG; ++i) {
         qg[i] = static_cast<int16_t>(lrintf(load(xg[i]) * inv));
-        qsum += qg[i];
+        qsum[i >= 16] += qg[i];
       }
-      a.d[r * ng + g] = mx / kQMax;
-      a.xsum[r * ng + g] = sum;
-      a.qsum[r * ng + g] = qsum;
+      const int at = r * ng + g;
+      a.d[at] = mx / kQMax;
+      a.xs0[at] = sum[0], a.xs[at] = sum[0] + sum[1];
+      a.qs0[at] = qsum[0], a.qs[at] = qsum[0] + qsum[1];
     }
   }
   return a;
 }
 
-// One group's term of an output: s = sum((q - 8) * xq) in integers, rescaled by the weight scale and the activation
-// step d, plus the zero point times the exact sum of the group's activations
-inline float group_term(int s, float scale, float d, float zero, float xsum) { return s * scale * d + zero * xsum; }
+// What an output's groups [g0, g1) add: per part, scale * d * sum((q - centre) * xq) (+ zero * the exact sum of x)
+template <typename F>
+float groups_term(const Block<F>& b, const int16_t* x, const float* d, const int32_t* qs0, const int32_t* qs,
+                  const float* xs0, const float* xs, int g0, int g1) {
+  float sum = 0.f;
+  for (int g = g0; g < g1; ++g) {
+    int q[kG];
+    group_values<F>(b.values(g), q);
+    const int16_t* xg = x + g * kG;
+    int s[2] = {0, 0};
+    for (int i = 0; i < kG; ++i) s[i >= 16] += q[i] * xg[i];
+    const int part_qs[2] = {F::kHalf ? qs0[g] : qs[g], qs[g] - qs0[g]};
+    const float part_xs[2] = {F::kHalf ? xs0[g] : xs[g], xs[g] - xs0[g]};
+    if (!F::kHalf) s[0] += s[1];
+    for (int p = 0; p < F::kParts; ++p) {
+      const float scale = load_half(*b.scales(g, p));
+      sum += scale * d[g] * static_cast<float>(s[p] - F::kCentre * part_qs[p]);
+      if (F::kOff) sum += (F::kCentre * scale + load_half(*b.offsets(g, p))) * part_xs[p];
+    }
+  }
+  return sum;
+}
 
 #if defined(__AVX2__)
 inline float hsum(__m256 v) {
@@ -248,12 +357,6 @@ inline float hsum(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
-inline int hsum_i32(__m256i v) {
-  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
-  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
-  return _mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1)));
-}
-
 // lane i: the sum of v[i]'s eight lanes
 inline __m256i hsum8(const __m256i* v) {
   const __m256i ab = _mm256_hadd_epi32(_mm256_hadd_epi32(v[0], v[1]), _mm256_hadd_epi32(v[2], v[3]));
@@ -261,23 +364,6 @@ inline __m256i hsum8(const __m256i* v) {
   return _mm256_add_epi32(_mm256_permute2x128_si256(ab, cd, 0x20), _mm256_permute2x128_si256(ab, cd, 0x31));
 }
 
-// one group: eight int32 partial sums of q * x, q the 4-bit values 0..15 and x int16 (the group's whole sum is
-// at most 32 * 15 * 32767 < 2^24: exact in int32 and in its float conversion)
-inline __m256i group_dot(const uint8_t* p16, const int16_t* x32) {
-  const __m128i m4 = _mm_set1_epi8(0x0F);
-  const __m128i p = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p16));
-  const __m256i lo = _mm256_cvtepu8_epi16(_mm_and_si128(p, m4));                     // q[0..15]
-  const __m256i hi = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(p, 4), m4));  // q[16..31]
-  const __m256i x0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x32));
-  const __m256i x1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x32 + 16));
-  return _mm256_add_epi32(_mm256_madd_epi16(lo, x0), _mm256_madd_epi16(hi, x1));
-}
-#endif
-
-// A group's zero point: w = q * scale + offset = (q - 8) * scale + zero
-inline float zero_point(float scale, float offset) { return 8.f * scale + offset; }
-
-#if defined(__AVX2__)
 inline __m256 load8_half(const uint16_t* p) {  // 8 float16 as float
 #if defined(__F16C__)
   return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
@@ -287,74 +373,144 @@ inline __m256 load8_half(const uint16_t* p) {  // 8 float16 as float
   return _mm256_load_ps(f);
 #endif
 }
+
+// One group's values as bytes: lo inputs 0..15, hi 16..31
+template <typename F>
+inline void unpack_row(const uint8_t* v, __m128i& lo, __m128i& hi) {
+  if (F::kBits == 8) {
+    lo = _mm_loadu_si128(reinterpret_cast<const __m128i*>(v));
+    hi = _mm_loadu_si128(reinterpret_cast<const __m128i*>(v + 16));
+    return;
+  }
+  const __m128i m4 = _mm_set1_epi8(0x0F), p = _mm_loadu_si128(reinterpret_cast<const __m128i*>(v));
+  lo = _mm_and_si128(p, m4), hi = _mm_and_si128(_mm_srli_epi16(p, 4), m4);
+  // input 4c + j's bit is bit c of plane byte j: byte i of the spread plane is byte i % 4, tested against bit i / 4
+  const __m128i spread = _mm_setr_epi8(0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3);
+  const __m128i sel = _mm_setr_epi8(1, 1, 1, 1, 2, 2, 2, 2, 4, 4, 4, 4, 8, 8, 8, 8), sel_hi = _mm_slli_epi16(sel, 4);
+  for (int pl = 0; pl < F::kBits - 4; ++pl) {
+    int32_t bits;
+    std::memcpy(&bits, v + 16 + 4 * pl, 4);
+    const __m128i b = _mm_shuffle_epi8(_mm_cvtsi32_si128(bits), spread), bit = _mm_set1_epi8(static_cast<char>(16 << pl));
+    lo = _mm_or_si128(lo, _mm_and_si128(_mm_cmpeq_epi8(_mm_and_si128(b, sel), sel), bit));
+    hi = _mm_or_si128(hi, _mm_and_si128(_mm_cmpeq_epi8(_mm_and_si128(b, sel_hi), sel_hi), bit));
+  }
+}
 #endif
 
-// One output: sum over groups of scale * d * (sum(q * x) - 8 * qsum) + zero * xsum. The -8 centres the weights
-// exactly (integers): the rounded activations meet w - zero = (q - 8) * scale, half as large as q * scale + min.
-inline float row_dot(const Block& b, const int16_t* x, const float* d, const int32_t* qsum, const float* xsum,
-                     int ng) {
+// One output: the groups' terms (groups_term). With AVX2, eight groups at a time: their int32 sums meet their eight
+// scales in one vector (not one broadcast each); the groups left over (576 inputs are 18 groups) one at a time
+template <typename F>
+inline float row_dot(const Block<F>& b, const int16_t* x, const float* d, const int32_t* qs0, const int32_t* qs,
+                     const float* xs0, const float* xs, int ng) {
   int g = 0;
-  float tail = 0.f;
+  float sum = 0.f;
 #if defined(__AVX2__)
-  // eight groups at a time: their int32 sums meet their eight scales in one vector (not one broadcast each)
+  constexpr int P = F::kParts;
   __m256 acc = _mm256_setzero_ps();
   for (; g + 8 <= ng; g += 8) {
-    __m256i v[8];
-    for (int j = 0; j < 8; ++j) v[j] = group_dot(b.values(g + j), x + (g + j) * kG4);
-    const __m256i qs = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qsum + g));
-    const __m256i s = _mm256_sub_epi32(hsum8(v), _mm256_slli_epi32(qs, 3));
-    const __m256 scale = load8_half(b.scales(g));
-    const __m256 zero = _mm256_fmadd_ps(_mm256_set1_ps(8.f), scale, load8_half(b.offsets(g)));
-    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(scale, _mm256_loadu_ps(d + g)), acc);
-    acc = _mm256_fmadd_ps(zero, _mm256_loadu_ps(xsum + g), acc);
+    __m256i v[P][8];  // per part, per group: eight int32 partial sums of q * xq (exact: at most 32 * 255 * 32767)
+    for (int j = 0; j < 8; ++j) {
+      __m128i lo, hi;
+      unpack_row<F>(b.values(g + j), lo, hi);
+      const int16_t* xg = x + (g + j) * kG;
+      const __m256i dl = _mm256_madd_epi16(_mm256_cvtepu8_epi16(lo), _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xg)));
+      const __m256i dh = _mm256_madd_epi16(_mm256_cvtepu8_epi16(hi),
+                                           _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xg + 16)));
+      if (P == 2)
+        v[0][j] = dl, v[P - 1][j] = dh;
+      else
+        v[0][j] = _mm256_add_epi32(dl, dh);
+    }
+    const __m256i q_all = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + g));
+    const __m256i q_lo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs0 + g));
+    const __m256 x_all = _mm256_loadu_ps(xs + g), x_lo = _mm256_loadu_ps(xs0 + g), dg = _mm256_loadu_ps(d + g);
+    for (int p = 0; p < P; ++p) {
+      const __m256i qp = P == 1 ? q_all : (p ? _mm256_sub_epi32(q_all, q_lo) : q_lo);
+      const __m256i s = _mm256_sub_epi32(hsum8(v[p]), _mm256_mullo_epi32(qp, _mm256_set1_epi32(F::kCentre)));
+      const __m256 scale = load8_half(b.scales(g, p));
+      acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(scale, dg), acc);
+      if (F::kOff) {
+        const __m256 zero = _mm256_fmadd_ps(_mm256_set1_ps(F::kCentre), scale, load8_half(b.offsets(g, p)));
+        acc = _mm256_fmadd_ps(zero, P == 1 ? x_all : (p ? _mm256_sub_ps(x_all, x_lo) : x_lo), acc);
+      }
+    }
   }
-  for (; g < ng; ++g) {  // the groups left over (576 inputs are 18 groups): one at a time, still in SIMD
-    const float scale = load_half(*b.scales(g));
-    tail += group_term(hsum_i32(group_dot(b.values(g), x + g * kG4)) - 8 * qsum[g], scale, d[g],
-                       zero_point(scale, load_half(*b.offsets(g))), xsum[g]);
-  }
-  tail += hsum(acc);
+  sum = hsum(acc);
 #endif
-  for (; g < ng; ++g) {
-    const uint8_t* p = b.values(g);
-    const int16_t* xg = x + g * kG4;
-    int s = 0;
-    for (int j = 0; j < 16; ++j) s += (p[j] & 15) * xg[j] + (p[j] >> 4) * xg[j + 16];
-    const float scale = load_half(*b.scales(g));
-    tail += group_term(s - 8 * qsum[g], scale, d[g], zero_point(scale, load_half(*b.offsets(g))), xsum[g]);
-  }
-  return tail;
+  return sum + groups_term(b, x, d, qs0, qs, xs0, xs, g, ng);
 }
 
-// w[n, 32g + j] = q * scale[n, g] + offset[n, g], q in 0..15 packed two per byte, byte j of a group holding
-// j (low nibble) and j + 16 (high nibble); a row's groups, then its float16 scales, then its offsets (Block). Each
-// weight row is read from memory once for all rows of x.
-template <typename T>
-void int4_matmul(const Team& tm, const T* x, int64_t xs, int rows, const uint8_t* w, T* y, int64_t ys, int N, int K) {
-  const int ng = K / kG4;
+// Each weight row is read from memory once for all rows of x.
+template <typename F, typename T, typename U>
+void group_matmul(const Team& tm, const T* x, int64_t xs, int rows, const uint8_t* w, U* y, int64_t ys, int N, int K) {
+  const int ng = K / kG;
   const Acts& a = quantize_rows(x, xs, rows, K);
   // Each thread asks for its rows 4 KiB ahead at one row of x. More rows redo the unpacking for each, so arithmetic
-  // binds this path (8 GB/s at four rows) and prefetches only cost instructions. 48 matrices of 3072 x 576 from
+  // binds this path (8 GB/s at four rows) and prefetches only cost instructions. 48 int4 matrices of 3072 x 576 from
   // memory, the x86-64-v3 build on a Zen 5 EPYC, against no prefetch: 0.82-0.95 at one row (8 KiB no better);
   // asked at every row count, 0.99-1.05 at two to eight rows (this test's noise: ~3 %)
   const bool ask = rows == 1;
   const int n0 = tm.share_begin(N), n1 = tm.share_end(N);
   for (int n = n0; n < n1; ++n) {
-    const Block b(w, n, K);
+    const Block<F> b(w, n, K);
     if (ask)
-      for (int c = 0; c < ng * kGroupBytes; c += 64) __builtin_prefetch(b.base + 4096 + c);
-    for (int r = 0; r < rows; ++r)
-      store(y + r * ys + n, row_dot(b, a.q.data() + static_cast<int64_t>(r) * K, a.d.data() + r * ng,
-                                    a.qsum.data() + r * ng, a.xsum.data() + r * ng, ng));
+      for (int c = 0; c < ng * F::kRowBytes; c += 64) __builtin_prefetch(b.base + 4096 + c);
+    for (int r = 0; r < rows; ++r) {
+      const int64_t at = static_cast<int64_t>(r) * ng;
+      store(y + r * ys + n, row_dot(b, a.q.data() + static_cast<int64_t>(r) * K, a.d.data() + at, a.qs0.data() + at,
+                                    a.qs.data() + at, a.xs0.data() + at, a.xs.data() + at, ng));
+    }
   }
 }
 #endif
 
+// The formats gguf_quant.py and cat_rows make: each GGUF type's own (Q4_0 4 bits symmetric, Q4_1 and Q4_K 4 with
+// offsets, Q5_0 5 symmetric, Q5_1 and Q5_K 5 with offsets, Q6_K 6 symmetric per 16, Q8_0 8 symmetric), and where
+// a fused q|k|v or gate|up meets two of them, the one that holds both exactly
+template <typename Fn>
+bool with_format(int fmt, Fn&& fn) {
+  switch (fmt) {
+    case Fmt<4, false, false>::kCode: fn(Fmt<4, false, false>{}); return true;
+    case Fmt<4, true, false>::kCode: fn(Fmt<4, true, false>{}); return true;
+    case Fmt<5, false, false>::kCode: fn(Fmt<5, false, false>{}); return true;
+    case Fmt<5, true, false>::kCode: fn(Fmt<5, true, false>{}); return true;
+    case Fmt<6, false, true>::kCode: fn(Fmt<6, false, true>{}); return true;
+    case Fmt<6, true, true>::kCode: fn(Fmt<6, true, true>{}); return true;
+    case Fmt<8, false, false>::kCode: fn(Fmt<8, false, false>{}); return true;
+    case Fmt<8, true, false>::kCode: fn(Fmt<8, true, false>{}); return true;
+    case Fmt<8, false, true>::kCode: fn(Fmt<8, false, true>{}); return true;
+    case Fmt<8, true, true>::kCode: fn(Fmt<8, true, true>{}); return true;
+    default: return false;
+  }
+}
+
 }  // namespace
+
+int quant_tile() { return kTile; }
+int quant_tiles(int N) { return (N + kTile - 1) / kTile; }
+
+int64_t quant_tile_bytes(int fmt, int K) {
+  int64_t bytes = -1;
+  with_format(fmt, [&](auto f) { bytes = static_cast<int64_t>(K / kG) * kTile * decltype(f)::kRowBytes; });
+  return bytes;
+}
+
+void team_quant_matmul(const Team& tm, int fmt, const void* x, int64_t xs, int rows, const uint8_t* w, void* y,
+                       int64_t ys, int N, int K, int elem_size, int out_size) {
+  with_format(fmt, [&](auto f) {
+    using F = decltype(f);
+    if (elem_size == 4)
+      group_matmul<F>(tm, static_cast<const float*>(x), xs, rows, w, static_cast<float*>(y), ys, N, K);
+    else if (out_size == 4)
+      group_matmul<F>(tm, static_cast<const uint16_t*>(x), xs, rows, w, static_cast<float*>(y), ys, N, K);
+    else
+      group_matmul<F>(tm, static_cast<const uint16_t*>(x), xs, rows, w, static_cast<uint16_t*>(y), ys, N, K);
+  });
+}
 
 extern "C" {
 
-// The integer SIMD this build's quantized kernels run on (for /stats and the start-up log): the int4 kernel
+// The integer SIMD this build's quantized kernels run on (for /stats and the start-up log): the group kernel
 // vpdpbusd on weight tiles where AVX512-VNNI exists (vpmaddubsw with AVX512BW alone), the int8 one vpdpwssd; both
 // vpmaddwd with AVX2, scalar code elsewhere.
 const char* llmserve_quant_isa() {
@@ -369,26 +525,25 @@ const char* llmserve_quant_isa() {
 #endif
 }
 
-// The int4 weights' row tile of this build: 16 (AVX-512: tiles, see kTile) or 1 (rows in their natural packing)
-int llmserve_int4_tile() { return kTile; }
+// The group formats' row tile of this build: 16 (AVX-512: tiles, see kTile) or 1 (rows in their natural packing)
+int llmserve_quant_tile() { return quant_tile(); }
 
-// x: [rows, K] float32 (elem_size 4) or bf16 (2), row stride xs; K a multiple of 32; w as pack_int4_own lays it out
-// for llmserve_int4_tile() (N rows, padded to a whole tile); y: [rows, N] in x's dtype (a bf16 model's linears then
-// need no cast after each call).
-void llmserve_int4_matmul(const void* x, int64_t xs, int rows, const uint8_t* w, void* y, int64_t ys, int N, int K,
-                          int elem_size, int th) {
-  on_team(th, true, [&](const Team& tm) { team_int4_matmul(tm, x, xs, rows, w, y, ys, N, K, elem_size); });
+// The code of the group format with values of `bits` bits, offsets or not, scales per 16 inputs or per 32; -1 where
+// the kernel has no such format
+int llmserve_quant_format(int bits, int offsets, int half) {
+  const int fmt = quant_format(bits, offsets != 0, half != 0);
+  return with_format(fmt, [](auto) {}) ? fmt : -1;
+}
+
+// Bytes of an [N, K] weight in format fmt as pack_own lays it out for this build (rows padded to a whole tile)
+int64_t llmserve_quant_bytes(int fmt, int N, int K) { return quant_tiles(N) * quant_tile_bytes(fmt, K); }
+
+// x: [rows, K] float32 (elem_size 4) or bf16 (2), row stride xs; K a multiple of 32; w as pack_own lays it out for
+// llmserve_quant_tile(); y: [rows, N], float32 (out_size 4) or bf16 (2, with bf16 x): a bf16 model's linears then need
+// no cast after each call.
+void llmserve_quant_matmul(int fmt, const void* x, int64_t xs, int rows, const uint8_t* w, void* y, int64_t ys, int N,
+                           int K, int elem_size, int out_size, int th) {
+  on_team(th, true, [&](const Team& tm) { team_quant_matmul(tm, fmt, x, xs, rows, w, y, ys, N, K, elem_size, out_size); });
 }
 
 }  // extern "C"
-
-int int4_tiles(int N) { return (N + kTile - 1) / kTile; }
-int64_t int4_tile_bytes(int K) { return static_cast<int64_t>(K / kG4) * kGroupBytes; }
-
-void team_int4_matmul(const Team& tm, const void* x, int64_t xs, int rows, const uint8_t* w, void* y, int64_t ys,
-                      int N, int K, int elem_size) {
-  if (elem_size == 4)
-    int4_matmul<float>(tm, static_cast<const float*>(x), xs, rows, w, static_cast<float*>(y), ys, N, K);
-  else
-    int4_matmul<uint16_t>(tm, static_cast<const uint16_t*>(x), xs, rows, w, static_cast<uint16_t*>(y), ys, N, K);
-}
