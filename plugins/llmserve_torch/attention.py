@@ -36,8 +36,8 @@ log = logging.getLogger("llmserve.torch")
 
 KERNELS = ("auto", "reference", "cpu", "triton")
 _CSRC = Path(__file__).with_name("csrc")
-# one library; bf16.h is shared
-_SOURCES = ("paged_attention.cpp", "decoder_ops.cpp", "quant_matmul.cpp", "decode_layers.cpp", "race.cpp")
+# one library; bf16.h is shared (the longest to compile first: _compile runs them side by side)
+_SOURCES = ("quant_matmul.cpp", "decode_layers.cpp", "paged_attention.cpp", "decoder_ops.cpp", "race.cpp")
 
 
 @dataclass(slots=True)
@@ -225,6 +225,36 @@ def cxx_flags(march: str) -> list[str]:
     return ["-O3", f"-march={march}", "-ffast-math", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
 
 
+def kernel_march() -> str:
+    """The -march the kernel library is built for: $LLMSERVE_KERNEL_MARCH (e.g. x86-64-v3, to run as an AVX2-only CPU
+    would; benchmarks/vs_llama_cpp.py --avx2-only), else native."""
+    return os.environ.get("LLMSERVE_KERNEL_MARCH") or "native"
+
+
+def _compile(cxx: str, flags: list[str], tmp: Path, out: Path) -> None:
+    """Each source into an object at once (one compiler a CPU: the group kernel's formats take the longest), then one
+    library moved into place atomically (concurrent builders never load a half-written file)."""
+    objs = [tmp / f"{Path(f).stem}.o" for f in _SOURCES]
+    compile_flags = [f for f in flags if f != "-shared"]
+    procs, running = [], []
+    for f, o in zip(_SOURCES, objs):
+        if len(running) >= (os.cpu_count() or 1):
+            running.pop(0).wait(timeout=120)
+        p = subprocess.Popen([cxx, *compile_flags, "-c", f"-I{_CSRC}", str(_CSRC / f), "-o", str(o)],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        procs.append(p)
+        running.append(p)
+    for p in procs:
+        err = p.communicate(timeout=120)[1]
+        if p.returncode != 0:
+            raise RuntimeError(f"{cxx} failed: {err.strip()[-400:]}")
+    tmp_so = tmp / out.name
+    r = subprocess.run([cxx, *flags, *map(str, objs), "-o", str(tmp_so)], capture_output=True, text=True, timeout=120)
+    if r.returncode != 0:
+        raise RuntimeError(f"{cxx} failed: {r.stderr.strip()[-400:]}")
+    os.replace(tmp_so, out)
+
+
 def kernel_library_id() -> str:
     """The built kernel library's file name (it carries the hash of its sources, flags and CPU), or "none"."""
     try:
@@ -245,24 +275,19 @@ def build_kernel() -> ctypes.CDLL:
         try:
             src = b"".join(f.read_bytes() for f in sorted(_CSRC.iterdir()) if f.suffix in (".cpp", ".h"))  # with headers
             cxx = os.environ.get("CXX", "g++")
-            flags = cxx_flags("native")
+            march = kernel_march()
+            flags = cxx_flags(march)
             # -march=native: the binary is only valid on this kind of CPU, so the CPU is part of the key
             key = hashlib.sha256(src + " ".join([cxx, *flags, sys.platform, cpu_id()]).encode()).hexdigest()[:16]
             out = kernel_cache_dir() / f"paged_attention_{key}.so"
             if not out.exists():
                 # once per source/compiler/CPU: up to a minute of silence otherwise on a first start
-                log.info("compiling the CPU kernels (csrc/*.cpp, %s -O3 -march=native) into %s; once per machine",
-                         cxx, out.parent)
+                log.info("compiling the CPU kernels (csrc/*.cpp, %s -O3 -march=%s) into %s; once per machine",
+                         cxx, march, out.parent)
                 t0 = time.perf_counter()
                 out.parent.mkdir(parents=True, exist_ok=True)
                 with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
-                    tmp_so = Path(tmp) / out.name
-                    r = subprocess.run([cxx, *flags, f"-I{_CSRC}", *(str(_CSRC / f) for f in _SOURCES), "-o",
-                                        str(tmp_so)], capture_output=True, text=True,
-                                       timeout=120)
-                    if r.returncode != 0:
-                        raise RuntimeError(f"{cxx} failed: {r.stderr.strip()[-400:]}")
-                    os.replace(tmp_so, out)  # atomic: concurrent builders never load a half-written file
+                    _compile(cxx, flags, Path(tmp), out)
                 log.info("compiled the CPU kernels in %.1fs", time.perf_counter() - t0)
             lib = ctypes.CDLL(str(out))
             for name, (restype, argtypes) in _SIGNATURES.items():
