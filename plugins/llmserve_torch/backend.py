@@ -448,12 +448,22 @@ class TorchBackend(ModelBackend):
         return d
 
     def _quantization(self) -> dict[str, Any]:
-        """The asked mode, how many linears run in each form (and from which source type), the kernel plan."""
+        """The asked mode, how many linears run in each form (and from which source type), per source type the kernel
+        and the bits a weight it reads, the kernel plan."""
         from collections import Counter
 
-        forms = Counter(f"{lin.kind} ({lin.source})" if isinstance(lin, QuantLinear) else "dense"
-                        for lin in self.model.linears())
-        return {"mode": self.config.model.quantization, "linears": dict(forms),
+        linears = list(self.model.linears())
+        forms = Counter(f"{lin.kind} ({lin.source})" if isinstance(lin, QuantLinear) else "dense" for lin in linears)
+        types: dict[str, dict] = {}
+        for lin in (lin for lin in linears if isinstance(lin, QuantLinear)):
+            t = types.setdefault(lin.source, {"kind": lin.kind, "kernel": lin.kernel, "linears": 0, "bytes": 0,
+                                              "params": 0})
+            t["linears"] += 1
+            t["bytes"] += lin.nbytes
+            t["params"] += lin.params
+        for t in types.values():
+            t["bits_read"] = round(8 * t.pop("bytes") / t.pop("params"), 3)
+        return {"mode": self.config.model.quantization, "linears": dict(forms), "types": dict(sorted(types.items())),
                 "kernels": self.loaded.kernels.describe() if self.loaded.kernels else {}}
 
     def shutdown(self) -> None:

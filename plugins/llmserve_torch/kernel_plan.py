@@ -15,6 +15,7 @@ import logging
 import os
 import tempfile
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 
 import torch
@@ -34,6 +35,8 @@ class KindPlan:
     how: str  # "measured", "asked for", "no dense copy"
     timings: dict = field(default_factory=dict)  # rows → {"quantized_ms", "dense_ms"} over all linears of the kind
     kernel: str = ""  # the quantized matmul (QuantLinear.kernel)
+    bits_read: float = 0.0  # a weight's bits the kernel reads, scales and offsets included (over the kind's linears)
+    sources: dict = field(default_factory=dict)  # GGUF type (or rtn) → linears of the kind made from it
 
 
 class KernelPlan:
@@ -49,7 +52,8 @@ class KernelPlan:
 
     def describe(self) -> dict:
         """For /stats and the start-up log."""
-        return {k: {"kernel": p.kernel, "activations": _dtype_name(p.act),
+        return {k: {"kernel": p.kernel, "bits_read": round(p.bits_read, 3), "sources": p.sources,
+                    "activations": _dtype_name(p.act),
                     "quantized_up_to_rows": None if p.max_rows >= NEVER else p.max_rows, "how": p.how,
                     "timings_ms": p.timings} for k, p in self.kinds.items()}
 
@@ -115,13 +119,15 @@ def plan_kernels(plan: KernelPlan, linears: list, serving: torch.dtype, max_batc
                     _measure_crossover(group, kp, serving, max_batch_rows)
                     _remember(key, {"max_rows": kp.max_rows, "timings": kp.timings})
         kp.kernel = group[0].kernel
+        kp.bits_read = 8 * sum(lin.nbytes for lin in group) / sum(lin.params for lin in group)
+        kp.sources = dict(sorted(Counter(lin.source for lin in group).items()))
         plan.kinds[kind] = kp
         if kp.max_rows >= max_batch_rows:
             for lin in group:
                 lin.dense = None  # never used: free its memory
-        log.info("quantized %s linears (%d): %s, %s activations, quantized kernel up to %s rows (%s)", kind,
-                 len(group), kp.kernel, _dtype_name(act),
-                 "all" if kp.max_rows >= max_batch_rows else kp.max_rows, kp.how)
+        log.info("quantized %s linears (%d: %s): %s, %.2f bits a weight read, %s activations, quantized kernel up to "
+                 "%s rows (%s)", kind, len(group), ", ".join(f"{n} {s}" for s, n in kp.sources.items()), kp.kernel,
+                 kp.bits_read, _dtype_name(act), "all" if kp.max_rows >= max_batch_rows else kp.max_rows, kp.how)
 
 
 def _measure_crossover(group: list, kp: KindPlan, serving: torch.dtype, max_batch_rows: int) -> None:
@@ -155,8 +161,6 @@ def _plans_file():
 def _key(group: list, serving: torch.dtype, *what) -> str:
     """What a measurement depends on: the CPU, torch and its threads, the serving dtype, the linears' shapes, our
     kernels, and what was measured (what)."""
-    from collections import Counter
-
     # the CPU and our kernel library's build (our int8 kernel is part of what was measured)
     from llmserve_torch.attention import cpu_id, kernel_library_id
 

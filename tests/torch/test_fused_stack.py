@@ -376,6 +376,14 @@ def test_a_file_of_mixed_group_kinds_runs_fused_with_its_own_head(mixed_gguf, dt
     assert kinds == {"int6 (Q4_K+Q5_0+Q6_K)": 2, "int5 (Q5_1)": 2, "int5 (Q5_0+Q5_K)": 2, "int8g (Q8_0)": 2,
                      "int6 (Q6_K)": 1}
     assert fused.stack is not None and fused.stack.head_rows == 4
+    # /stats names each kind's kernel, its source types and the bits it reads a weight: the file's own
+    kernels = fused.describe()["quantization"]["kernels"]
+    assert kernels["int8g"]["sources"] == {"Q8_0": 2} and kernels["int8g"]["bits_read"] == 8.5
+    assert kernels["int5"]["sources"] == {"Q5_0+Q5_K": 2, "Q5_1": 2} and kernels["int5"]["bits_read"] == 6.0
+    assert kernels["int6"]["kernel"].startswith("llmserve int6")
+    types = fused.describe()["quantization"]["types"]
+    assert types["Q8_0"] == {"kind": "int8g", "kernel": kernels["int8g"]["kernel"], "linears": 2, "bits_read": 8.5}
+    assert types["Q4_K+Q5_0+Q6_K"]["bits_read"] == 8.0  # int6 with offsets and scales per 16
     for (hidden, logits, tokens, _), (plain_hidden, *_) in zip(_head_steps(fused, 2), _head_steps(plain, 2)):
         assert torch.equal(hidden, plain_hidden)
         if logits is not None:

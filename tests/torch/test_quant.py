@@ -334,7 +334,7 @@ def test_a_float_checkpoint_is_quantized_at_load_when_asked(qwen2_dir, mode, kin
 
 def test_auto_leaves_a_float_checkpoint_dense(qwen2_dir):
     b = make_backend(str(qwen2_dir[0]))
-    assert b.describe()["quantization"] == {"mode": "auto", "linears": {"dense": 2 * 4 + 1}, "kernels": {}}
+    assert b.describe()["quantization"] == {"mode": "auto", "linears": {"dense": 2 * 4 + 1}, "types": {}, "kernels": {}}
 
 
 def test_a_gpt2_gguf_keeps_conv1d_weights_the_right_way_round(tmp_path):

@@ -7,8 +7,12 @@
 // run the same team forms on a region of their own (on_team).
 #pragma once
 
-#include <immintrin.h>
+// Without OpenMP (Apple clang has none) on_team runs every call on the calling thread: a team of one member
+#ifdef _OPENMP
 #include <omp.h>
+#else
+#include <thread>
+#endif
 #include <sched.h>
 
 #include <atomic>
@@ -45,7 +49,7 @@ class SpinBarrier {
     WaitAhead& ahead = wait_ahead();
     for (int spins = 0; phase_.load(std::memory_order_acquire) == phase; ++spins) {
       if (ahead.at < ahead.end) {  // four lines a turn (one a turn read 0.99-1.02 where four read 0.98-1.00)
-        for (int i = 0; i < 4 * 64; i += 64) _mm_prefetch(ahead.at + i, _MM_HINT_T0);
+        for (int i = 0; i < 4 * 64; i += 64) __builtin_prefetch(ahead.at + i, 0, 3);  // prefetcht0, built on ARM too
         ahead.at += 4 * 64;
       } else if (spins < spin) {
         pause();
@@ -57,7 +61,11 @@ class SpinBarrier {
 
  private:
   static int cpus() {  // the CPUs this process may run on (libgomp reads the affinity mask)
+#ifdef _OPENMP
     static const int n = omp_get_num_procs();
+#else
+    static const int n = static_cast<int>(std::thread::hardware_concurrency());
+#endif
     return n;
   }
   static void pause() {
@@ -105,7 +113,11 @@ void on_team(int threads, bool parallel, F&& fn) {
     fn(Team{0, 1, nullptr});
     return;
   }
+#ifdef _OPENMP
   SpinBarrier barrier;
 #pragma omp parallel num_threads(threads)
   fn(Team{omp_get_thread_num(), omp_get_num_threads(), &barrier});
+#else
+  fn(Team{0, 1, nullptr});
+#endif
 }

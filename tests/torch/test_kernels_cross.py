@@ -1,0 +1,162 @@
+"""The kernel library beyond this machine's own build: the group-quantized matmul cross-compiled for aarch64 and run
+under qemu-user against the dequantized reference in every format (correctness only: its scalar path, there are no
+NEON paths yet), and the whole library built with clang++ and without OpenMP (Apple clang has none).
+
+The tools (g++-aarch64-linux-gnu, qemu-user-static, clang, libomp-dev) come from Debian: `make test` apt-installs
+them when missing and running as root (its `cross` target). Without them these tests fail under CI (CI=true), where
+a silent skip would hide that the other builds went untested, and skip elsewhere."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import platform
+import shutil
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from test_quant import _as_packed, _group_weights, _rounding_bound
+
+from llmserve_torch import quant
+from llmserve_torch.attention import _SIGNATURES, _compile, cxx_flags
+
+CSRC = Path(quant.__file__).with_name("csrc")
+DRIVER = CSRC / "tests" / "quant_driver.cpp"
+# an ARMv8.2 core with the dot-product instructions (Neoverse N1, Apple M1, Graviton 2): what NEON paths would target
+ARM_MARCH = "armv8.2-a+dotprod"
+# the group formats the kernel has (quant_matmul.cpp's with_format); _group_weights makes one weight in each
+FORMATS = 10
+
+
+def _unavailable(why: str):
+    if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
+        pytest.fail(f"the cross builds cannot be tested: {why}", pytrace=False)
+    pytest.skip(why)
+
+
+def _run(cmd: list[str], **kw) -> subprocess.CompletedProcess:
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, **kw)
+    assert r.returncode == 0, f"{' '.join(cmd)} failed ({r.returncode}): {r.stderr.strip()[-2000:]}"
+    return r
+
+
+def _bind(so: Path) -> ctypes.CDLL:
+    """A kernel library loaded with the signatures build_kernel gives it."""
+    lib = ctypes.CDLL(str(so))
+    for name, (restype, argtypes) in _SIGNATURES.items():
+        if hasattr(lib, name):
+            getattr(lib, name).restype, getattr(lib, name).argtypes = restype, argtypes
+    return lib
+
+
+def _bound(x: torch.Tensor, held) -> torch.Tensor:
+    """test_quant's bound for a build on another ISA: the activations' rounding, plus float32 sums in another order."""
+    return _rounding_bound(x, held) + 2e-5 * (x.abs().sum(-1, keepdim=True) * held.dequantize().abs().amax())
+
+
+def _tile_one_packer(tmp_path: Path) -> ctypes.CDLL:
+    """The group kernel built for plain x86-64 (its scalar path, rows in order: tile 1), for pack_own to ask."""
+    if platform.machine() != "x86_64" or shutil.which("g++") is None:
+        pytest.skip("packs the weights with an x86-64 scalar build of the kernel: needs an x86-64 host with g++")
+    so = tmp_path / "quant_x86-64.so"
+    _run(["g++", *cxx_flags("x86-64"), f"-I{CSRC}", str(CSRC / "quant_matmul.cpp"), "-o", str(so)])
+    lib = _bind(so)
+    assert lib.llmserve_quant_tile() == 1
+    return lib
+
+
+def test_the_group_kernel_built_for_aarch64_matches_the_reference_under_qemu(tmp_path, monkeypatch):
+    """Every group format at 1, 3 and 9 rows, packed for tile 1 as pack_own packs it for a build without AVX-512, run
+    by quant_driver.cpp linked statically with quant_matmul.cpp for aarch64 (one qemu start for all of them)."""
+    cxx = shutil.which("aarch64-linux-gnu-g++")
+    qemu = shutil.which("qemu-aarch64-static") or shutil.which("qemu-aarch64")
+    if cxx is None or qemu is None:
+        _unavailable("needs aarch64-linux-gnu-g++ and qemu-aarch64(-static): apt-get install g++-aarch64-linux-gnu "
+                     "qemu-user-static (make test does, as root)")
+    driver = tmp_path / "quant_driver_aarch64"
+    flags = [f for f in cxx_flags(ARM_MARCH) if f not in ("-shared", "-fPIC")]
+    build = subprocess.Popen([cxx, *flags, "-static", f"-I{CSRC}", str(CSRC / "quant_matmul.cpp"), str(DRIVER), "-o",
+                              str(driver)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:  # the two builds side by side
+        packer = _tile_one_packer(tmp_path)
+    finally:
+        err = build.communicate(timeout=300)[1]
+    assert build.returncode == 0, f"{cxx} failed: {err.strip()[-2000:]}"
+    monkeypatch.setattr(quant, "_own_kernels", lambda: packer)
+
+    cases, args = [], []
+    for rows, n, k in [(1, 40, 512), (3, 37, 256), (9, 24, 768)]:
+        x = torch.randn(rows, k)
+        qws = _group_weights(n, k, rows)
+        assert len({quant.weight_format(qw) for qw in qws.values()}) == FORMATS
+        for name, qw in qws.items():
+            fmt, packed = quant.weight_format(qw), quant.pack_own(qw).numpy().tobytes()
+            assert len(packed) == packer.llmserve_quant_bytes(fmt, n, k), name
+            src, out = tmp_path / f"{name}_{rows}.in", tmp_path / f"{name}_{rows}.out"
+            head = np.array([fmt, rows, n, k], np.int32).tobytes() + np.array([len(packed)], np.int64).tobytes()
+            src.write_bytes(head + packed + x.numpy().astype(np.float32).tobytes())
+            cases.append((name, x, qw, out))
+            args += [str(src), str(out)]
+    ran = _run([qemu, str(driver), *args])
+    assert ran.stdout.split() == ["scalar", "1"], ran.stdout  # the scalar path, rows in order
+
+    for name, x, qw, out in cases:
+        rows, (n, _) = x.shape[0], qw.shape
+        y = torch.from_numpy(np.fromfile(out, np.float32)).view(rows, n)
+        held = _as_packed(qw)
+        err = (y - F.linear(x, held.dequantize())).abs()
+        assert (err <= _bound(x, held)).all(), (name, rows, err.max().item())
+
+
+def _check_library(so: Path, threads: int) -> None:
+    """A whole kernel library: it loads with every entry point, and its group kernel matches the reference (Q4_K's
+    format: 4 bits with offsets) on `threads` threads."""
+    lib = _bind(so)
+    missing = [name for name in _SIGNATURES if not hasattr(lib, name)]
+    assert not missing, missing
+    n, k, rows = 48, 512, 5
+    x = torch.randn(rows, k)
+    qw = _group_weights(n, k, 0)["Q4_K"]
+    fmt = lib.llmserve_quant_format(qw.bits, 1, 0)
+    assert fmt >= 0
+    # pack_own asks this library for its tile and format codes (16 with AVX-512, else 1)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(quant, "_own_kernels", lambda: lib)
+        packed = quant.pack_own(qw)
+    assert packed.numel() == lib.llmserve_quant_bytes(fmt, n, k)
+    y = torch.full((rows, n), float("nan"))
+    lib.llmserve_quant_matmul(fmt, x.data_ptr(), k, rows, packed.data_ptr(), y.data_ptr(), n, n, k, 4, 4, threads)
+    held = _as_packed(qw)
+    err = (y - F.linear(x, held.dequantize())).abs()
+    assert (err <= _bound(x, held)).all(), err.max().item()
+
+
+def test_the_library_builds_with_clang(tmp_path):
+    """All five sources with clang++ and the library's own flags (OpenMP from libomp), as CXX=clang++ builds it."""
+    if shutil.which("clang++") is None:
+        _unavailable("needs clang++: apt-get install clang libomp-dev (make test does, as root)")
+    probe = subprocess.run(["clang++", "-fopenmp", "-x", "c++", "-fsyntax-only", "-"], input="#include <omp.h>\n",
+                           capture_output=True, text=True)
+    if probe.returncode != 0:
+        _unavailable("clang++ has no OpenMP here: apt-get install libomp-dev (make test does, as root)")
+    so = tmp_path / "kernels_clang.so"
+    _compile("clang++", cxx_flags("native"), tmp_path, so)
+    _check_library(so, threads=2)
+
+
+@pytest.mark.parametrize("cxx", ["g++", "clang++"])
+def test_the_library_builds_and_runs_without_openmp(tmp_path, cxx):
+    """All five sources without -fopenmp (Apple clang has no OpenMP): no OpenMP symbol left to resolve, and a call
+    asked for two threads runs on the calling thread (team.h's on_team) with the same results."""
+    if shutil.which(cxx) is None:
+        _unavailable(f"needs {cxx}: apt-get install {'clang' if cxx == 'clang++' else 'g++'}")
+    so = tmp_path / f"kernels_{cxx}_no_openmp.so"
+    _compile(cxx, [f for f in cxx_flags("native") if f != "-fopenmp"], tmp_path, so)
+    if shutil.which("nm") is not None:
+        undefined = _run(["nm", "-D", "--undefined-only", str(so)]).stdout
+        assert "omp_" not in undefined and "GOMP_" not in undefined, undefined
+    _check_library(so, threads=2)
