@@ -212,7 +212,7 @@ _SIGNATURES = {
     "llmserve_silu_mul": (None, [_P, _L, _P, _L, _I, _I, _I, _I]),
     "llmserve_int8_matmul": (None, [_P, _L, _I, _P, _P, _P, _L, _I, _I, _I, _I]),
     "llmserve_quant_matmul": (None, [_I, _P, _L, _I, _P, _P, _L, _I, _I, _I, _I, _I]),
-    "llmserve_quant_format": (_I, [_I, _I, _I]),
+    "llmserve_quant_format": (_I, [_I, _I, _I, _I]),
     "llmserve_quant_bytes": (_L, [_I, _I, _I]),
     "llmserve_decode_layers": (_I, [_P, _P, _P]),
     "llmserve_quant_isa": (ctypes.c_char_p, []),

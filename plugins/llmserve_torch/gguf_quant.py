@@ -2,8 +2,8 @@
 
 Each type's blocks map onto one group kind exactly (quant.QuantWeight): Q4_0 → int4 symmetric, Q4_1 and Q4_K →
 int4 with offsets, Q5_0 → int5 symmetric, Q5_1 and Q5_K → int5 with offsets, Q6_K → int6 symmetric with a scale
-per 16, Q8_0 → int8g (int8 in groups of 32). The K-quants' scales (a float16 super-block scale times a 6- or 8-bit
-sub-block scale) are float32 here and become float16 in the kernels' layout: rounded to 11 significant bits.
+per 16, Q8_0 → int8g (int8 in groups of 32). The K-quants keep their own scales as quant.Factors (a float16 factor
+per 256 inputs times an integer per 32 or 16), so the kernel holds them exactly.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from llmserve_torch.quant import QuantWeight
+from llmserve_torch.quant import Factors, QuantWeight
 
 # each type's group kind, whether it has offsets (else symmetric) and its scales a block
 KINDS = {"Q4_0": "int4", "Q4_1": "int4", "Q4_K": "int4", "Q5_0": "int5", "Q5_1": "int5", "Q5_K": "int5",
@@ -36,25 +36,27 @@ def _bits(qh: np.ndarray, count: int) -> np.ndarray:
     return ((mask >> np.arange(count, dtype=np.uint32)) & 1).astype(np.uint8)
 
 
-def _parts(qtype: str, blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
-    """Blocks of one type → (q [n, values], scale [n, scales], offset like scale or None): the group kind's values
-    (quant.QuantWeight's: w = q * scale + offset, or (q - centre) * scale)."""
+def _parts(qtype: str, blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, tuple | None]:
+    """Blocks of one type → (q [n, values], scale [n, scales], offset like scale or None, factors): the group kind's
+    values (quant.QuantWeight's: w = q * scale + offset, or (q - centre) * scale); a K-quant's factors (d [n, 1],
+    sc [n, scales], dneg, m: scale = d * sc, offset = dneg * m), else None."""
     if qtype == "Q4_0":  # d, 16 bytes: (q - 8) * d
-        return _nibbles(blocks[:, 2:]), _f16(blocks[:, 0:2]), None
+        return _nibbles(blocks[:, 2:]), _f16(blocks[:, 0:2]), None, None
     if qtype == "Q4_1":  # d, m, 16 bytes: q * d + m
-        return _nibbles(blocks[:, 4:]), _f16(blocks[:, 0:2]), _f16(blocks[:, 2:4])
+        return _nibbles(blocks[:, 4:]), _f16(blocks[:, 0:2]), _f16(blocks[:, 2:4]), None
     if qtype == "Q5_0":  # d, 32 high bits, 16 bytes: (q - 16) * d
-        return _nibbles(blocks[:, 6:]) | (_bits(blocks[:, 2:6], 32) << 4), _f16(blocks[:, 0:2]), None
+        return _nibbles(blocks[:, 6:]) | (_bits(blocks[:, 2:6], 32) << 4), _f16(blocks[:, 0:2]), None, None
     if qtype == "Q5_1":  # d, m, 32 high bits, 16 bytes: q * d + m
-        return _nibbles(blocks[:, 8:]) | (_bits(blocks[:, 4:8], 32) << 4), _f16(blocks[:, 0:2]), _f16(blocks[:, 2:4])
+        return _nibbles(blocks[:, 8:]) | (_bits(blocks[:, 4:8], 32) << 4), _f16(blocks[:, 0:2]), _f16(blocks[:, 2:4]), None
     if qtype == "Q8_0":  # d, 32 signed bytes: q * d (stored + 128: a symmetric 8-bit group kind's centre)
-        return (blocks[:, 2:].view(np.int8).astype(np.int16) + 128).astype(np.uint8), _f16(blocks[:, 0:2]), None
+        return (blocks[:, 2:].view(np.int8).astype(np.int16) + 128).astype(np.uint8), _f16(blocks[:, 0:2]), None, None
     n = blocks.shape[0]
     if qtype == "Q6_K":  # 128 bytes low nibbles, 64 bytes 2-bit highs, 16 int8 scales, d: d * sc * (q - 32) per 16
         ql = (blocks[:, :128].reshape(n, 2, 1, 64) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)) & 0x0F
         qh = (blocks[:, 128:192].reshape(n, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)) & 3
         q = ql.reshape(n, 256) | (qh.reshape(n, 256) << 4)
-        return q, _f16(blocks[:, 208:210]) * blocks[:, 192:208].view(np.int8).astype(np.float32), None
+        d, sc = _f16(blocks[:, 208:210]), blocks[:, 192:208].view(np.int8)
+        return q, d * sc.astype(np.float32), None, (d, sc, None, None)
     # Q4_K, Q5_K: d, dmin, 12 bytes of 6-bit scales and mins, (Q5_K: 32 bytes of high bits), 128 bytes; 8 sub-blocks
     # of 32: d * sc * q - dmin * m
     from gguf.quants import Q4_K
@@ -66,7 +68,8 @@ def _parts(qtype: str, blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.n
     if qtype == "Q5_K":  # sub-block i's fifth bits: bit i of each of the 32 bytes
         qh = blocks[:, 16:48].reshape(n, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 8, 1)
         q = q | ((qh & 1).reshape(n, 256) << 4)
-    return q, d * sc.astype(np.float32), -dmin * m.astype(np.float32)
+    sc, m = sc.astype(np.int8), m.astype(np.int8)  # 6 bits
+    return q, d * sc.astype(np.float32), -dmin * m.astype(np.float32), (d, sc, -dmin, m)
 
 
 def repack(tensor: Any) -> QuantWeight | None:
@@ -78,7 +81,7 @@ def repack(tensor: Any) -> QuantWeight | None:
         return None
     rows = tensor.data.shape[0]
     _, type_size = GGML_QUANT_SIZES[tensor.tensor_type]
-    q, scale, offset = _parts(qtype, np.asarray(tensor.data).reshape(-1, type_size))
-    as_rows = lambda a: torch.from_numpy(np.ascontiguousarray(a)).reshape(rows, -1)  # noqa: E731
+    q, scale, offset, factors = _parts(qtype, np.asarray(tensor.data).reshape(-1, type_size))
+    as_rows = lambda a: None if a is None else torch.from_numpy(np.ascontiguousarray(a)).reshape(rows, -1)  # noqa: E731
     return QuantWeight(KINDS[qtype], as_rows(q), as_rows(scale).float(), None if offset is None else
-                       as_rows(offset).float(), qtype)
+                       as_rows(offset).float(), qtype, None if factors is None else Factors(*map(as_rows, factors)))

@@ -24,6 +24,21 @@ MODES = ("auto", "none", "int8", "int4")
 
 
 @dataclass(slots=True)
+class Factors:
+    """A K-quant's own scales, kept so the kernel can hold them exactly: scale = d * sc and offset = dneg * m, with d
+    and dneg float16 values per 256 inputs (a super-block) and sc and m int8, one per scale."""
+
+    d: torch.Tensor  # float32 [out, in/256]
+    sc: torch.Tensor  # int8, the shape of QuantWeight.scale
+    dneg: torch.Tensor | None = None  # with offsets
+    m: torch.Tensor | None = None
+
+    def map(self, fn) -> Factors:
+        """fn applied to each tensor."""
+        return Factors(*(None if t is None else fn(t) for t in (self.d, self.sc, self.dneg, self.m)))
+
+
+@dataclass(slots=True)
 class QuantWeight:
     """A linear's weight, [out, in], stored quantized.
 
@@ -38,6 +53,7 @@ class QuantWeight:
     scale: torch.Tensor  # float32
     offset: torch.Tensor | None = None  # float32, group kinds with offsets only
     source: str = "rtn"  # where the values came from: a GGUF type (Q4_1, ...) or rtn (rounded at load)
+    factors: Factors | None = None  # a K-quant's scale and offset factors (Q4_K, Q5_K, Q6_K), else None
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -72,7 +88,7 @@ class QuantWeight:
     def map_rows(self, fn) -> QuantWeight:
         """The same weight with fn (a reordering of axis 0, e.g. llama.cpp's Q/K permutation undone) applied."""
         return QuantWeight(self.kind, fn(self.q), fn(self.scale), None if self.offset is None else fn(self.offset),
-                           self.source)
+                           self.source, None if self.factors is None else self.factors.map(fn))
 
 
 def quantize_int8(w: torch.Tensor, source: str = "rtn") -> QuantWeight:
@@ -120,15 +136,20 @@ def regroup(qw: QuantWeight, kind: str, offsets: bool, half: bool) -> QuantWeigh
     values exactly (a symmetric weight's offsets are -centre * scale, in float16 whenever its scales are)."""
     bits = GROUP_BITS[kind]
     assert qw.kind in GROUP_BITS and bits >= qw.bits and (offsets or qw.offset is None) and (half or not qw.half)
-    q, scale, offset = qw.q, qw.scale, qw.offset
+    q, scale, offset, f = qw.q, qw.scale, qw.offset, qw.factors
     if offset is None and offsets:
         offset = -qw.centre * scale
+        if f is not None:
+            f = Factors(f.d, f.sc, -qw.centre * f.d, f.sc)
     elif offset is None:  # still symmetric: the same distances from the new centre
         q = (q.to(torch.int16) + ((1 << (bits - 1)) - qw.centre)).to(torch.uint8)
     if half and not qw.half:
         scale = scale.repeat_interleave(2, dim=1)
         offset = None if offset is None else offset.repeat_interleave(2, dim=1)
-    return QuantWeight(kind, q, scale, offset, qw.source)
+        if f is not None:
+            f = Factors(f.d, f.sc.repeat_interleave(2, dim=1), f.dneg, None if f.m is None else
+                        f.m.repeat_interleave(2, dim=1))
+    return QuantWeight(kind, q, scale, offset, qw.source, f)
 
 
 def cat_rows(parts: list[QuantWeight]) -> QuantWeight:
@@ -146,9 +167,13 @@ def cat_rows(parts: list[QuantWeight]) -> QuantWeight:
         kind = "int8"
     parts = [to_kind(p, kind) for p in parts]
     offset = None if parts[0].offset is None else torch.cat([p.offset for p in parts])
+    factors = None  # kept where every part has them (K-quants only): else the float16 scales hold them all
+    if all(p.factors is not None for p in parts):
+        factors = Factors(*(None if getattr(parts[0].factors, n) is None else
+                            torch.cat([getattr(p.factors, n) for p in parts]) for n in ("d", "sc", "dneg", "m")))
     sources = sorted({p.source for p in parts})
     return QuantWeight(kind, torch.cat([p.q for p in parts]), torch.cat([p.scale for p in parts]), offset,
-                       "+".join(sources))
+                       "+".join(sources), factors)
 
 
 # csrc/decoder_ops.cpp's int8 matmul (activations rounded to int16 per 64), SmolLM2's 49152 x 576 int8 LM head, AMD
@@ -187,17 +212,26 @@ def own_quant_tile() -> int:
     return _own_kernels().llmserve_quant_tile()
 
 
-def group_format(bits: int, offsets: bool, half: bool) -> int | None:
+def group_format(bits: int, offsets: bool, half: bool, sup: bool = False) -> int | None:
     """The kernel library's code for a group format (kernels.h's quant_format), or None where it has no such format
     (or does not build)."""
     lib = _own_kernels()
-    fmt = -1 if lib is None else lib.llmserve_quant_format(bits, int(offsets), int(half))
+    fmt = -1 if lib is None else lib.llmserve_quant_format(bits, int(offsets), int(half), int(sup))
     return None if fmt < 0 else fmt
 
 
 def weight_format(qw: QuantWeight) -> int | None:
-    """A group-kind weight's format code for our kernels (None: they cannot run it)."""
-    return group_format(qw.bits, qw.offset is not None, qw.half)
+    """A group-kind weight's format code for our kernels (None: they cannot run it); a K-quant's factors are kept
+    only where the kernel has that format with them (see pack_own)."""
+    return group_format(qw.bits, qw.offset is not None, qw.half, qw.factors is not None)
+
+
+def kernel_form(qw: QuantWeight) -> QuantWeight:
+    """qw as our kernel holds it: a K-quant's factors dropped (float16 scales) where no format has them (a fused
+    projection that meets Q8_0 in 8 bits)."""
+    if qw.factors is None or weight_format(qw) is not None:
+        return qw
+    return QuantWeight(qw.kind, qw.q, qw.scale, qw.offset, qw.source)
 
 
 def _bit_planes(q: torch.Tensor, bits: int) -> torch.Tensor:
@@ -218,34 +252,47 @@ def _bit_planes(q: torch.Tensor, bits: int) -> torch.Tensor:
 def pack_own(qw: QuantWeight) -> torch.Tensor:
     """csrc/quant_matmul.cpp's form of a group-kind weight: one byte tensor, [tiles, bytes] for tiles of t rows.
 
-    Per group of 32 inputs a row's values (4 * bits bytes, _bit_planes), its float16 scales (one, or two with
-    scales per 16) and its float16 offsets (as many, or none for a symmetric weight): 4.5 bits a weight for Q4_0,
-    5 for Q4_1, 8.5 for Q8_0, as in the file. With tiles of t > 1 rows (AVX-512), the rows are padded to a whole tile
-    with zeros and each tile's group is its values as 4-byte chunks, chunk c holding each row's chunk c in turn,
-    then its scales [parts, t], then its offsets [parts, t]; with t = 1 (rows in order) a row's groups' values follow
-    each other, then its scales [parts, groups], then its offsets."""
+    Per group of 32 inputs a row's values (4 * bits bytes, _bit_planes), its scales (one, or two with scales per 16)
+    and its offsets (as many, or none for a symmetric weight): float16, or for a K-quant (qw.factors) int8 multiples
+    of a float16 factor per 256 inputs, which then follow: 4.5 bits a weight for Q4_0, 5 for Q4_1, 4.625 for Q4_K,
+    6.5625 for Q6_K, 8.5 for Q8_0. With tiles of t > 1 rows (AVX-512), the rows are padded to a whole tile with zeros
+    and each tile's group is its values as 4-byte chunks, chunk c holding each row's chunk c in turn, then its scales
+    [parts, t], then its offsets [parts, t], each 256 inputs' groups after their factors (d [t], then dneg [t]); with
+    t = 1 (rows in order) a row's groups' values follow each other, then its scales [parts, groups], its offsets,
+    its factors d [groups / 8], its dneg."""
     fmt = weight_format(qw)
     if fmt is None:
         raise ValueError(f"no kernel for {qw.kind} with{'' if qw.offset is not None else 'out'} offsets")
     out, k = qw.shape
-    groups, parts = k // GROUP, 2 if qw.half else 1
+    groups, parts, f = k // GROUP, 2 if qw.half else 1, qw.factors
     values = _bit_planes(qw.q.view(out, groups, GROUP), qw.bits)  # [out, groups, 4 * bits]
-    halves = [qw.scale] if qw.offset is None else [qw.scale, qw.offset]
-    halves = [v.half() for v in halves]
-    if not all(v.isfinite().all() for v in halves):
+    if f is None:
+        per_group = [v.half() for v in ([qw.scale] if qw.offset is None else [qw.scale, qw.offset])]
+        heads = []
+    else:
+        per_group = [f.sc] if f.m is None else [f.sc, f.m]
+        heads = [v.half() for v in ([f.d] if f.dneg is None else [f.d, f.dneg])]  # [out, groups / 8]
+    if not all(v.isfinite().all() for v in per_group + heads if v.is_floating_point()):
         raise ValueError(f"{qw.kind} scales or offsets beyond float16's range")
     t = own_quant_tile()
     pad = -out % t
+    tiles = (out + pad) // t
+    as_bytes = lambda v: v.contiguous().view(torch.uint8)  # noqa: E731
     values = F.pad(values, (0, 0, 0, 0, 0, pad))
-    halves = [F.pad(v, (0, 0, 0, pad)).view(-1, t, groups, parts) for v in halves]  # [tiles, t, groups, parts]
-    tiles = values.shape[0] // t
+    per_group = [F.pad(v, (0, 0, 0, pad)).view(tiles, t, groups, parts) for v in per_group]
+    heads = [F.pad(v, (0, 0, 0, pad)).view(tiles, t, -1) for v in heads]
     if t > 1:  # group after group: [tiles, groups, chunks, t, 4], then [tiles, groups, parts, t] each
         chunks = values.view(tiles, t, groups, qw.bits, 4).permute(0, 2, 3, 1, 4).reshape(tiles, groups, -1)
-        rest = [v.permute(0, 2, 3, 1).reshape(tiles, groups, -1).contiguous().view(torch.uint8) for v in halves]
-        packed = torch.cat([chunks, *rest], dim=2).reshape(tiles, -1)
-    else:  # a row's values, then its scales [parts, groups], then its offsets
-        rest = [v.permute(0, 1, 3, 2).reshape(tiles, -1).contiguous().view(torch.uint8) for v in halves]
-        packed = torch.cat([values.reshape(tiles, -1), *rest], dim=1)
+        rest = [as_bytes(v.permute(0, 2, 3, 1)).reshape(tiles, groups, -1) for v in per_group]
+        packed = torch.cat([chunks, *rest], dim=2)
+        if heads:  # each super-block of 8 groups after its factors [t] each
+            supers = packed.view(tiles, groups // 8, -1)
+            packed = torch.cat([*(as_bytes(h.transpose(1, 2)).reshape(tiles, groups // 8, -1) for h in heads),
+                                supers], dim=2)
+        packed = packed.reshape(tiles, -1)
+    else:  # a row's values, then its scales [parts, groups], its offsets, its factors
+        rest = [as_bytes(v.permute(0, 1, 3, 2)).reshape(tiles, -1) for v in per_group]
+        packed = torch.cat([values.reshape(tiles, -1), *rest, *(as_bytes(h).reshape(tiles, -1) for h in heads)], dim=1)
     packed = packed.contiguous()
     assert packed.numel() == _own_kernels().llmserve_quant_bytes(fmt, out, k)
     return packed
@@ -260,6 +307,7 @@ class QuantLinear:
     fused_gelu = False  # no post-op fusion in these kernels: the model applies its activation itself
 
     def __init__(self, qw: QuantWeight, bias: torch.Tensor | None, plan, dense=None):
+        qw = kernel_form(qw)
         self._fmt = weight_format(qw) if qw.kind in GROUP_BITS else None
         if qw.kind in GROUP_BITS and self._fmt is None and not (qw.kind == "int4" and _own_kernels() is None):
             qw = to_kind(qw, "int8")  # no kernel for this format here: int8 per row, rounded once more

@@ -148,7 +148,11 @@ def test_float32_activations_run_the_kernel_too():
 
 
 def _as_packed(qw: QuantWeight) -> QuantWeight:
-    """qw with its scales and offsets in float16, as pack_own stores them (the K-quants' are float32 products)."""
+    """qw as pack_own stores it: a K-quant's scales exactly (its factors), else in float16 (where a fused K-quant
+    meets Q8_0, the products of its factors rounded)."""
+    qw = quant.kernel_form(qw)
+    if qw.factors is not None:
+        return qw
     half = lambda t: None if t is None else t.half().float()  # noqa: E731
     return QuantWeight(qw.kind, qw.q, half(qw.scale), half(qw.offset), qw.source)
 
@@ -201,11 +205,13 @@ def test_our_group_kernel_matches_the_reference_in_every_format_at_any_rows(rows
 
 
 def test_the_bits_read_are_the_files_own():
-    """A Q4_0 weight reads 4.5 bits a weight as in the file, Q5_0 5.5, Q5_1 6, Q6_K 7 (float16 scales per 16 in
-    place of the file's int8 ones under a super-block scale), Q8_0 8.5 (one tile of 16 rows: no padding)."""
+    """The bits a weight the kernel reads, as in the file (three tiles of 16 rows: no padding): Q4_0 4.5, Q5_0 5.5,
+    Q5_1 6, Q6_K 6.5625, Q8_0 8.5; Q4_K and Q5_K 1/8 bit more than the file, whose 6-bit scales and mins are a
+    byte each here."""
     if own_kernel_isa() is None:
         pytest.skip("the kernel library does not build here")
-    want = {"Q4_0": 4.5, "Q4_1": 5, "Q4_K": 5, "Q5_0": 5.5, "Q5_1": 6, "Q5_K": 6, "Q6_K": 7, "Q8_0": 8.5}
+    want = {"Q4_0": 4.5, "Q4_1": 5, "Q4_K": 4.625, "Q5_0": 5.5, "Q5_1": 6, "Q5_K": 5.625, "Q6_K": 6.5625,
+            "Q8_0": 8.5}
     qws = _group_weights(16 * 3, 512, 0)
     for t, bits in want.items():
         assert QuantLinear(qws[t], None, _plan(qws[t].kind, torch.float32, NEVER)).bits_read == bits, t
@@ -216,11 +222,18 @@ def test_group_kinds_meet_exactly_when_fused():
     0.5B model's fallbacks) in int8g; each part's values unchanged."""
     w = [_weights(16, 256, s) for s in (1, 2, 3)]
     cases = {("Q4_K", "Q4_K", "Q6_K"): ("int6", True, True), ("Q5_0", "Q5_0", "Q8_0"): ("int8g", False, False),
-             ("Q4_0", "Q5_1"): ("int5", True, False)}
+             ("Q4_0", "Q5_1"): ("int5", True, False), ("Q4_K", "Q5_0", "Q6_K"): ("int6", True, True)}
     for types, (kind, offsets, half) in cases.items():
         parts = [repack(_gguf_tensor(w[i], t)) for i, t in enumerate(types)]
         fused = cat_rows(parts)
         assert (fused.kind, fused.offset is not None, fused.half) == (kind, offsets, half), types
+        # the K-quants' own scales kept (q|k|v of Q4_K and Q6_K: 7.125 bits a weight, not 8)
+        assert (fused.factors is not None) == all(t.endswith("_K") for t in types)
+        if fused.factors is not None:
+            f = fused.factors
+            torch.testing.assert_close(f.d.repeat_interleave(f.sc.shape[1] // f.d.shape[1], 1) * f.sc, fused.scale)
+            torch.testing.assert_close(f.dneg.repeat_interleave(f.m.shape[1] // f.dneg.shape[1], 1) * f.m,
+                                       fused.offset)
         torch.testing.assert_close(fused.dequantize(), torch.cat([p.dequantize() for p in parts]), atol=1e-6, rtol=1e-5)
 
 
@@ -251,6 +264,7 @@ def test_every_simd_path_of_the_group_kernel_matches_the_reference(tmp_path, mon
     for rows, n, k in [(1, 40, 576), (2, 37, 256), (7, 96, 512), (9, 16, 1536)]:
         x = torch.randn(rows, k)
         for name, qw in _group_weights(n, k, rows).items():
+            qw = quant.kernel_form(qw)
             packed = quant.pack_own(qw)  # kept alive while the kernel reads it
             y = torch.full((rows, n), float("nan"))
             lib.llmserve_quant_matmul(quant.weight_format(qw), x.data_ptr(), k, rows, packed.data_ptr(), y.data_ptr(),

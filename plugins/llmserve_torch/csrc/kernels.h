@@ -51,11 +51,12 @@ void filter_row(const float* x, int64_t n, float t, int top_k, float top_p, floa
 
 // A quantized linear's weight format (decode_layers.cpp's QLinear::kind, llmserve_quant_matmul's fmt): int8 with one
 // scale per output row (decoder_ops.cpp), or a group format of quant_matmul.cpp: values of `bits` bits (4, 5, 6, 8)
-// in groups of 32 inputs, with float16 offsets or symmetric, scales per 16 inputs (half) or per 32
+// in groups of 32 inputs, with offsets or symmetric, scales per 16 inputs (half) or per 32, float16 or (sup) int8
+// multiples of a float16 factor per 256 inputs
 constexpr int kInt8Rows = 8;
 constexpr int kGroupFormat = 0x100;
-constexpr int quant_format(int bits, bool offsets, bool half) {
-  return kGroupFormat | bits | (offsets ? 0x10 : 0) | (half ? 0x20 : 0);
+constexpr int quant_format(int bits, bool offsets, bool half, bool sup = false) {
+  return kGroupFormat | bits | (offsets ? 0x10 : 0) | (half ? 0x20 : 0) | (sup ? 0x40 : 0);
 }
 inline bool is_group_format(int kind) { return (kind & kGroupFormat) != 0; }
 

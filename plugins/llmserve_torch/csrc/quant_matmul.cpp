@@ -39,46 +39,73 @@ constexpr int kTile = 16;
 constexpr int kTile = 1;
 #endif
 
-// A group format: 32 values q of Bits bits (0 .. 2^Bits - 1), then float16 scales and, with Off, offsets:
+// A group format: 32 values q of Bits bits (0 .. 2^Bits - 1), then their scales and, with Off, offsets:
 // w = q * scale + offset, or without Off w = (q - 2^(Bits-1)) * scale (symmetric: Q4_0, Q5_0, Q6_K, Q8_0 store no
-// offset). With Half, scales and offsets are per 16 inputs (Q6_K's sub-blocks), else per 32. A row's group takes
-// kRowBytes: its values as Bits 4-byte chunks (Bits < 8: a nibble plane of 16 bytes, byte j holding inputs j (low
-// nibble) and j + 16 (high), then one 4-byte plane for each bit above the fourth, byte j's bit c holding input
-// 4c + j's and bit 4 + c input 16 + 4c + j's; Bits 8: the 32 bytes in order), then its scales, then its offsets.
-template <int Bits, bool Off, bool Half>
+// offset). With Half, scales and offsets are per 16 inputs (Q6_K's sub-blocks), else per 32. Scales and offsets are
+// float16, or with Sup (the K-quants' own form, exact) int8 multiples of a float16 factor per super-block of 8 groups
+// (256 inputs): scale = d * sc, offset = dneg * m. A row's group takes kRowBytes: its values as Bits 4-byte chunks
+// (Bits < 8: a nibble plane of 16 bytes, byte j holding inputs j (low nibble) and j + 16 (high), then one 4-byte plane
+// for each bit above the fourth, byte j's bit c holding input 4c + j's and bit 4 + c input 16 + 4c + j's; Bits 8: the
+// 32 bytes in order), then its scales, then its offsets; with Sup a row's super-block also holds kHeadBytes of
+// factors (d, then dneg).
+template <int Bits, bool Off, bool Half, bool Sup = false>
 struct Fmt {
   static constexpr int kBits = Bits;
-  static constexpr bool kOff = Off, kHalf = Half;
+  static constexpr bool kOff = Off, kHalf = Half, kSup = Sup;
   static constexpr int kCentre = 1 << (Bits - 1);  // the integer sums meet w - zero = (q - kCentre) * scale
   static constexpr int kParts = Half ? 2 : 1;      // scales (and offsets) a row's group
   static constexpr int kValueBytes = 4 * Bits;
-  static constexpr int kRowBytes = kValueBytes + 2 * kParts * (Off ? 2 : 1);
-  static constexpr int kCode = quant_format(Bits, Off, Half);
+  static constexpr int kScaleBytes = Sup ? 1 : 2;  // an int8 multiple, or a float16
+  static constexpr int kRowBytes = kValueBytes + kScaleBytes * kParts * (Off ? 2 : 1);
+  static constexpr int kSuperGroups = Sup ? 8 : 1;  // groups that share a row's factors
+  static constexpr int kHeadBytes = Sup ? 2 * (Off ? 2 : 1) : 0;
+  static constexpr int kCode = quant_format(Bits, Off, Half, Sup);
 };
+
+inline float to_float(int8_t v) { return static_cast<float>(v); }
 
 // Tile t of pack_own's layout. In tiles of 16 rows, group after group: the group's values as chunks of 64 bytes,
 // dword r of chunk c holding row r's 4-byte chunk c (so a tile's group is read in one sequential stream: values,
 // scales and offsets in three regions of a tile ran 24 % slower at one row), then its scales [parts][16], then its
-// offsets [parts][16]. Rows in order (kTile 1): a row's groups' values, then its scales [parts][groups], then its
-// offsets [parts][groups] (the AVX2 path reads eight groups' scales at once).
+// offsets [parts][16]; with Sup each super-block of 8 groups starts with its factors d [16], then dneg [16]. Rows in
+// order (kTile 1): a row's groups' values, then its scales [parts][groups], then its offsets [parts][groups] (the
+// AVX2 path reads eight groups' scales at once), then with Sup its factors d [groups / 8], then dneg.
 template <typename F>
 struct Block {
   const uint8_t* base;
   int ng;
-  Block(const uint8_t* w, int64_t t, int K) : base(w + t * (K / kG) * kTile * F::kRowBytes), ng(K / kG) {}
+  static constexpr int64_t kSuperBytes = kTile * (F::kHeadBytes + F::kSuperGroups * F::kRowBytes);
+  Block(const uint8_t* w, int64_t t, int K) : base(w + t * (K / kG / F::kSuperGroups) * kSuperBytes), ng(K / kG) {}
 #if defined(__AVX512BW__)
-  const uint8_t* values(int g) const { return base + g * kTile * F::kRowBytes; }
-  const uint16_t* scales(int g, int part) const {
-    return reinterpret_cast<const uint16_t*>(values(g) + kTile * F::kValueBytes) + part * kTile;
+  const uint8_t* head(int g) const { return base + (g / F::kSuperGroups) * kSuperBytes; }
+  const uint8_t* values(int g) const {
+    return head(g) + kTile * F::kHeadBytes + (g % F::kSuperGroups) * kTile * F::kRowBytes;
   }
-  const uint16_t* offsets(int g, int part) const { return scales(g, 0) + (F::kParts + part) * kTile; }
+  const uint8_t* scales(int g, int part) const {
+    return values(g) + kTile * F::kValueBytes + part * kTile * F::kScaleBytes;
+  }
+  const uint8_t* offsets(int g, int part) const { return scales(g, 0) + (F::kParts + part) * kTile * F::kScaleBytes; }
+  const uint16_t* factors(int g, int which) const {  // d (0) or dneg (1) of g's super-block
+    return reinterpret_cast<const uint16_t*>(head(g)) + which * kTile;
+  }
 #else
   const uint8_t* values(int g) const { return base + g * F::kValueBytes; }
-  const uint16_t* scales(int g, int part) const {
-    return reinterpret_cast<const uint16_t*>(base + ng * F::kValueBytes) + part * ng + g;
+  const uint8_t* scales(int g, int part) const {
+    return base + ng * F::kValueBytes + (part * ng + g) * F::kScaleBytes;
   }
-  const uint16_t* offsets(int g, int part) const { return scales(g, part) + F::kParts * ng; }
+  const uint8_t* offsets(int g, int part) const { return scales(g, part) + F::kParts * ng * F::kScaleBytes; }
+  const uint16_t* factors(int g, int which) const {
+    return reinterpret_cast<const uint16_t*>(base + ng * F::kRowBytes) + (which * ng + g) / F::kSuperGroups;
+  }
 #endif
+  // group g's scale (kind 0) or offset (1) of a part, for row 0 of the block (the scalar path)
+  float scalar(int g, int part, int kind) const {
+    const uint8_t* p = kind ? offsets(g, part) : scales(g, part);
+    if (F::kSup) return to_float(static_cast<int8_t>(*p)) * load_half(*factors(g, kind));
+    uint16_t h;
+    std::memcpy(&h, p, 2);
+    return load_half(h);
+  }
 };
 
 // One group's 32 values as integers (the scalar path and the AVX2 path's groups left over)
@@ -208,6 +235,15 @@ inline void unpack_tile(const uint8_t* wg, __m512i* lo, __m512i* hi) {
   }
 }
 
+// A tile's 16 scales (kind 0) or offsets (1) of group g's part
+template <typename F>
+inline __m512 tile_scales(const Block<F>& b, int g, int part, int kind) {
+  const uint8_t* p = kind ? b.offsets(g, part) : b.scales(g, part);
+  if (!F::kSup) return load16_half(reinterpret_cast<const uint16_t*>(p));
+  const __m512 v = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+  return _mm512_mul_ps(v, load16_half(b.factors(g, kind)));
+}
+
 // One tile against RB rows of x from row r0: y[r0.., n0..n0+15] (outputs past N are padding, not stored). Each
 // group asks for the weights `ahead` bytes on (prefetch_distance): the hardware prefetcher alone left a one-row
 // matmul short of the machine's bandwidth (a step's 30 layers do not fit the L3)
@@ -225,9 +261,9 @@ void tile_rows(const Block<F>& b, const Split& a, int r0, int K, U* y, int64_t y
     unpack_tile<F>(wg, lo, hi);
     __m512 sc[P], zc[P];
     for (int p = 0; p < P; ++p) {
-      sc[p] = load16_half(b.scales(g, p));
+      sc[p] = tile_scales<F>(b, g, p, 0);
       if (F::kOff)  // the zero point
-        zc[p] = _mm512_fmadd_ps(_mm512_set1_ps(F::kCentre), sc[p], load16_half(b.offsets(g, p)));
+        zc[p] = _mm512_fmadd_ps(_mm512_set1_ps(F::kCentre), sc[p], tile_scales<F>(b, g, p, 1));
     }
     for (int r = 0; r < RB; ++r) {
       const int64_t row = r0 + r, at = row * ng + g;
@@ -341,9 +377,9 @@ float groups_term(const Block<F>& b, const int16_t* x, const float* d, const int
     const float part_xs[2] = {F::kHalf ? xs0[g] : xs[g], xs[g] - xs0[g]};
     if (!F::kHalf) s[0] += s[1];
     for (int p = 0; p < F::kParts; ++p) {
-      const float scale = load_half(*b.scales(g, p));
+      const float scale = b.scalar(g, p, 0);
       sum += scale * d[g] * static_cast<float>(s[p] - F::kCentre * part_qs[p]);
-      if (F::kOff) sum += (F::kCentre * scale + load_half(*b.offsets(g, p))) * part_xs[p];
+      if (F::kOff) sum += (F::kCentre * scale + b.scalar(g, p, 1)) * part_xs[p];
     }
   }
   return sum;
@@ -372,6 +408,15 @@ inline __m256 load8_half(const uint16_t* p) {  // 8 float16 as float
   for (int i = 0; i < 8; ++i) f[i] = load_half(p[i]);
   return _mm256_load_ps(f);
 #endif
+}
+
+// Groups g..g+7's scales (kind 0) or offsets (1) of a part (with Sup g is a super-block's first group)
+template <typename F>
+inline __m256 row_scales8(const Block<F>& b, int g, int part, int kind) {
+  const uint8_t* p = kind ? b.offsets(g, part) : b.scales(g, part);
+  if (!F::kSup) return load8_half(reinterpret_cast<const uint16_t*>(p));
+  const __m256 v = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+  return _mm256_mul_ps(v, _mm256_set1_ps(load_half(*b.factors(g, kind))));
 }
 
 // One group's values as bytes: lo inputs 0..15, hi 16..31
@@ -427,10 +472,10 @@ inline float row_dot(const Block<F>& b, const int16_t* x, const float* d, const 
     for (int p = 0; p < P; ++p) {
       const __m256i qp = P == 1 ? q_all : (p ? _mm256_sub_epi32(q_all, q_lo) : q_lo);
       const __m256i s = _mm256_sub_epi32(hsum8(v[p]), _mm256_mullo_epi32(qp, _mm256_set1_epi32(F::kCentre)));
-      const __m256 scale = load8_half(b.scales(g, p));
+      const __m256 scale = row_scales8(b, g, p, 0);
       acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(scale, dg), acc);
       if (F::kOff) {
-        const __m256 zero = _mm256_fmadd_ps(_mm256_set1_ps(F::kCentre), scale, load8_half(b.offsets(g, p)));
+        const __m256 zero = _mm256_fmadd_ps(_mm256_set1_ps(F::kCentre), scale, row_scales8(b, g, p, 1));
         acc = _mm256_fmadd_ps(zero, P == 1 ? x_all : (p ? _mm256_sub_ps(x_all, x_lo) : x_lo), acc);
       }
     }
@@ -464,9 +509,9 @@ void group_matmul(const Team& tm, const T* x, int64_t xs, int rows, const uint8_
 }
 #endif
 
-// The formats gguf_quant.py and cat_rows make: each GGUF type's own (Q4_0 4 bits symmetric, Q4_1 and Q4_K 4 with
-// offsets, Q5_0 5 symmetric, Q5_1 and Q5_K 5 with offsets, Q6_K 6 symmetric per 16, Q8_0 8 symmetric), and where
-// a fused q|k|v or gate|up meets two of them, the one that holds both exactly
+// The formats gguf_quant.py and cat_rows make: each GGUF type's own (Q4_0 4 bits symmetric, Q4_1 4 with offsets,
+// Q5_0 5 symmetric, Q5_1 5 with offsets, Q8_0 8 symmetric; with super-block factors Q4_K and Q5_K 4 and 5 with offsets,
+// Q6_K 6 symmetric per 16), and where a fused q|k|v or gate|up meets two of them, the one that holds both exactly
 template <typename Fn>
 bool with_format(int fmt, Fn&& fn) {
   switch (fmt) {
@@ -480,6 +525,10 @@ bool with_format(int fmt, Fn&& fn) {
     case Fmt<8, true, false>::kCode: fn(Fmt<8, true, false>{}); return true;
     case Fmt<8, false, true>::kCode: fn(Fmt<8, false, true>{}); return true;
     case Fmt<8, true, true>::kCode: fn(Fmt<8, true, true>{}); return true;
+    case Fmt<4, true, false, true>::kCode: fn(Fmt<4, true, false, true>{}); return true;
+    case Fmt<5, true, false, true>::kCode: fn(Fmt<5, true, false, true>{}); return true;
+    case Fmt<6, false, true, true>::kCode: fn(Fmt<6, false, true, true>{}); return true;
+    case Fmt<6, true, true, true>::kCode: fn(Fmt<6, true, true, true>{}); return true;
     default: return false;
   }
 }
@@ -491,7 +540,10 @@ int quant_tiles(int N) { return (N + kTile - 1) / kTile; }
 
 int64_t quant_tile_bytes(int fmt, int K) {
   int64_t bytes = -1;
-  with_format(fmt, [&](auto f) { bytes = static_cast<int64_t>(K / kG) * kTile * decltype(f)::kRowBytes; });
+  with_format(fmt, [&](auto f) {
+    using F = decltype(f);
+    bytes = K % (kG * F::kSuperGroups) ? -1 : static_cast<int64_t>(K / kG / F::kSuperGroups) * Block<F>::kSuperBytes;
+  });
   return bytes;
 }
 
@@ -528,10 +580,10 @@ const char* llmserve_quant_isa() {
 // The group formats' row tile of this build: 16 (AVX-512: tiles, see kTile) or 1 (rows in their natural packing)
 int llmserve_quant_tile() { return quant_tile(); }
 
-// The code of the group format with values of `bits` bits, offsets or not, scales per 16 inputs or per 32; -1 where
-// the kernel has no such format
-int llmserve_quant_format(int bits, int offsets, int half) {
-  const int fmt = quant_format(bits, offsets != 0, half != 0);
+// The code of the group format with values of `bits` bits, offsets or not, scales per 16 inputs or per 32, float16
+// or int8 multiples of super-block factors (sup); -1 where the kernel has no such format
+int llmserve_quant_format(int bits, int offsets, int half, int sup) {
+  const int fmt = quant_format(bits, offsets != 0, half != 0, sup != 0);
   return with_format(fmt, [](auto) {}) ? fmt : -1;
 }
 
