@@ -8,7 +8,7 @@ HOST ?= 127.0.0.1
 PORT ?= 8000
 PYTEST_ARGS ?=
 
-.PHONY: install model browser test serve bench bench-torch plugins clean
+.PHONY: install model browser cross test serve bench bench-torch plugins clean
 
 # pip's own progress (no -q): the first install downloads torch and the rest for a few minutes
 $(STAMP): pyproject.toml constraints.txt
@@ -32,7 +32,20 @@ browser:
 	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; \
 	else echo "no chromium: tests/ui will skip (fail under CI); apt-get install chromium, or set LLMSERVE_CHROMIUM"; fi
 
-test: $(STAMP) model browser
+# the kernel library's other builds (tests/torch/test_kernels_cross.py): an aarch64 g++ and qemu-user to run what it
+# builds, clang with its OpenMP; installed here when missing and running as root
+CROSS_PACKAGES := g++-aarch64-linux-gnu qemu-user-static clang libomp-dev
+cross:
+	@command -v aarch64-linux-gnu-g++ >/dev/null && \
+	{ command -v qemu-aarch64-static || command -v qemu-aarch64; } >/dev/null && \
+	echo '#include <omp.h>' | clang++ -fopenmp -x c++ -fsyntax-only - 2>/dev/null || \
+	if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	  echo "installing the cross-build tools for the kernel tests (apt-get, about a minute)"; \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $(CROSS_PACKAGES) >/dev/null; \
+	else echo "no aarch64 g++, qemu-user or clang with OpenMP: tests/torch/test_kernels_cross.py will skip (fail" \
+	  "under CI); apt-get install $(CROSS_PACKAGES)"; fi
+
+test: $(STAMP) model browser cross
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 # serves the default model, SmolLM2-135M-Instruct, on http://$(HOST):$(PORT)/v1

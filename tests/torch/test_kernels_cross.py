@@ -1,6 +1,7 @@
-"""The kernel library beyond this machine's own build: the group-quantized matmul cross-compiled for aarch64 and run
-under qemu-user against the dequantized reference in every format (correctness only: its scalar path, there are no
-NEON paths yet), and the whole library built with clang++ and without OpenMP (Apple clang has none).
+"""The kernel library beyond this machine's own build: cross-compiled for aarch64, its group-quantized matmul run under
+qemu-user against the dequantized reference in every format (correctness only: its scalar path, there are no NEON
+paths yet), and built with clang++ and without OpenMP (Apple clang has none). Each builds the library from csrc/
+(~10-20 s on 2 cores).
 
 The tools (g++-aarch64-linux-gnu, qemu-user-static, clang, libomp-dev) come from Debian: `make test` apt-installs
 them when missing and running as root (its `cross` target). Without them these tests fail under CI (CI=true), where
@@ -22,13 +23,14 @@ import torch.nn.functional as F
 from test_quant import _as_packed, _group_weights, _rounding_bound
 
 from llmserve_torch import quant
-from llmserve_torch.attention import _SIGNATURES, _compile, cxx_flags
+from llmserve_torch.attention import _SIGNATURES, _SOURCES, _compile, cxx_flags
 
 CSRC = Path(quant.__file__).with_name("csrc")
 DRIVER = CSRC / "tests" / "quant_driver.cpp"
 # an ARMv8.2 core with the dot-product instructions (Neoverse N1, Apple M1, Graviton 2): what NEON paths would target
 ARM_MARCH = "armv8.2-a+dotprod"
-# the group formats the kernel has (quant_matmul.cpp's with_format); _group_weights makes one weight in each
+# distinct formats (quant_matmul.cpp's with_format) among _group_weights' weights, at the least: a check that the
+# cases do not collapse into a few (12 when written: each GGUF type's and those fused rows meet in)
 FORMATS = 10
 
 
@@ -58,41 +60,52 @@ def _bound(x: torch.Tensor, held) -> torch.Tensor:
     return _rounding_bound(x, held) + 2e-5 * (x.abs().sum(-1, keepdim=True) * held.dequantize().abs().amax())
 
 
-def _tile_one_packer(tmp_path: Path) -> ctypes.CDLL:
-    """The group kernel built for plain x86-64 (its scalar path, rows in order: tile 1), for pack_own to ask."""
-    if platform.machine() != "x86_64" or shutil.which("g++") is None:
-        pytest.skip("packs the weights with an x86-64 scalar build of the kernel: needs an x86-64 host with g++")
-    so = tmp_path / "quant_x86-64.so"
-    _run(["g++", *cxx_flags("x86-64"), f"-I{CSRC}", str(CSRC / "quant_matmul.cpp"), "-o", str(so)])
-    lib = _bind(so)
-    assert lib.llmserve_quant_tile() == 1
-    return lib
+def _run_all(cmds: list[list[str]]) -> None:
+    """Commands side by side, as many at once as there are CPUs (compiles); each must succeed."""
+    running: list[tuple[list[str], subprocess.Popen]] = []
+
+    def finish(cmd, p):
+        err = p.communicate(timeout=300)[1]
+        assert p.returncode == 0, f"{' '.join(cmd)} failed ({p.returncode}): {err.strip()[-2000:]}"
+
+    for cmd in cmds:
+        if len(running) >= (os.cpu_count() or 1):
+            finish(*running.pop(0))
+        running.append((cmd, subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)))
+    for cmd, p in running:
+        finish(cmd, p)
 
 
+@pytest.mark.slow
 def test_the_group_kernel_built_for_aarch64_matches_the_reference_under_qemu(tmp_path, monkeypatch):
     """Every group format at 1, 3 and 9 rows, packed for tile 1 as pack_own packs it for a build without AVX-512, run
-    by quant_driver.cpp linked statically with quant_matmul.cpp for aarch64 (one qemu start for all of them)."""
+    by quant_driver.cpp under qemu (one start for all of them), linked statically with the whole library built for
+    aarch64 (every source, so an x86-only line anywhere fails the build)."""
     cxx = shutil.which("aarch64-linux-gnu-g++")
     qemu = shutil.which("qemu-aarch64-static") or shutil.which("qemu-aarch64")
     if cxx is None or qemu is None:
         _unavailable("needs aarch64-linux-gnu-g++ and qemu-aarch64(-static): apt-get install g++-aarch64-linux-gnu "
                      "qemu-user-static (make test does, as root)")
-    driver = tmp_path / "quant_driver_aarch64"
+    if platform.machine() != "x86_64" or shutil.which("g++") is None:
+        pytest.skip("packs the weights with an x86-64 scalar build of the kernel: needs an x86-64 host with g++")
+    # pack_own asks the group kernel built for plain x86-64 (its scalar path, rows in order: tile 1) for the layout
+    packer_so, driver = tmp_path / "quant_x86-64.so", tmp_path / "quant_driver_aarch64"
     flags = [f for f in cxx_flags(ARM_MARCH) if f not in ("-shared", "-fPIC")]
-    build = subprocess.Popen([cxx, *flags, "-static", f"-I{CSRC}", str(CSRC / "quant_matmul.cpp"), str(DRIVER), "-o",
-                              str(driver)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    try:  # the two builds side by side
-        packer = _tile_one_packer(tmp_path)
-    finally:
-        err = build.communicate(timeout=300)[1]
-    assert build.returncode == 0, f"{cxx} failed: {err.strip()[-2000:]}"
+    sources = [CSRC / f for f in _SOURCES] + [DRIVER]
+    objs = [tmp_path / f"{f.stem}.aarch64.o" for f in sources]
+    _run_all([["g++", *cxx_flags("x86-64"), f"-I{CSRC}", str(CSRC / "quant_matmul.cpp"), "-o", str(packer_so)]] +
+             [[cxx, *flags, "-c", f"-I{CSRC}", str(f), "-o", str(o)] for f, o in zip(sources, objs)])
+    _run([cxx, *flags, "-static", *map(str, objs), "-o", str(driver)])
+    packer = _bind(packer_so)
+    assert packer.llmserve_quant_tile() == 1
     monkeypatch.setattr(quant, "_own_kernels", lambda: packer)
 
     cases, args = [], []
     for rows, n, k in [(1, 40, 512), (3, 37, 256), (9, 24, 768)]:
         x = torch.randn(rows, k)
-        qws = _group_weights(n, k, rows)
-        assert len({quant.weight_format(qw) for qw in qws.values()}) == FORMATS
+        qws = {name: quant.kernel_form(qw) for name, qw in _group_weights(n, k, rows).items()}
+        formats = {quant.weight_format(qw) for qw in qws.values()}
+        assert None not in formats and len(formats) >= FORMATS, formats
         for name, qw in qws.items():
             fmt, packed = quant.weight_format(qw), quant.pack_own(qw).numpy().tobytes()
             assert len(packed) == packer.llmserve_quant_bytes(fmt, n, k), name
@@ -113,20 +126,19 @@ def test_the_group_kernel_built_for_aarch64_matches_the_reference_under_qemu(tmp
 
 
 def _check_library(so: Path, threads: int) -> None:
-    """A whole kernel library: it loads with every entry point, and its group kernel matches the reference (Q4_K's
-    format: 4 bits with offsets) on `threads` threads."""
+    """A whole kernel library: it loads with every entry point, and its group kernel matches the reference on a
+    Q4_K weight (4 bits with offsets) on `threads` threads."""
     lib = _bind(so)
     missing = [name for name in _SIGNATURES if not hasattr(lib, name)]
     assert not missing, missing
     n, k, rows = 48, 512, 5
     x = torch.randn(rows, k)
-    qw = _group_weights(n, k, 0)["Q4_K"]
-    fmt = lib.llmserve_quant_format(qw.bits, 1, 0)
-    assert fmt >= 0
     # pack_own asks this library for its tile and format codes (16 with AVX-512, else 1)
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(quant, "_own_kernels", lambda: lib)
-        packed = quant.pack_own(qw)
+        qw = quant.kernel_form(_group_weights(n, k, 0)["Q4_K"])
+        fmt, packed = quant.weight_format(qw), quant.pack_own(qw)
+    assert fmt is not None
     assert packed.numel() == lib.llmserve_quant_bytes(fmt, n, k)
     y = torch.full((rows, n), float("nan"))
     lib.llmserve_quant_matmul(fmt, x.data_ptr(), k, rows, packed.data_ptr(), y.data_ptr(), n, n, k, 4, 4, threads)
@@ -135,6 +147,7 @@ def _check_library(so: Path, threads: int) -> None:
     assert (err <= _bound(x, held)).all(), err.max().item()
 
 
+@pytest.mark.slow
 def test_the_library_builds_with_clang(tmp_path):
     """All five sources with clang++ and the library's own flags (OpenMP from libomp), as CXX=clang++ builds it."""
     if shutil.which("clang++") is None:
@@ -148,14 +161,17 @@ def test_the_library_builds_with_clang(tmp_path):
     _check_library(so, threads=2)
 
 
-@pytest.mark.parametrize("cxx", ["g++", "clang++"])
-def test_the_library_builds_and_runs_without_openmp(tmp_path, cxx):
-    """All five sources without -fopenmp (Apple clang has no OpenMP): no OpenMP symbol left to resolve, and a call
-    asked for two threads runs on the calling thread (team.h's on_team) with the same results."""
+@pytest.mark.slow
+def test_the_library_builds_and_runs_without_openmp(tmp_path):
+    """All five sources without -fopenmp, with clang++ as Apple's (no OpenMP there), or g++ where clang++ is missing:
+    no OpenMP symbol left to resolve, and a call asked for two threads runs on the calling thread (team.h's on_team)
+    with the reference's results. At -O1 (a third of -O3's compile time): what is tested is the build, not its speed."""
+    cxx = "clang++" if shutil.which("clang++") else "g++"
     if shutil.which(cxx) is None:
-        _unavailable(f"needs {cxx}: apt-get install {'clang' if cxx == 'clang++' else 'g++'}")
-    so = tmp_path / f"kernels_{cxx}_no_openmp.so"
-    _compile(cxx, [f for f in cxx_flags("native") if f != "-fopenmp"], tmp_path, so)
+        _unavailable("needs clang++ (or g++): apt-get install clang (make test does, as root)")
+    so = tmp_path / "kernels_no_openmp.so"
+    flags = ["-O1" if f == "-O3" else f for f in cxx_flags("native") if f != "-fopenmp"]
+    _compile(cxx, flags, tmp_path, so)
     if shutil.which("nm") is not None:
         undefined = _run(["nm", "-D", "--undefined-only", str(so)]).stdout
         assert "omp_" not in undefined and "GOMP_" not in undefined, undefined
