@@ -173,7 +173,8 @@ def _group_weights(n: int, k: int, seed: int) -> dict[str, QuantWeight]:
     qws = {t: repack(_gguf_tensor(w, t)) for t in GGUF_TYPES if k % 256 == 0 or not t.endswith("_K")}
     qws["rtn"] = quantize_int4(torch.from_numpy(w))
     meets = {"Q4_K+Q6_K": ("int6", True, True), "Q5_1+Q8_0": ("int8g", True, False),
-             "Q6_K+Q8_0": ("int8g", False, True), "Q4_K+Q6_K+Q8_0": ("int8g", True, True)}
+             "Q6_K+Q8_0": ("int8g", False, True), "Q4_K+Q6_K+Q8_0": ("int8g", True, True),
+             "Q5_0+Q6_K": ("int6", False, True), "Q5_1+Q6_K": ("int6", True, True)}
     for name, (kind, offsets, half) in meets.items():
         src = qws.get(name.split("+")[0])
         if src is not None:
