@@ -1,7 +1,7 @@
-"""The kernel library beyond this machine's own build: cross-compiled for aarch64, its group-quantized matmul run under
-qemu-user against the dequantized reference in every format (correctness only: its scalar path, there are no NEON
-paths yet), and built with clang++ and without OpenMP (Apple clang has none). Each builds the library from csrc/
-(~10-20 s on 2 cores).
+"""The kernel library beyond this machine's own build: cross-compiled for aarch64 twice (NEON alone, and with the dot
+product), its group-quantized matmul run under qemu-user against the dequantized reference in every format
+(correctness only: nothing here says how fast the NEON paths run), and built with clang++ and without OpenMP (Apple
+clang has none). Each builds the library from csrc/ (~10-20 s on 2 cores).
 
 The tools (g++-aarch64-linux-gnu, qemu-user-static, clang, libomp-dev) come from Debian: `make test` apt-installs
 them when missing and running as root (its `cross` target). Without them these tests fail under CI (CI=true), where
@@ -27,8 +27,10 @@ from llmserve_torch.attention import _SIGNATURES, _SOURCES, _compile, cxx_flags
 
 CSRC = Path(quant.__file__).with_name("csrc")
 DRIVER = CSRC / "tests" / "quant_driver.cpp"
-# an ARMv8.2 core with the dot-product instructions (Neoverse N1, Apple M1, Graviton 2): what NEON paths would target
-ARM_MARCH = "armv8.2-a+dotprod"
+# The aarch64 builds and the path each must report (llmserve_quant_isa): NEON alone (any ARMv8-A core: vmull/vmlal
+# on the values widened to int16), and with the dot product (ARMv8.2 cores such as Neoverse N1, Apple M1, Graviton 2:
+# vdotq_s32 on each activation's two bytes). qemu runs both with -cpu max (every instruction it emulates)
+ARM_BUILDS = {"armv8-a": "neon", "armv8.2-a+dotprod": "neon-dotprod"}
 # distinct formats (quant_matmul.cpp's with_format) among _group_weights' weights, at the least: a check that the
 # cases do not collapse into a few (12 when written: each GGUF type's and those fused rows meet in)
 FORMATS = 10
@@ -60,27 +62,32 @@ def _bound(x: torch.Tensor, held) -> torch.Tensor:
     return _rounding_bound(x, held) + 2e-5 * (x.abs().sum(-1, keepdim=True) * held.dequantize().abs().amax())
 
 
-def _run_all(cmds: list[list[str]]) -> None:
-    """Commands side by side, as many at once as there are CPUs (compiles); each must succeed."""
+def _run_all(cmds: list[list[str]]) -> list[str]:
+    """Commands side by side, as many at once as there are CPUs (compiles, emulator runs); each must succeed. Their
+    stdouts, in order."""
     running: list[tuple[list[str], subprocess.Popen]] = []
+    outs: list[str] = []
 
     def finish(cmd, p):
-        err = p.communicate(timeout=300)[1]
+        out, err = p.communicate(timeout=300)
         assert p.returncode == 0, f"{' '.join(cmd)} failed ({p.returncode}): {err.strip()[-2000:]}"
+        outs.append(out)
 
     for cmd in cmds:
         if len(running) >= (os.cpu_count() or 1):
             finish(*running.pop(0))
-        running.append((cmd, subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)))
+        running.append((cmd, subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)))
     for cmd, p in running:
         finish(cmd, p)
+    return outs
 
 
 @pytest.mark.slow
 def test_the_group_kernel_built_for_aarch64_matches_the_reference_under_qemu(tmp_path, monkeypatch):
     """Every group format at 1, 3 and 9 rows, packed for tile 1 as pack_own packs it for a build without AVX-512, run
-    by quant_driver.cpp under qemu (one start for all of them), linked statically with the whole library built for
-    aarch64 (every source, so an x86-only line anywhere fails the build)."""
+    by quant_driver.cpp under qemu (one start a build for all of them), linked statically with the whole library built
+    for aarch64 (every source, so an x86-only line anywhere fails the build): once for each of ARM_BUILDS, each
+    reporting its own path (a build that fell back to the scalar loop would pass the reference, not this)."""
     cxx = shutil.which("aarch64-linux-gnu-g++")
     qemu = shutil.which("qemu-aarch64-static") or shutil.which("qemu-aarch64")
     if cxx is None or qemu is None:
@@ -89,18 +96,25 @@ def test_the_group_kernel_built_for_aarch64_matches_the_reference_under_qemu(tmp
     if platform.machine() != "x86_64" or shutil.which("g++") is None:
         pytest.skip("packs the weights with an x86-64 scalar build of the kernel: needs an x86-64 host with g++")
     # pack_own asks the group kernel built for plain x86-64 (its scalar path, rows in order: tile 1) for the layout
-    packer_so, driver = tmp_path / "quant_x86-64.so", tmp_path / "quant_driver_aarch64"
-    flags = [f for f in cxx_flags(ARM_MARCH) if f not in ("-shared", "-fPIC")]
+    packer_so = tmp_path / "quant_x86-64.so"
     sources = [CSRC / f for f in _SOURCES] + [DRIVER]
-    objs = [tmp_path / f"{f.stem}.aarch64.o" for f in sources]
-    _run_all([["g++", *cxx_flags("x86-64"), f"-I{CSRC}", str(CSRC / "quant_matmul.cpp"), "-o", str(packer_so)]] +
-             [[cxx, *flags, "-c", f"-I{CSRC}", str(f), "-o", str(o)] for f, o in zip(sources, objs)])
-    _run([cxx, *flags, "-static", *map(str, objs), "-o", str(driver)])
+    compiles = [["g++", *cxx_flags("x86-64"), f"-I{CSRC}", str(CSRC / "quant_matmul.cpp"), "-o", str(packer_so)]]
+    links, drivers = [], {}
+    for march in ARM_BUILDS:
+        flags = [f for f in cxx_flags(march) if f not in ("-shared", "-fPIC")]
+        build = tmp_path / march.replace("+", "_")
+        build.mkdir()
+        objs = [build / f"{f.stem}.o" for f in sources]
+        compiles += [[cxx, *flags, "-c", f"-I{CSRC}", str(f), "-o", str(o)] for f, o in zip(sources, objs)]
+        drivers[march] = build / "quant_driver"
+        links.append([cxx, *flags, "-static", *map(str, objs), "-o", str(drivers[march])])
+    _run_all(compiles)
+    _run_all(links)
     packer = _bind(packer_so)
     assert packer.llmserve_quant_tile() == 1
     monkeypatch.setattr(quant, "_own_kernels", lambda: packer)
 
-    cases, args = [], []
+    cases, inputs = [], []
     for rows, n, k in [(1, 40, 512), (3, 37, 256), (9, 24, 768)]:
         x = torch.randn(rows, k)
         qws = {name: quant.kernel_form(qw) for name, qw in _group_weights(n, k, rows).items()}
@@ -109,20 +123,24 @@ def test_the_group_kernel_built_for_aarch64_matches_the_reference_under_qemu(tmp
         for name, qw in qws.items():
             fmt, packed = quant.weight_format(qw), quant.pack_own(qw).numpy().tobytes()
             assert len(packed) == packer.llmserve_quant_bytes(fmt, n, k), name
-            src, out = tmp_path / f"{name}_{rows}.in", tmp_path / f"{name}_{rows}.out"
+            src = tmp_path / f"{name}_{rows}.in"
             head = np.array([fmt, rows, n, k], np.int32).tobytes() + np.array([len(packed)], np.int64).tobytes()
             src.write_bytes(head + packed + x.numpy().astype(np.float32).tobytes())
-            cases.append((name, x, qw, out))
-            args += [str(src), str(out)]
-    ran = _run([qemu, str(driver), *args])
-    assert ran.stdout.split() == ["scalar", "1"], ran.stdout  # the scalar path, rows in order
+            cases.append((name, x, qw))
+            inputs.append(src)
+    # both builds read the same inputs (one packing: rows in order), side by side
+    outs = {march: [driver.parent / f"{src.stem}.out" for src in inputs] for march, driver in drivers.items()}
+    ran = _run_all([[qemu, "-cpu", "max", str(driver), *[str(p) for pair in zip(inputs, outs[march]) for p in pair]]
+                    for march, driver in drivers.items()])
 
-    for name, x, qw, out in cases:
-        rows, (n, _) = x.shape[0], qw.shape
-        y = torch.from_numpy(np.fromfile(out, np.float32)).view(rows, n)
-        held = _as_packed(qw)
-        err = (y - F.linear(x, held.dequantize())).abs()
-        assert (err <= _bound(x, held)).all(), (name, rows, err.max().item())
+    for (march, isa), stdout in zip(ARM_BUILDS.items(), ran):
+        assert stdout.split() == [isa, "1"], (march, stdout)  # its NEON path, rows in order
+        for (name, x, qw), out in zip(cases, outs[march]):
+            rows, (n, _) = x.shape[0], qw.shape
+            y = torch.from_numpy(np.fromfile(out, np.float32)).view(rows, n)
+            held = _as_packed(qw)
+            err = (y - F.linear(x, held.dequantize())).abs()
+            assert (err <= _bound(x, held)).all(), (march, name, rows, err.max().item())
 
 
 def _check_library(so: Path, threads: int) -> None:
