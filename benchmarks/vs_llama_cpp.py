@@ -15,6 +15,14 @@ max_tokens. The figures are client-side (TTFT, ITL between SSE events, TPOT, out
     python benchmarks/vs_llama_cpp.py                  # every file and case, 2 rounds
     python benchmarks/vs_llama_cpp.py --files q4_1 --cases c1 --requests 4 --output-len 32 --rounds 1
     python benchmarks/vs_llama_cpp.py --llama-server ~/llama.cpp/build/bin/llama-server --json
+    python benchmarks/vs_llama_cpp.py --files qwen2.5-0.5b:Q4_K_M qwen2.5-0.5b:Q8_0 --make-only
+    python benchmarks/vs_llama_cpp.py --files llama-3.2-1b:Q4_K_M --cases c1 --avx2-only
+
+SHAPE:QTYPE files (SHAPES: Qwen2.5 0.5B/1.5B/3B, Llama 3.2 1B/3B) are made as users' downloads are,
+with random weights: a Hugging Face checkpoint in the real config (bf16, save_pretrained), the sdist's
+convert_hf_to_gguf.py to F16, llama-quantize to QTYPE; the tokenizer is the default model's, its
+vocabulary padded to the shape's with unused tokens. --avx2-only builds and runs llama.cpp without
+AVX-512 (a second cached build) and llmserve with AVX2_ENV.
 """
 
 from __future__ import annotations
@@ -75,53 +83,78 @@ def vendored_commit(base: Path) -> str | None:
     return None
 
 
-def build_llama_cpp(version: str = LLAMA_CPP_PYTHON, jobs: int | None = None) -> Path:
-    """The directory holding the built binaries (llama-server ...), built on the first call per version.
+# the cmake flags of each build variant, built in <llama_dir>/<dir> and marked done by <llama_dir>/<marker>.
+# "avx2" builds for an AVX2-only x86-64 CPU (x86-64-v3: AVX, AVX2, FMA, F16C, BMI2), what llmserve runs as with
+# LLMSERVE_KERNEL_MARCH=x86-64-v3 ATEN_CPU_CAPABILITY=avx2 (--avx2-only). With GGML_NATIVE=OFF llama.cpp enables
+# no instruction set by itself (its GGML_AVX ... options then default to OFF), so each is named.
+BUILDS: dict[str, tuple[str, str, list[str]]] = {
+    "native": ("build", "BUILT", ["-DGGML_NATIVE=ON"]),
+    "avx2": ("build-avx2", "BUILT-avx2",
+             ["-DGGML_NATIVE=OFF", "-DGGML_SSE42=ON", "-DGGML_AVX=ON", "-DGGML_AVX2=ON", "-DGGML_FMA=ON",
+              "-DGGML_F16C=ON", "-DGGML_BMI2=ON", "-DGGML_AVX512=OFF", "-DGGML_AVX512_VBMI=OFF",
+              "-DGGML_AVX512_VNNI=OFF", "-DGGML_AVX512_BF16=OFF", "-DGGML_AVX_VNNI=OFF"]),
+}
+# the llmserve server's environment under --avx2-only (recorded in the report's machine section)
+AVX2_ENV = {"LLMSERVE_KERNEL_MARCH": "x86-64-v3", "ATEN_CPU_CAPABILITY": "avx2"}
+
+
+def llama_source(version: str = LLAMA_CPP_PYTHON) -> Path:
+    """<llama_dir>/src: the sdist's vendor/llama.cpp (downloaded with pip and extracted on the first call): the
+    sources built here and convert_hf_to_gguf.py with its gguf-py."""
+    base = llama_dir(version)
+    src = base / "src"
+    if (src / "CMakeLists.txt").exists():
+        return src
+    base.mkdir(parents=True, exist_ok=True)
+    sdist_dir = base / "sdist"
+    sdist_dir.mkdir(exist_ok=True)
+    sdists = list(sdist_dir.glob("llama_cpp_python-*.tar.gz"))
+    if not sdists:
+        log(f"downloading the llama-cpp-python {version} sdist (its vendored llama.cpp) with pip")
+        # --no-binary for this package only: with :all: pip also builds the sdist's build
+        # backend (scikit-build-core, hatchling, setuptools ...) from source to read its metadata
+        subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", "llama-cpp-python",
+                        f"llama-cpp-python=={version}", "-d", str(sdist_dir)], check=True)
+        sdists = list(sdist_dir.glob("llama_cpp_python-*.tar.gz"))
+    log(f"extracting vendor/llama.cpp from {sdists[0].name}")
+    tmp = base / ".extract"
+    shutil.rmtree(tmp, ignore_errors=True)
+    with tarfile.open(sdists[0]) as tf:
+        prefix = tf.getnames()[0].split("/")[0] + "/vendor/llama.cpp/"
+        members = [m for m in tf.getmembers() if m.name.startswith(prefix)]
+        tf.extractall(tmp, members=members, filter="data")
+    shutil.rmtree(src, ignore_errors=True)
+    (tmp / prefix).rename(src)
+    shutil.rmtree(tmp, ignore_errors=True)
+    return src
+
+
+def build_llama_cpp(version: str = LLAMA_CPP_PYTHON, jobs: int | None = None, variant: str = "native") -> Path:
+    """The directory holding the built binaries (llama-server ...), built on the first call per version and variant.
 
     Downloads the llama-cpp-python sdist with pip, extracts its vendor/llama.cpp and builds only
-    TARGETS with cmake (Release, GGML_NATIVE, no curl). A finished build is marked by the file
-    BUILT; an interrupted one is resumed (cmake rebuilds only what is missing)."""
+    TARGETS with cmake (Release, no curl, the variant's flags: BUILDS). A finished build is marked by
+    its marker file; an interrupted one is resumed (cmake rebuilds only what is missing)."""
     base = llama_dir(version)
-    bindir = base / "build" / "bin"
-    marker = base / "BUILT"
+    dirname, marker_name, flags = BUILDS[variant]
+    build = base / dirname
+    bindir = build / "bin"
+    marker = base / marker_name
     if marker.exists() and all((bindir / t).exists() for t in TARGETS):
         return bindir
-    base.mkdir(parents=True, exist_ok=True)
-    src = base / "src"
-    sdist_dir = base / "sdist"
-    if not (src / "CMakeLists.txt").exists():
-        sdist_dir.mkdir(exist_ok=True)
-        sdists = list(sdist_dir.glob("llama_cpp_python-*.tar.gz"))
-        if not sdists:
-            log(f"downloading the llama-cpp-python {version} sdist (its vendored llama.cpp) with pip")
-            # --no-binary for this package only: with :all: pip also builds the sdist's build
-            # backend (scikit-build-core, hatchling, setuptools ...) from source to read its metadata
-            subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", "llama-cpp-python",
-                            f"llama-cpp-python=={version}", "-d", str(sdist_dir)], check=True)
-            sdists = list(sdist_dir.glob("llama_cpp_python-*.tar.gz"))
-        log(f"extracting vendor/llama.cpp from {sdists[0].name}")
-        tmp = base / ".extract"
-        shutil.rmtree(tmp, ignore_errors=True)
-        with tarfile.open(sdists[0]) as tf:
-            prefix = tf.getnames()[0].split("/")[0] + "/vendor/llama.cpp/"
-            members = [m for m in tf.getmembers() if m.name.startswith(prefix)]
-            tf.extractall(tmp, members=members, filter="data")
-        shutil.rmtree(src, ignore_errors=True)
-        (tmp / prefix).rename(src)
-        shutil.rmtree(tmp, ignore_errors=True)
-    build = base / "build"
+    src = llama_source(version)
     jobs = jobs or os.cpu_count() or 1
     commit = vendored_commit(base) or "unknown"  # no .git in the sdist: tell cmake, so --version says it
     t0 = time.time()
-    log(f"building llama.cpp {commit} ({', '.join(TARGETS)}) in {build} with -j{jobs}; this takes minutes")
-    subprocess.run(["cmake", "-S", str(src), "-B", str(build), "-DCMAKE_BUILD_TYPE=Release",
-                    "-DGGML_NATIVE=ON", "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF",
-                    f"-DLLAMA_BUILD_COMMIT={commit}"], check=True)
+    log(f"building llama.cpp {commit} ({', '.join(TARGETS)}; {variant}: {' '.join(flags)}) in {build} with "
+        f"-j{jobs}; this takes minutes")
+    subprocess.run(["cmake", "-S", str(src), "-B", str(build), "-DCMAKE_BUILD_TYPE=Release", *flags,
+                    "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF", f"-DLLAMA_BUILD_COMMIT={commit}"], check=True)
     subprocess.run(["cmake", "--build", str(build), "--config", "Release", "-j", str(jobs),
                     "--target", *TARGETS], check=True)
     took = time.time() - t0
-    marker.write_text(json.dumps({"llama_cpp_python": version, "llama_cpp_commit": commit,
-                                  "build_seconds": round(took), "jobs": jobs}) + "\n")
+    marker.write_text(json.dumps({"llama_cpp_python": version, "llama_cpp_commit": commit, "variant": variant,
+                                  "cmake_flags": flags, "build_seconds": round(took), "jobs": jobs}) + "\n")
     log(f"llama.cpp built in {took:.0f} s")
     return bindir
 
@@ -130,8 +163,9 @@ def llama_version(server: Path) -> dict[str, Any]:
     """What the binary says of itself (`--version`), plus the build record when it is our cached build."""
     p = subprocess.run([str(server), "--version"], capture_output=True, text=True, timeout=60)
     out = {"binary": str(server), "version": " ".join((p.stdout + p.stderr).split())}
-    marker = server.parent.parent.parent / "BUILT"
-    if marker.exists():
+    build = server.parent.parent  # <llama_dir>/<build dir>/bin/llama-server when it is one of ours
+    marker = next((build.parent / m for d, m, _ in BUILDS.values() if build.name == d), None)
+    if marker is not None and marker.exists():
         try:
             out.update(json.loads(marker.read_text()))
         except ValueError:
@@ -278,6 +312,243 @@ def make_random_gpt2(seed: int = 0) -> Path:
     return _atomic_write(dst, write)
 
 
+@dataclass(frozen=True)
+class Shape:
+    """A model's shape as its transformers config.json gives it (ref: the Hugging Face repo it is copied from)."""
+    arch: str  # transformers model_type: qwen2 or llama
+    hidden: int
+    intermediate: int
+    layers: int
+    heads: int
+    kv_heads: int
+    vocab: int
+    max_position: int
+    rope_theta: float
+    rms_eps: float
+    ref: str
+    tied: bool = True
+    head_dim: int | None = None
+    rope_scaling: dict[str, Any] | None = None
+
+    def params(self) -> int:
+        hd = self.head_dim or self.hidden // self.heads
+        attn = self.hidden * hd * (2 * self.heads + 2 * self.kv_heads)
+        bias = hd * (self.heads + 2 * self.kv_heads) if self.arch == "qwen2" else 0
+        layer = attn + bias + 3 * self.hidden * self.intermediate + 2 * self.hidden
+        return self.vocab * self.hidden * (1 if self.tied else 2) + self.layers * layer + self.hidden
+
+
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 8192}
+SHAPES = {
+    "qwen2.5-0.5b": Shape("qwen2", 896, 4864, 24, 14, 2, 151936, 32768, 1e6, 1e-6, "Qwen/Qwen2.5-0.5B-Instruct"),
+    "qwen2.5-1.5b": Shape("qwen2", 1536, 8960, 28, 12, 2, 151936, 32768, 1e6, 1e-6, "Qwen/Qwen2.5-1.5B-Instruct"),
+    "qwen2.5-3b": Shape("qwen2", 2048, 11008, 36, 16, 2, 151936, 32768, 1e6, 1e-6, "Qwen/Qwen2.5-3B-Instruct"),
+    "llama-3.2-1b": Shape("llama", 2048, 8192, 16, 32, 8, 128256, 131072, 500000.0, 1e-5,
+                          "meta-llama/Llama-3.2-1B-Instruct", head_dim=64, rope_scaling=LLAMA3_ROPE),
+    "llama-3.2-3b": Shape("llama", 3072, 8192, 28, 24, 8, 128256, 131072, 500000.0, 1e-5,
+                          "meta-llama/Llama-3.2-3B-Instruct", head_dim=128, rope_scaling=LLAMA3_ROPE),
+}
+# what convert_hf_to_gguf.py writes itself (--outtype); every other type is llama-quantize'd from its F16 output
+CONVERTER_TYPES = ("F16", "BF16", "F32")
+# llama-quantize's types that need no importance matrix
+QTYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K_S", "Q3_K_M", "Q3_K_L", "Q4_K_S", "Q4_K_M", "Q5_K_S",
+          "Q5_K_M", "Q6_K", "IQ4_NL", "IQ4_XS", *CONVERTER_TYPES)
+
+
+def parse_shaped(name: str) -> tuple[str, str] | None:
+    """(shape, qtype) of a SHAPE:QTYPE --files name (case-insensitive), None for any other name."""
+    shape, sep, qtype = name.partition(":")
+    if not sep or Path(name).expanduser().is_file():
+        return None
+    shape, qtype = shape.lower(), qtype.upper()
+    if shape not in SHAPES or qtype not in QTYPES:
+        raise SystemExit(f"--files {name!r}: SHAPE:QTYPE takes SHAPE from {', '.join(SHAPES)} and QTYPE from "
+                         f"{', '.join(QTYPES)}")
+    return shape, qtype
+
+
+def shaped_tokenizer(dst: Path) -> tuple[str, int, int]:
+    """The default model's tokenizer (SmolLM2's byte-level BPE, 49152 tokens, built by transformers from its GGUF
+    metadata) saved into dst as Hugging Face files; its tokenizer.ggml.pre and BOS/EOS ids."""
+    import gguf
+    from transformers import AutoTokenizer
+
+    from llmserve_torch.packaged import DEFAULT_MODEL, resolve
+
+    src = resolve(DEFAULT_MODEL)
+    tok = AutoTokenizer.from_pretrained(str(src.parent), gguf_file=src.name)
+    tok.save_pretrained(str(dst))
+    # a class name transformers 4.x (the converter's pin) and 5.x both read as "the tokenizer.json as it is"
+    cfg_file = dst / "tokenizer_config.json"
+    cfg = json.loads(cfg_file.read_text())
+    cfg["tokenizer_class"] = "PreTrainedTokenizerFast"
+    cfg_file.write_text(json.dumps(cfg, indent=2) + "\n")
+    pre = gguf.GGUFReader(src).get_field("tokenizer.ggml.pre").contents()
+    return pre, tok.bos_token_id, tok.eos_token_id
+
+
+def write_random_hf(shape_name: str, dst: Path, seed: int) -> str:
+    """A Hugging Face checkpoint of the shape in dst: its config.json, random bfloat16 weights (normal, std 0.02;
+    norms ones; Qwen2's q/k/v biases normal, std 0.02) written by save_pretrained, and shaped_tokenizer's files.
+    Returns the tokenizer's tokenizer.ggml.pre."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    s = SHAPES[shape_name]
+    pre, bos, eos = shaped_tokenizer(dst)
+    kw: dict[str, Any] = {"head_dim": s.head_dim} if s.head_dim else {}
+    if s.rope_scaling:
+        kw["rope_scaling"] = dict(s.rope_scaling)
+    cfg = AutoConfig.for_model(
+        s.arch, hidden_size=s.hidden, intermediate_size=s.intermediate, num_hidden_layers=s.layers,
+        num_attention_heads=s.heads, num_key_value_heads=s.kv_heads, vocab_size=s.vocab,
+        max_position_embeddings=s.max_position, rope_theta=s.rope_theta, rms_norm_eps=s.rms_eps,
+        tie_word_embeddings=s.tied, bos_token_id=bos, eos_token_id=eos, hidden_act="silu", initializer_range=0.02,
+        **kw)
+    # built on the meta device and given storage without transformers' own initialisation (which takes minutes for
+    # a 3B shape); every parameter is then drawn here, from one seeded generator
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+    model.to_empty(device="cpu")
+    model.tie_weights()  # to_empty gave the head its own storage: tied again, saved once as the embedding
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.fill_(1.0)
+            else:
+                p.normal_(0.0, 0.02, generator=g)
+    model.save_pretrained(str(dst))
+    got = sum(p.numel() for p in model.parameters())
+    if got != s.params():
+        raise RuntimeError(f"{shape_name}: {got} parameters, the table's shape says {s.params()}")
+    return pre
+
+
+# convert_hf_to_gguf.py run with one change: a tokenizer whose pre-tokenizer hash is not in its table (raising
+# NotImplementedError) gets the tokenizer.ggml.pre of the GGUF the tokenizer came from. transformers 5 loads a
+# tokenizer for config.json's model type (Qwen2Tokenizer for qwen2, with Qwen2's own pre-tokenizer regex), so the
+# hash of SmolLM2's tokenizer in a Qwen2 directory is not smollm's; the vocabulary and merges it writes are the
+# tokenizer's either way. argv: SRC PRE converter-args...
+CONVERT = """
+import runpy, sys
+src, pre = sys.argv[1], sys.argv[2]
+sys.argv = [src + "/convert_hf_to_gguf.py", *sys.argv[3:]]
+from conversion.base import TextModel
+known = TextModel.get_vocab_base_pre
+def get_vocab_base_pre(self, tokenizer):
+    try:
+        return known(self, tokenizer)
+    except NotImplementedError:
+        print(f"[vs_llama_cpp] the tokenizer's hash is not in the converter's table: tokenizer.ggml.pre = {pre!r}, "
+              "as in the GGUF it came from", file=sys.stderr, flush=True)
+        return pre
+TextModel.get_vocab_base_pre = get_vocab_base_pre
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+def converter_env(src: Path) -> dict[str, str]:
+    """The environment convert_hf_to_gguf.py runs in: its gguf-py and conversion package first, and sentencepiece
+    (which it imports before it looks for a tokenizer.model) pip-installed into <llama_dir>/pydeps when this Python
+    has none."""
+    import importlib.util
+
+    paths = [str(src / "gguf-py"), str(src)]
+    if importlib.util.find_spec("sentencepiece") is None:
+        deps = src.parent / "pydeps"
+        if not any(deps.glob("sentencepiece*")):
+            log(f"installing sentencepiece (a convert_hf_to_gguf.py requirement) into {deps} with pip")
+            subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "--target", str(deps),
+                            "sentencepiece>=0.1.98,<0.3.0"], check=True, stdout=subprocess.DEVNULL)
+        paths.append(str(deps))
+    paths += [p for p in [os.environ.get("PYTHONPATH")] if p]
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(paths)}
+
+
+def run_quiet(cmd: list[str], env: dict[str, str] | None = None) -> None:
+    """cmd with its output (hundreds of lines per file from the converter and llama-quantize) in a temporary file:
+    its own [vs_llama_cpp] lines shown, the rest only when it fails."""
+    with tempfile.TemporaryFile("w+", errors="replace") as out:
+        p = subprocess.run(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, text=True)
+        out.seek(0)
+        text = out.read()
+    for line in text.splitlines():
+        if line.startswith("[vs_llama_cpp]"):
+            print(line, file=sys.stderr, flush=True)
+    if p.returncode:
+        raise RuntimeError(f"{Path(cmd[0]).name} ... exited with {p.returncode}:\n{text[-5000:]}")
+
+
+def shaped_path(shape_name: str, qtype: str, seed: int = 0) -> Path:
+    return derived_dir() / f"{shape_name}-random-seed{seed}.{qtype}.gguf"
+
+
+def make_shaped(shape_name: str, qtypes: list[str], quantize: Path | None, seed: int = 0) -> dict[str, Path]:
+    """GGUF files of a real model's shape (SHAPES) with random weights, made as users' downloads are: a Hugging Face
+    checkpoint (write_random_hf) converted by the sdist's convert_hf_to_gguf.py to F16, then llama-quantize'd to each
+    qtype (F16, BF16 and F32 come from the converter itself). Files already made are kept as they are; the checkpoint
+    and the F16 file this call made only as a step are deleted at the end. The same seed gives the same weights in
+    every file, made in one run or in several."""
+    s = SHAPES[shape_name]
+    out = {q: shaped_path(shape_name, q, seed) for q in qtypes}
+    todo = [q for q in dict.fromkeys(qtypes) if not out[q].exists()]
+    if not todo:
+        return out
+    quantized = [q for q in todo if q not in CONVERTER_TYPES]
+    if quantized and (quantize is None or not quantize.exists()):
+        raise SystemExit(f"{shape_name}: {', '.join(quantized)} needs llama-quantize ({quantize} does not exist)")
+    n = s.params()
+    # peak: the bf16 checkpoint and the F16 file at once, then the quantized files (Q8_0: 8.5 bits a weight)
+    need = 4 * n + sum({"F32": 4, "F16": 2, "BF16": 2}.get(q, 1.1) * n for q in todo) + 1e9
+    derived_dir().mkdir(parents=True, exist_ok=True)
+    free = shutil.disk_usage(derived_dir()).free
+    if free < need:
+        raise SystemExit(f"{shape_name}: making {', '.join(todo)} needs about {need / 1e9:.1f} GB free in "
+                         f"{derived_dir()}, {free / 1e9:.1f} GB are")
+    log(f"{shape_name} ({s.arch}, {n / 1e6:.0f}M parameters, as {s.ref}): making {', '.join(todo)} "
+        f"(up to {need / 1e9:.1f} GB of disk on the way, {free / 1e9:.0f} GB free)")
+    src = llama_source()
+    env = converter_env(src)
+    stem = shaped_path(shape_name, "X", seed).name.rsplit(".", 2)[0]
+    hf = derived_dir() / f".{stem}.hf.{os.getpid()}"
+    f16 = shaped_path(shape_name, "F16", seed)
+    step_f16 = quantized and not f16.exists() and "F16" not in todo  # made only to be quantized
+    converted = [q for q in todo if q in CONVERTER_TYPES] + (["F16"] if step_f16 else [])
+    t0 = time.time()
+    try:
+        if converted:
+            shutil.rmtree(hf, ignore_errors=True)
+            hf.mkdir(parents=True)
+            log(f"{shape_name}: random bf16 weights (seed {seed}) and the default model's tokenizer into {hf}")
+            pre = write_random_hf(shape_name, hf, seed)
+            log(f"{shape_name}: checkpoint written in {time.time() - t0:.0f} s")
+        for q in converted:
+            log(f"{shape_name}: convert_hf_to_gguf.py --outtype {q.lower()} -> {out.get(q, f16).name} "
+                f"({time.time() - t0:.0f} s)")
+
+            def convert(tmp: Path, q=q) -> None:
+                run_quiet([sys.executable, "-c", CONVERT, str(src), pre, str(hf), "--outfile", str(tmp),
+                           "--outtype", q.lower(), "--model-name", f"{shape_name}-random"], env)
+
+            _atomic_write(out.get(q, f16), convert)
+        shutil.rmtree(hf, ignore_errors=True)  # no longer needed: the disk it holds is free for the quantized files
+        for q in quantized:
+            log(f"{shape_name}: llama-quantize {f16.name} {q} -> {out[q].name} ({time.time() - t0:.0f} s)")
+
+            def requant(tmp: Path, q=q) -> None:
+                run_quiet([str(quantize), str(f16), str(tmp), q])
+
+            _atomic_write(out[q], requant)
+    finally:
+        shutil.rmtree(hf, ignore_errors=True)
+        if step_f16:
+            f16.unlink(missing_ok=True)
+    log(f"{shape_name}: {', '.join(todo)} made in {time.time() - t0:.0f} s")
+    return out
+
+
 def resolve_file(name: str, quantize: Path | None) -> Path:
     from llmserve_torch.packaged import DEFAULT_MODEL, resolve
 
@@ -287,10 +558,24 @@ def resolve_file(name: str, quantize: Path | None) -> Path:
         return make_q8_0(resolve(DEFAULT_MODEL), quantize)
     if name == "gpt2-f32":
         return make_random_gpt2()
+    if shaped := parse_shaped(name):
+        return make_shaped(shaped[0], [shaped[1]], quantize)[shaped[1]]
     p = Path(name).expanduser()
     if p.suffix == ".gguf" and p.is_file():
         return p
-    raise SystemExit(f"--files: {name!r} is neither one of {', '.join(FILES)} nor a .gguf file")
+    raise SystemExit(f"--files: {name!r} is neither one of {', '.join(FILES)}, nor SHAPE:QTYPE, nor a .gguf file")
+
+
+def resolve_files(names: list[str], quantize: Path | None) -> list[tuple[str, Path]]:
+    """(name, path) of each --files name; the SHAPE:QTYPE files of one shape made together (one checkpoint and one F16
+    file for all their types)."""
+    by_shape: dict[str, list[str]] = {}
+    for name in names:
+        if shaped := parse_shaped(name):
+            by_shape.setdefault(shaped[0], []).append(shaped[1])
+    made = {f"{shape}:{q}": path for shape, qtypes in by_shape.items()
+            for q, path in make_shaped(shape, qtypes, quantize).items()}
+    return [(name, made.get(name) or resolve_file(name, quantize)) for name in names]
 
 
 def prepare_llmserve(path: Path) -> None:
@@ -309,6 +594,11 @@ def prepare_llmserve(path: Path) -> None:
 FILES = {"q4_1": "the default model (SmolLM2-135M-Instruct) as packaged, Q4_1",
          "q8_0": "the default model's Q4_1 values in Q8_0 (dequantized to F32, then llama-quantize Q8_0)",
          "gpt2-f32": "the GPT-2 124M shape, random float32 weights"}
+FILE_SHAPES = {"q4_1": "SmolLM2-135M-Instruct", "q8_0": "SmolLM2-135M-Instruct", "gpt2-f32": "gpt2-124m"}
+SHAPED_HELP = (f"SHAPE:QTYPE (e.g. qwen2.5-0.5b:Q4_K_M): a real model's shape with random weights, made as users' "
+               f"downloads are (a Hugging Face checkpoint, convert_hf_to_gguf.py to F16, llama-quantize QTYPE), with "
+               f"the default model's tokenizer (its vocabulary padded to the shape's); SHAPE: "
+               f"{', '.join(f'{k} ({v.ref})' for k, v in SHAPES.items())}; QTYPE: {', '.join(QTYPES)}")
 
 
 # ---------------------------------------------------------------- cases and servers
@@ -401,15 +691,17 @@ def _terminate(proc: subprocess.Popen) -> None:
 class LLMServe:
     """`llmserve serve` on FILE (this checkout's code and plugins), through llmserve_bench.serve.launch_server."""
 
-    def __init__(self, gguf: Path, case: Case, threads: int, extra: list[str]):
+    def __init__(self, gguf: Path, case: Case, threads: int, extra: list[str], env: dict[str, str] | None = None):
         self.flags = ["--model", str(gguf), "--quantization", "auto", "--dtype", "auto", "--threads", str(threads),
                       "--max-num-seqs", str(case.concurrency), *extra]
+        self.env = env or {}  # set for the server process only (--avx2-only: AVX2_ENV)
 
     def __enter__(self) -> LLMServe:
         from llmserve_bench.serve import launch_server
 
         paths = [str(ROOT), str(ROOT / "plugins")] + [p for p in [os.environ.get("PYTHONPATH")] if p]
-        self.proc, self.url = launch_server(self.flags, env={**os.environ, "PYTHONPATH": os.pathsep.join(paths)})
+        self.proc, self.url = launch_server(self.flags, env={**os.environ, "PYTHONPATH": os.pathsep.join(paths),
+                                                             **self.env})
         return self
 
     def __exit__(self, *exc) -> None:
@@ -450,16 +742,39 @@ def measure(url: str, case: Case, vocab: int, seed: int, args) -> dict[str, Any]
     return s
 
 
-def gguf_facts(path: Path) -> dict[str, Any]:
+def gguf_facts(path: Path, shape: str | None = None) -> dict[str, Any]:
+    """The file, its shape (named by shape: SHAPE of a SHAPE:QTYPE file, FILE_SHAPES; else its general.name) and quant
+    type (its general.file_type: the type llama-quantize was asked for; tensor_types: what each tensor got)."""
+    import gguf
+
     from llmserve_torch.gguf_file import GGUFCheckpoint
 
     ck = GGUFCheckpoint(path)
-    return {"path": str(path), "arch": ck.arch_name, "bytes": path.stat().st_size,
-            "vocab_size": int(ck.tensors["token_embd.weight"].shape[-1]), "tensor_types": dict(ck.type_counts())}
+    r = gguf.GGUFReader(path)
+    arch = ck.arch_name
+
+    def kv(key: str) -> Any:
+        f = r.get_field(key)
+        return f.contents() if f is not None else None
+
+    ftype = kv("general.file_type")
+    try:
+        quant = re.sub(r"^(MOSTLY|ALL)_", "", gguf.LlamaFileType(ftype).name) if ftype is not None else None
+    except ValueError:
+        quant = f"file_type {ftype}"
+    vocab = int(ck.tensors["token_embd.weight"].shape[-1])
+    dims = {"layers": kv(f"{arch}.block_count"), "hidden": kv(f"{arch}.embedding_length"),
+            "ffn": kv(f"{arch}.feed_forward_length"), "heads": kv(f"{arch}.attention.head_count"),
+            "kv_heads": kv(f"{arch}.attention.head_count_kv") or kv(f"{arch}.attention.head_count"),
+            "vocab": vocab, "params": sum(int(t.n_elements) for t in r.tensors)}
+    return {"path": str(path), "arch": arch, "bytes": path.stat().st_size, "vocab_size": vocab,
+            "shape": {"name": shape or kv("general.name") or path.name.split(".")[0], **dims}, "quant": quant,
+            "tensor_types": dict(ck.type_counts())}
 
 
 def run_case(name: str, gguf: Path, case: Case, server_bin: Path | None, args, logdir: Path) -> dict[str, Any]:
-    facts = gguf_facts(gguf)
+    shaped = parse_shaped(name)
+    facts = gguf_facts(gguf, shaped[0] if shaped else FILE_SHAPES.get(name))
     vocab = facts["vocab_size"]
     per: dict[str, list[dict[str, Any]]] = {s: [] for s in args.systems}
     cmds: dict[str, Any] = {}
@@ -468,8 +783,9 @@ def run_case(name: str, gguf: Path, case: Case, server_bin: Path | None, args, l
         for system in args.systems:
             log(f"{name}/{case.name} round {k + 1}/{args.rounds}: {system}")
             if system == "llmserve":
-                srv = LLMServe(gguf, case, args.threads, args.llmserve_flag)
-                cmds[system] = ["llmserve", "serve", *srv.flags]
+                env = AVX2_ENV if args.avx2_only else {}
+                srv = LLMServe(gguf, case, args.threads, args.llmserve_flag, env)
+                cmds[system] = [f"{var}={val}" for var, val in env.items()] + ["llmserve", "serve", *srv.flags]
             else:
                 srv = LlamaServer(server_bin, gguf, case, args.threads, logdir)
                 cmds[system] = srv.cmd
@@ -525,7 +841,7 @@ def combine(rounds: list[dict[str, Any]]) -> dict[str, Any]:
 # ---------------------------------------------------------------- the machine and the report
 
 
-def machine(threads: int, llama: dict[str, Any] | None) -> dict[str, Any]:
+def machine(threads: int, llama: dict[str, Any] | None, avx2_only: bool = False) -> dict[str, Any]:
     from importlib.metadata import version
 
     from llmserve_bench.report import machine_info
@@ -534,6 +850,10 @@ def machine(threads: int, llama: dict[str, Any] | None) -> dict[str, Any]:
     info["threads"] = threads
     info["torch"] = version("torch")
     info["llama_cpp"] = llama
+    # --avx2-only: both run as on an AVX2-only CPU (x86-64-v3): llmserve's server with these variables, llama.cpp as
+    # built with llama_cpp.cmake_flags (BUILDS["avx2"])
+    info["avx2_only"] = avx2_only
+    info["llmserve_env"] = dict(AVX2_ENV) if avx2_only else {}
     return info
 
 
@@ -550,13 +870,21 @@ def print_report(rep: dict[str, Any]) -> None:
         lc = m["llama_cpp"]
         ver = re.sub(r"^version:\s*", "", lc.get("version") or "?")
         print(f"llama.cpp: {ver}" + (f" (vendored by llama-cpp-python {lc['llama_cpp_python']})"
-                                     if lc.get("llama_cpp_python") else "") + f"; {lc['binary']}")
+                                     if lc.get("llama_cpp_python") else "") + f"; {lc['binary']}"
+              + (f"; cmake {' '.join(lc['cmake_flags'])}" if lc.get("cmake_flags") else ""))
+    if m.get("avx2_only"):
+        built = (m.get("llama_cpp") or {}).get("variant") == "avx2"
+        print(f"avx2-only: llmserve with {' '.join(f'{k}={v}' for k, v in m['llmserve_env'].items())}; llama.cpp "
+              + ("built for AVX2 (its cmake flags above)" if built else "as given (--llama-server)"))
     print(f"rounds {rep['rounds']} (alternated {' / '.join(rep['systems'])}), greedy, EOS ignored, token-id prompts")
     for c in rep["cases"]:
         w, g = c["workload"], c["gguf"]
         types = ", ".join(f"{k}×{v}" for k, v in sorted(g["tensor_types"].items()))
+        sh = g["shape"]
         print(f"\n## {c['file']} / {c['case']}: {c['what']}")
-        print(f"   {Path(g['path']).name} ({g['arch']}, {g['bytes'] / 1e6:.0f} MB: {types})")
+        print(f"   {Path(g['path']).name}: shape {sh['name']} ({g['arch']}, {sh['layers']} layers, hidden "
+              f"{sh['hidden']}, ffn {sh['ffn']}, heads {sh['heads']}/{sh['kv_heads']} kv, vocab {sh['vocab']}, "
+              f"{sh['params'] / 1e6:.0f}M params), {g['quant']}, {g['bytes'] / 1e6:.0f} MB ({types})")
         print(f"   c={w['concurrency']}, {w['requests']} requests/round, prompt "
               f"{w['prompt_len'][0]}–{w['prompt_len'][1]}, output {w['output_len'][0]}–{w['output_len'][1]}, "
               f"seeds {w['seeds']}")
@@ -577,13 +905,21 @@ def print_report(rep: dict[str, Any]) -> None:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--build-only", action="store_true", help="build llama.cpp into the cache and stop")
+    ap.add_argument("--make-only", action="store_true",
+                    help="make the --files (building llama.cpp when one needs llama-quantize), print their paths and "
+                         "stop")
+    ap.add_argument("--avx2-only", action="store_true",
+                    help="run both as on an AVX2-only CPU (x86-64-v3): llama.cpp built without AVX-512 (a second "
+                         "cached build, " + " ".join(BUILDS["avx2"][2]) + "), llmserve's server with "
+                         + " ".join(f"{k}={v}" for k, v in AVX2_ENV.items()))
     ap.add_argument("--llama-server", type=Path,
                     help="use this llama-server binary (no build); Q8_0 is made with the llama-quantize beside it, "
                          "else with gguf-py")
     ap.add_argument("--jobs", type=int, default=os.cpu_count(), help="build parallelism (default: cores)")
     ap.add_argument("--files", nargs="+", default=list(FILES),
-                    help=f"GGUF files: {'; '.join(f'{k}: {v}' for k, v in FILES.items())}; or PATH.gguf "
-                         f"(default: all three)")
+                    help=f"GGUF files: {'; '.join(f'{k}: {v}' for k, v in FILES.items())}; {SHAPED_HELP}; or "
+                         f"PATH.gguf (default: the first three); made files are kept in "
+                         f"<cache root>/llama.cpp/models")
     ap.add_argument("--cases", nargs="+", default=list(CASES), choices=list(CASES),
                     help="; ".join(f"{c.name}: c={c.concurrency}, {c.requests} requests, prompt "
                                    f"{c.prompt_len[0]}-{c.prompt_len[1]}, output {c.output_len[0]}"
@@ -602,16 +938,22 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-progress", action="store_true", help="no progress bars")
     args = ap.parse_args(argv)
     logging.getLogger("httpx").setLevel(logging.WARNING)
+    # SHAPE:QTYPE names checked (before any build) and written one way: qwen2.5-0.5b:Q4_K_M
+    args.files = [f"{sh[0]}:{sh[1]}" if (sh := parse_shaped(f)) else f for f in args.files]
+    shaped = [sh for f in args.files if (sh := parse_shaped(f))]
 
     server_bin = quantize = None
-    if "llama-server" in args.systems or args.build_only or "q8_0" in args.files:
+    needs_llama = "llama-server" in args.systems and not args.make_only
+    if needs_llama or args.build_only or "q8_0" in args.files or any(q not in CONVERTER_TYPES for _, q in shaped):
         if args.llama_server:
             server_bin = args.llama_server.expanduser().resolve()
             if not server_bin.is_file():
                 raise SystemExit(f"--llama-server: no such file {server_bin}")
             quantize = server_bin.parent / "llama-quantize"
+            if args.avx2_only:
+                log(f"--avx2-only with --llama-server: {server_bin} runs as it was built")
         else:
-            bindir = build_llama_cpp(jobs=args.jobs)
+            bindir = build_llama_cpp(jobs=args.jobs, variant="avx2" if args.avx2_only else "native")
             server_bin, quantize = bindir / "llama-server", bindir / "llama-quantize"
     if args.build_only:
         print(server_bin.parent)
@@ -619,13 +961,18 @@ def main(argv: list[str] | None = None) -> int:
     if "llama-server" not in args.systems:
         server_bin = None
 
-    files = [(f, resolve_file(f, quantize)) for f in args.files]
+    files = resolve_files(args.files, quantize)
+    if args.make_only:
+        for name, path in files:
+            print(f"{name}\t{path}")
+        return 0
     if "llmserve" in args.systems:
         for _, path in files:
             prepare_llmserve(path)
     report: dict[str, Any] = {
         "benchmark": "vs_llama_cpp", "rounds": args.rounds, "systems": args.systems,
-        "machine": machine(args.threads, llama_version(server_bin) if server_bin else None), "cases": []}
+        "machine": machine(args.threads, llama_version(server_bin) if server_bin else None, args.avx2_only),
+        "cases": []}
     ok = True
     with tempfile.TemporaryDirectory(prefix="vs_llama_cpp-") as logdir:
         for fname, path in files:
