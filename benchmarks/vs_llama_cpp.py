@@ -95,7 +95,10 @@ BUILDS: dict[str, tuple[str, str, list[str]]] = {
               "-DGGML_AVX512_VNNI=OFF", "-DGGML_AVX512_BF16=OFF", "-DGGML_AVX_VNNI=OFF"]),
 }
 # the llmserve server's environment under --avx2-only (recorded in the report's machine section)
-AVX2_ENV = {"LLMSERVE_KERNEL_MARCH": "x86-64-v3", "ATEN_CPU_CAPABILITY": "avx2"}
+# oneDNN (torch's bf16/fp32 GEMMs) picks its ISA itself and ignores ATEN_CPU_CAPABILITY: capped to AVX2 too
+AVX2_ENV = {"LLMSERVE_KERNEL_MARCH": "x86-64-v3", "ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
+# what `--dtype auto` picks on a CPU without AVX512_BF16 (here it still sees the flag and would pick bf16)
+AVX2_FLAGS = ["--dtype", "float32"]
 
 
 def llama_source(version: str = LLAMA_CPP_PYTHON) -> Path:
@@ -784,7 +787,8 @@ def run_case(name: str, gguf: Path, case: Case, server_bin: Path | None, args, l
             log(f"{name}/{case.name} round {k + 1}/{args.rounds}: {system}")
             if system == "llmserve":
                 env = AVX2_ENV if args.avx2_only else {}
-                srv = LLMServe(gguf, case, args.threads, args.llmserve_flag, env)
+                srv = LLMServe(gguf, case, args.threads, [*(AVX2_FLAGS if args.avx2_only else []),
+                                                          *args.llmserve_flag], env)
                 cmds[system] = [f"{var}={val}" for var, val in env.items()] + ["llmserve", "serve", *srv.flags]
             else:
                 srv = LlamaServer(server_bin, gguf, case, args.threads, logdir)
