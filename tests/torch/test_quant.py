@@ -5,6 +5,7 @@ their dequantized selves, round-to-nearest quantization of a safetensors checkpo
 from __future__ import annotations
 
 import ctypes
+import functools
 import platform
 import shutil
 import subprocess
@@ -167,8 +168,10 @@ def _rounding_bound(x: torch.Tensor, qw) -> torch.Tensor:
     return xm.repeat_interleave(GROUP // per, dim=1) @ qs.T
 
 
+@functools.lru_cache(maxsize=None)
 def _group_weights(n: int, k: int, seed: int) -> dict[str, QuantWeight]:
-    """One weight in each group format the kernel has: each GGUF type's, our int4, and those fused rows meet in."""
+    """One weight in each group format the kernel has: each GGUF type's, our int4, and those fused rows meet in (made
+    once per shape: the K-quants' reference quantizers are slow numpy)."""
     w = _weights(n, k, seed)
     qws = {t: repack(_gguf_tensor(w, t)) for t in GGUF_TYPES if k % 256 == 0 or not t.endswith("_K")}
     qws["rtn"] = quantize_int4(torch.from_numpy(w))
@@ -194,7 +197,7 @@ def test_our_group_kernel_matches_the_reference_in_every_format_at_any_rows(rows
     if own_kernel_isa() is None:
         pytest.skip("the kernel library does not build here (no C++ compiler): torch's int4 kernel runs")
     x = torch.randn(rows, k).to(serving)
-    for name, qw in _group_weights(40, k, rows).items():
+    for name, qw in _group_weights(40, k, 0).items():
         lin = QuantLinear(qw, None, _plan(qw.kind, serving, NEVER))
         assert lin.fmt is not None, name
         held = _as_packed(qw)
