@@ -110,8 +110,12 @@ class ServerConfig:
     max_body_bytes: int = 4 * 1024 * 1024  # larger bodies get 413
     max_header_bytes: int = 32 * 1024  # a larger request line + headers gets 431 (h11 buffers no more)
     request_read_timeout: float = 30.0  # seconds from a request's first byte until it is all received; 408
-    keep_alive_timeout: float = 5.0  # seconds an idle keep-alive connection stays open
-    max_connections: int = 1024  # open connections; one more gets 503 and is closed
+    header_timeout: float = 10.0  # seconds from a request's first byte until its head is in; 408
+    keep_alive_timeout: float = 5.0  # seconds a connection may sit idle: new (then 408) or between requests
+    # open connections; None: sized from the process's file-descriptor limit. At the cap a new connection
+    # closes the oldest idle one, or (none idle) gets 503 with Retry-After
+    max_connections: int | None = None
+    max_connections_per_client: int = 0  # from one client address (429 past it); 0: no limit, as behind a proxy
     drain_timeout: float = 30.0  # seconds to finish in-flight requests on SIGTERM
     log_level: str = "info"
     access_log: bool = False  # uvicorn's line per HTTP request (client, method, path, status)
@@ -187,10 +191,12 @@ class EngineConfig:
         need(1 <= self.server.max_prompts_per_request, "server.max_prompts_per_request", "must be >= 1")
         need(1 <= self.server.max_sequences_per_request, "server.max_sequences_per_request", "must be >= 1")
         need(self.server.max_header_bytes >= 1024, "server.max_header_bytes", "must be >= 1024")
-        need(self.server.max_connections >= 1, "server.max_connections", "must be >= 1")
+        need(self.server.max_connections is None or self.server.max_connections >= 1, "server.max_connections",
+             "must be >= 1 or null")
+        need(self.server.max_connections_per_client >= 0, "server.max_connections_per_client", "must be >= 0")
         need(self.server.engine_core in ("auto", "thread", "process"), "server.engine_core",
              f"must be auto, thread or process, got {self.server.engine_core!r}")
-        for key in ("request_read_timeout", "keep_alive_timeout", "drain_timeout"):
+        for key in ("request_read_timeout", "header_timeout", "keep_alive_timeout", "drain_timeout"):
             need(0 < getattr(self.server, key) < float("inf"), f"server.{key}", "must be a positive number of seconds")
         d = self.distributed
         need(d.replicas >= 0, "distributed.replicas", f"must be >= 0, got {d.replicas}")
