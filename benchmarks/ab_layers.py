@@ -37,7 +37,7 @@ CSRC = "plugins/llmserve_torch/csrc"
 
 def build_revision(rev: str, out_dir: Path) -> ctypes.CDLL:
     """The kernel library of `rev`'s csrc/, compiled as the backend compiles this tree's."""
-    from llmserve_torch.attention import cxx_flags
+    from llmserve_torch.kernel_library import cxx_flags
 
     archive = subprocess.run(["git", "-C", str(ROOT), "archive", rev, CSRC], check=True, capture_output=True).stdout
     subprocess.run(["tar", "-x", "-C", str(out_dir)], input=archive, check=True)

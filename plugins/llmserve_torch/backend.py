@@ -12,7 +12,8 @@ from llmserve.batch import ModelOutput, SchedulerOutput
 from llmserve.config import EngineConfig, check_options
 from llmserve.errors import ConfigError
 from llmserve.interfaces import ModelBackend
-from llmserve_torch.attention import KERNELS, StepMetadata, build_kernel, cpu_argmax, cpu_sample, make_attention
+from llmserve_torch import kernel_library
+from llmserve_torch.attention import KERNELS, StepMetadata, make_attention
 from llmserve_torch.cuda_graphs import DecodeGraphs, batch_buckets, table_width
 from llmserve_torch.footprint import footprint
 from llmserve_torch.fused import DECODER_OPS
@@ -22,7 +23,7 @@ from llmserve_torch.huge_pages import place_linears, unavailable
 from llmserve_torch.kv_cache import KVCache, budget_bytes, bytes_per_block
 from llmserve_torch.loader import load_model
 from llmserve_torch.quant import QuantLinear
-from llmserve_torch.sampling import Sampler, prompt_logprobs
+from llmserve_torch.sampling import Sampler, cpu_argmax, cpu_sample, prompt_logprobs
 
 log = logging.getLogger("llmserve.torch")
 # torch logs its FakeTensor cache counters at INFO when the process exits (e.g. on Ctrl-C): noise to a user
@@ -214,7 +215,7 @@ class TorchBackend(ModelBackend):
             self.sampler.keyed_sample = cpu_sample()
             sc = self.config.scheduler
             self.stack, self.stack_note = build_stack(self.options["fuse_layers"], self.model, self.attention,
-                                                      build_kernel(), max(sc.max_num_batched_tokens, sc.max_num_seqs))
+                                                      kernel_library.load(), max(sc.max_num_batched_tokens, sc.max_num_seqs))
             if self.stack is not None:  # greedy tokens fed back inside the one call
                 self.max_decode_forwards = self.stack.max_forwards
                 self.max_decode_forward_rows = self.stack.head_rows  # (decode_ahead's rows)

@@ -13,6 +13,8 @@ import logging
 import torch
 import torch.nn.functional as F
 
+from llmserve_torch import kernel_library
+
 log = logging.getLogger("llmserve.torch")
 
 DECODER_OPS = ("auto", "torch", "cpu", "triton")
@@ -112,12 +114,9 @@ def decoder_ops(device: torch.device, dtype: torch.dtype, kind: str = "auto") ->
         if kind == "cpu":
             raise ValueError(f"the fused CPU ops need a CPU and float32/bfloat16, not {device} {dtype}")
         return TorchOps()
-    from llmserve_torch.attention import build_kernel
-
     try:
-        return CpuOps(build_kernel())
-    except RuntimeError as e:
+        return CpuOps(kernel_library.load())
+    except RuntimeError as e:  # (load warned once, naming the cost)
         if kind == "cpu":
             raise ValueError(str(e)) from None
-        log.info("fused decoder ops unavailable (%s); using torch ops", e)
         return TorchOps()

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from llmserve_torch import kernel_library
 from llmserve_torch.quant import OWN_INT8_MAX_ROWS, QuantLinear
 
 FUSE_LAYERS = ("auto", "off")
@@ -25,40 +26,11 @@ WAIT_AHEAD = 256 << 10
 MAX_FORWARDS = 64
 
 
-INT8_ROWS = 8  # _QLinear.kind of int8 per row (kernels.h's kInt8Rows); a group kind's is its format code
-
-
-class _QLinear(ctypes.Structure):
-    _fields_ = [("kind", ctypes.c_int32), ("n", ctypes.c_int32), ("k", ctypes.c_int32), ("w", ctypes.c_void_p),
-                ("scale", ctypes.c_void_p), ("bias", ctypes.c_void_p)]
-
-
-class _Layer(ctypes.Structure):
-    _fields_ = [("qkv", _QLinear), ("o", _QLinear), ("gate_up", _QLinear), ("down", _QLinear),
-                ("in_norm", ctypes.c_void_p), ("post_norm", ctypes.c_void_p), ("k_cache", ctypes.c_void_p),
-                ("v_cache", ctypes.c_void_p)]
-
-
-class _Model(ctypes.Structure):
-    _fields_ = [(f, ctypes.c_int32) for f in ("layers", "hidden", "heads", "kv_heads", "head_dim", "inter",
-                                               "block_size", "elem_size")] + \
-               [("eps", ctypes.c_float), ("attn_scale", ctypes.c_float), ("layer", ctypes.POINTER(_Layer)),
-                ("head", _QLinear), ("final_norm", ctypes.c_void_p), ("embed", ctypes.c_void_p),
-                ("vocab", ctypes.c_int32), ("balance", ctypes.c_void_p), ("wait_ahead", ctypes.c_int64)]
-
-
-class _Scratch(ctypes.Structure):
-    _fields_ = [(f, ctypes.c_void_p) for f in ("h", "qkv", "attn", "o", "gu", "act", "down", "f32")]
-
-
-class _Step(ctypes.Structure):
-    _fields_ = [("x", ctypes.c_void_p), ("ids", ctypes.c_void_p), ("rows", ctypes.c_int32),
-                ("cos", ctypes.c_void_p), ("sin", ctypes.c_void_p), ("slots", ctypes.c_void_p),
-                ("block_tables", ctypes.c_void_p), ("max_blocks", ctypes.c_int32), ("tok_req", ctypes.c_void_p),
-                ("tok_pos", ctypes.c_void_p), ("threads", ctypes.c_int32), ("stage_us", ctypes.c_void_p),
-                ("logits", ctypes.c_void_p), ("tokens", ctypes.c_void_p), ("forwards", ctypes.c_int32),
-                ("temps", ctypes.c_void_p), ("keys", ctypes.c_void_p), ("filters", ctypes.c_void_p),
-                ("filtered", ctypes.c_void_p)]
+# the call's tables as csrc/llmserve.h lays them out
+_api = kernel_library.api()
+_QLinear, _Layer, _Model = _api.structs["qlinear"], _api.structs["layer"], _api.structs["model"]
+_Scratch, _Step = _api.structs["scratch"], _api.structs["step"]
+INT8_ROWS = _api.limits["KIND_INT8_ROWS"]  # _QLinear.kind of int8 per row; a group kind's is its format code
 
 
 # what the C call can time a step's layers by (its enum Stage, in order): FusedStack.stage_us
@@ -125,10 +97,10 @@ class FusedStack:
         self.max_forwards = MAX_FORWARDS if self.head_rows and head.out_features <= embed.shape[0] else 1
         # how the two members share the matmuls out, kept between calls (decode_layers.cpp's Balance: the lead's
         # share, then each member's busy time on a cache line of its own); zero: equal shares at first
-        self._balance = torch.zeros(24, dtype=torch.float64)  # (torch's buffers start on a cache line)
+        self._balance = torch.zeros(_api.limits["BALANCE_BYTES"] // 8, dtype=torch.float64)  # (on a cache line)
         self._model = _Model(a.num_layers, a.hidden_size, a.num_heads, a.num_kv_heads, a.head_dim,
                              a.intermediate_size, kv.block_size, model.dtype.itemsize, a.norm_eps, attention.scale,
-                             layers, self._linear(head) if self.head_rows else _QLinear(), model.norm.data_ptr(),
+                             ctypes.addressof(layers), self._linear(head) if self.head_rows else _QLinear(), model.norm.data_ptr(),
                              embed.data_ptr(), embed.shape[0], self._balance.data_ptr(), WAIT_AHEAD)
         self._widest_int8 = max((lin.out_features for lin in linears if lin.kind == "int8"), default=0)
         # RoPE's cos/sin at every position, in the form the Python path's rows take: the call reads each token's

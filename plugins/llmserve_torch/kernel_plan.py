@@ -20,6 +20,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from llmserve_torch import kernel_library
+
 log = logging.getLogger("llmserve.torch")
 
 NEVER = 1 << 30  # a row limit no batch reaches: the quantized kernel always runs
@@ -152,20 +154,17 @@ def _measure_crossover(group: list, kp: KindPlan, serving: torch.dtype, max_batc
 # --- measured crossovers, remembered per CPU, torch build, threads and weight shapes ------------------------
 
 def _plans_file():
-    """Beside the built kernels (the one rule for where they live: attention.kernel_cache_dir)."""
-    from llmserve_torch.attention import kernel_cache_dir
-
-    return kernel_cache_dir() / "quant-plans.json"
+    """Beside the built kernels (the one rule for where they live: kernel_library.cache_dir)."""
+    return kernel_library.cache_dir() / "quant-plans.json"
 
 
 def _key(group: list, serving: torch.dtype, *what) -> str:
     """What a measurement depends on: the CPU, torch and its threads, the serving dtype, the linears' shapes, our
     kernels, and what was measured (what)."""
     # the CPU and our kernel library's build (our int8 kernel is part of what was measured)
-    from llmserve_torch.attention import cpu_id, kernel_library_id
-
     shapes = sorted(Counter((lin.kind, lin.out_features, lin.in_features) for lin in group).items())
-    facts = [cpu_id(), torch.__version__, torch.get_num_threads(), str(serving), shapes, kernel_library_id(), *what]
+    facts = [kernel_library.cpu_id(), torch.__version__, torch.get_num_threads(), str(serving), shapes,
+             kernel_library.library_id(), *what]
     return hashlib.sha256(json.dumps(facts, default=str).encode()).hexdigest()[:24]
 
 

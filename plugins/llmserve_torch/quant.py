@@ -15,6 +15,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from llmserve_torch import kernel_library
+
 GROUP = 32  # a group: llama.cpp's Q4_0 ... Q8_0 block and the K-quants' sub-block (Q6_K's scales: per 16)
 # the group kinds and their bits: each GGUF type's blocks map onto one at the file's own bits (gguf_quant.py);
 # int8g is int8 in groups of 32 (Q8_0), not int8's one scale per row
@@ -179,17 +181,16 @@ def cat_rows(parts: list[QuantWeight]) -> QuantWeight:
 # csrc/decoder_ops.cpp's int8 matmul (activations rounded to int16 per 64), SmolLM2's 49152 x 576 int8 LM head, AMD
 # EPYC with AVX512-VNNI, 2 threads, ms at 1/2/4/8 rows: 0.20/0.36/0.73/1.59, float activations 0.38/0.72/1.45/3.07;
 # aten._weight_int8pack_mm took 2.81/3.55/3.96/6.53 on an earlier such machine.
-OWN_INT8_MAX_ROWS = 8  # kMaxRows in decoder_ops.cpp; it also caps the inputs at kMaxK = 8192
+OWN_INT8_MAX_ROWS = kernel_library.api().limits["INT8_MAX_ROWS"]
+OWN_INT8_MAX_K = kernel_library.api().limits["INT8_MAX_K"]
 OWN_DTYPES = (torch.float32, torch.bfloat16)  # what our kernels read (they tell them apart by element size)
 
 
 @functools.cache
 def _own_kernels():
     """Our C kernel library (None where it cannot be built: torch's kernels run instead)."""
-    from llmserve_torch.attention import build_kernel
-
     try:
-        return build_kernel()
+        return kernel_library.load()
     except RuntimeError:
         return None
 
@@ -362,7 +363,7 @@ class QuantLinear:
     @property
     def own_int8(self) -> bool:
         """int8 that llmserve's own kernel runs (up to OWN_INT8_MAX_ROWS rows)."""
-        return self.kind == "int8" and _own_int8_kernel() is not None and self.in_features <= 8192
+        return self.kind == "int8" and _own_int8_kernel() is not None and self.in_features <= OWN_INT8_MAX_K
 
     def max_quantized_rows(self) -> int:
         """The most rows a call runs in the quantized kernel (more go to the dense copy, where there is one)."""
@@ -397,7 +398,7 @@ class QuantLinear:
         if self.kind == "int8":
             own = _own_int8_kernel()
             rows = x.shape[0]
-            if own is not None and rows <= OWN_INT8_MAX_ROWS and self.in_features <= 8192 and \
+            if own is not None and rows <= OWN_INT8_MAX_ROWS and self.in_features <= OWN_INT8_MAX_K and \
                     x.dtype in OWN_DTYPES:
                 y = torch.empty((rows, self.out_features), dtype=torch.float32)
                 xc = x.contiguous()  # it reads float32 or bf16 directly: no cast to act

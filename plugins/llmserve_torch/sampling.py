@@ -23,6 +23,7 @@ import torch
 from llmserve.batch import ScheduledRequest
 from llmserve.constraints import unpack_bitmask
 from llmserve.request import Logprob, SamplingParams
+from llmserve_torch import kernel_library
 
 _MASK = float("-inf")
 _M64 = (1 << 64) - 1
@@ -170,7 +171,7 @@ class Sampler:
         # GPU with Triton); used where no row filters by rank or min-p
         self.fast_race = None
         # sampling on CPU in the kernel library, sample(x, temperatures, keys, top_k, top_p, min_p) → tokens
-        # (attention.cpu_sample, csrc/race.cpp: set by the backend where its kernel library builds): the filters
+        # (cpu_sample below, csrc/race.cpp: set by the backend where its kernel library builds): the filters
         # without a sort of the row, the race with noise from a key a row, not a uniform draw per vocabulary entry
         self.keyed_sample = None
 
@@ -310,3 +311,50 @@ def prompt_logprobs(logits: torch.Tensor, targets: list[int | None], n: int) -> 
     for i, e in zip(rows, _logprob_entries(lp, chosen, [n] * len(rows))):
         out[i] = e
     return out
+
+
+# --- the kernel library's forms (csrc/paged_attention.cpp, csrc/race.cpp) ---------------------------------------
+
+def cpu_argmax():
+    """argmax over the rows of a contiguous float32 CPU matrix via the kernel library (None if it cannot build).
+
+    Only for raw model logits (finite): the library is built with -ffast-math.
+    """
+    try:
+        lib = kernel_library.load()
+    except RuntimeError:
+        return None
+    fn = lib.llmserve_argmax_f32
+
+    def argmax(x: torch.Tensor) -> torch.Tensor:
+        out = torch.empty(x.shape[0], dtype=torch.long)
+        fn(x.data_ptr(), x.shape[0], x.shape[1], x.stride(0), out.data_ptr(), torch.get_num_threads())
+        return out
+
+    return argmax
+
+
+def cpu_sample():
+    """Sampling over the rows of a float32 CPU matrix via the kernel library (csrc/race.cpp), as
+    sample(x, temperatures, keys, top_k=None, top_p=None, min_p=None) → tokens, or None if the library cannot
+    build: each row's top-k/top-p/min-p filter (None: none), then the keyed race. x's rows are contiguous; masked
+    entries are -inf; one temperature (> 0), key (int64, read as uint64) and filter value a row."""
+    try:
+        lib = kernel_library.load()
+    except RuntimeError:
+        return None
+    fn = lib.llmserve_sample_f32
+
+    def sample(x: torch.Tensor, temperatures: torch.Tensor, keys: torch.Tensor, top_k: torch.Tensor | None = None,
+               top_p: torch.Tensor | None = None, min_p: torch.Tensor | None = None) -> torch.Tensor:
+        R = x.shape[0]
+        top_k = torch.zeros(R, dtype=torch.int32) if top_k is None else top_k.to(torch.int32).contiguous()
+        top_p = torch.ones(R) if top_p is None else top_p.float().contiguous()
+        min_p = torch.zeros(R) if min_p is None else min_p.float().contiguous()
+        temperatures, keys = temperatures.float().contiguous(), keys.contiguous()
+        out = torch.empty(R, dtype=torch.long)
+        fn(x.data_ptr(), R, x.shape[1], x.stride(0), temperatures.data_ptr(), top_k.data_ptr(), top_p.data_ptr(),
+           min_p.data_ptr(), keys.data_ptr(), out.data_ptr(), torch.get_num_threads())
+        return out
+
+    return sample

@@ -7,12 +7,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from llmserve_torch.attention import CPUPagedAttention, ReferenceAttention, build_kernel
+from llmserve_torch import kernel_library
+from llmserve_torch.attention import CPUPagedAttention, ReferenceAttention
 from llmserve_torch.kv_cache import KVCache
 from torch_helpers import attention_arch, step_metadata
 
 try:
-    build_kernel()
+    kernel_library.load()
 except RuntimeError as e:  # no C++ compiler: `auto` falls back to the reference path, which these compare against
     pytest.skip(f"the CPU kernel does not build here: {e}", allow_module_level=True)
 

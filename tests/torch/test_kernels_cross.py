@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from test_quant import _as_packed, _group_weights, _rounding_bound
 
 from llmserve_torch import quant
-from llmserve_torch.attention import _SIGNATURES, _SOURCES, _compile, cxx_flags
+from llmserve_torch.kernel_library import SOURCES, api, compile_library, cxx_flags
 
 CSRC = Path(quant.__file__).with_name("csrc")
 DRIVER = CSRC / "tests" / "quant_driver.cpp"
@@ -49,9 +49,9 @@ def _run(cmd: list[str], **kw) -> subprocess.CompletedProcess:
 
 
 def _bind(so: Path) -> ctypes.CDLL:
-    """A kernel library loaded with the signatures build_kernel gives it."""
+    """A kernel library loaded with the signatures llmserve.h declares (those it has: a part of it may be built)."""
     lib = ctypes.CDLL(str(so))
-    for name, (restype, argtypes) in _SIGNATURES.items():
+    for name, (restype, argtypes) in api().functions.items():
         if hasattr(lib, name):
             getattr(lib, name).restype, getattr(lib, name).argtypes = restype, argtypes
     return lib
@@ -97,7 +97,7 @@ def test_the_group_kernel_built_for_aarch64_matches_the_reference_under_qemu(tmp
         pytest.skip("packs the weights with an x86-64 scalar build of the kernel: needs an x86-64 host with g++")
     # pack_own asks the group kernel built for plain x86-64 (its scalar path, rows in order: tile 1) for the layout
     packer_so = tmp_path / "quant_x86-64.so"
-    sources = [CSRC / f for f in _SOURCES] + [DRIVER]
+    sources = [CSRC / f for f in SOURCES] + [DRIVER]
     compiles = [["g++", *cxx_flags("x86-64"), f"-I{CSRC}", str(CSRC / "quant_matmul.cpp"), "-o", str(packer_so)]]
     links, drivers = [], {}
     for march in ARM_BUILDS:
@@ -147,7 +147,7 @@ def _check_library(so: Path, threads: int) -> None:
     """A whole kernel library: it loads with every entry point, and its group kernel matches the reference on a
     Q4_K weight (4 bits with offsets) on `threads` threads."""
     lib = _bind(so)
-    missing = [name for name in _SIGNATURES if not hasattr(lib, name)]
+    missing = [name for name in api().functions if not hasattr(lib, name)]
     assert not missing, missing
     n, k, rows = 48, 512, 5
     x = torch.randn(rows, k)
@@ -175,7 +175,7 @@ def test_the_library_builds_with_clang(tmp_path):
     if probe.returncode != 0:
         _unavailable("clang++ has no OpenMP here: apt-get install libomp-dev (make test does, as root)")
     so = tmp_path / "kernels_clang.so"
-    _compile("clang++", cxx_flags("native"), tmp_path, so)
+    compile_library("clang++", cxx_flags("native"), tmp_path, so)
     _check_library(so, threads=2)
 
 
@@ -189,7 +189,7 @@ def test_the_library_builds_and_runs_without_openmp(tmp_path):
         _unavailable("needs clang++ (or g++): apt-get install clang (make test does, as root)")
     so = tmp_path / "kernels_no_openmp.so"
     flags = ["-O1" if f == "-O3" else f for f in cxx_flags("native") if f != "-fopenmp"]
-    _compile(cxx, flags, tmp_path, so)
+    compile_library(cxx, flags, tmp_path, so)
     if shutil.which("nm") is not None:
         undefined = _run(["nm", "-D", "--undefined-only", str(so)]).stdout
         assert "omp_" not in undefined and "GOMP_" not in undefined, undefined

@@ -217,15 +217,23 @@ def test_cuda_device_without_cuda_is_a_clear_error():
         make_backend("embedded", device="cuda")
 
 
-def test_without_a_compiler_auto_falls_back_and_cpu_is_a_clear_error(monkeypatch, tmp_path):
-    import llmserve_torch.attention as attn
+def test_without_a_compiler_auto_falls_back_with_a_warning_and_cpu_is_a_clear_error(monkeypatch, tmp_path, caplog):
+    import logging
 
-    monkeypatch.setattr(attn, "_lib", None)
-    monkeypatch.setattr(attn, "_lib_error", None)
+    from llmserve_torch import kernel_library
+
+    monkeypatch.setattr(kernel_library, "_lib", None)
+    monkeypatch.setattr(kernel_library, "_error", None)
     monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
     monkeypatch.setenv("LLMSERVE_CACHE_DIR", str(tmp_path / "kernels"))
-    b = make_backend("embedded")
+    with caplog.at_level(logging.INFO, logger="llmserve.torch"):
+        b = make_backend("embedded")
     assert b.attention.name == "reference" and b.sampler.fast_argmax is None
+    # one WARNING, naming what is missing, what runs instead and the fix
+    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warned) == 1, warned
+    assert "could not be built" in warned[0] and "no-such-compiler" in warned[0] and "slower" in warned[0] \
+        and "install a C++ compiler" in warned[0]
     out = b.execute(batch_of([Driver(b).request("a", list(b"hi there"), 0, 8)]))
     assert len(out.sampled_token_ids) == 1 and 0 <= out.sampled_token_ids[0] < 257
     with pytest.raises(ConfigError, match="cpu kernel cannot be used"):
@@ -237,14 +245,14 @@ def test_compiling_the_cpu_kernels_is_announced_once(monkeypatch, tmp_path, capl
     """A first start compiles csrc/ for a while: a line says so before (and how long after); a cached build is silent."""
     import logging
 
-    import llmserve_torch.attention as attn
+    from llmserve_torch import kernel_library
 
     monkeypatch.setenv("LLMSERVE_CACHE_DIR", str(tmp_path / "kernels"))
     for _ in range(2):
-        monkeypatch.setattr(attn, "_lib", None)
-        monkeypatch.setattr(attn, "_lib_error", None)
+        monkeypatch.setattr(kernel_library, "_lib", None)
+        monkeypatch.setattr(kernel_library, "_error", None)
         with caplog.at_level(logging.INFO, logger="llmserve.torch"):
-            attn.build_kernel()
+            kernel_library.load()
     lines = [r.getMessage() for r in caplog.records if "CPU kernels" in r.getMessage()]
     assert len(lines) == 2, lines  # the first build only; the second loads the cached library
     assert lines[0].startswith("compiling the CPU kernels") and str(tmp_path / "kernels") in lines[0]

@@ -10,10 +10,10 @@ MODELS = ["gpt2_dir", "qwen2_dir", "qwen2_tied_dir"]
 
 
 def _cpu_kernel_builds() -> bool:
-    from llmserve_torch.attention import build_kernel
+    from llmserve_torch import kernel_library
 
     try:
-        build_kernel()
+        kernel_library.load()
         return True
     except RuntimeError:
         return False

@@ -22,7 +22,7 @@ from torch_helpers import Driver, batch_of, make_backend, make_gpt2
 
 from llmserve.errors import ConfigError
 from llmserve_torch import quant
-from llmserve_torch.attention import cpu_id, cxx_flags
+from llmserve_torch.kernel_library import api, cpu_id, cxx_flags
 from llmserve_torch.gguf_quant import KINDS as GGUF_KINDS
 from llmserve_torch.gguf_quant import repack
 from llmserve_torch.kernel_plan import NEVER, KernelPlan, KindPlan, plan_kernels
@@ -251,8 +251,6 @@ MARCHES = {"x86-64": set(), "x86-64-v3": {"avx2", "fma", "bmi2", "f16c"},
 def test_every_simd_path_of_the_group_kernel_matches_the_reference(tmp_path, monkeypatch, march):
     """The kernel built for another ISA, run here in every format on the layout pack_own makes for that build's
     tile."""
-    from llmserve_torch.attention import _SIGNATURES
-
     flags = set(" ".join(ln for ln in cpu_id().splitlines() if ln.startswith("flags")).split())
     if platform.machine() != "x86_64" or shutil.which("g++") is None or not MARCHES[march] <= flags:
         pytest.skip(f"needs an x86-64 CPU with {sorted(MARCHES[march])} and g++")
@@ -262,7 +260,7 @@ def test_every_simd_path_of_the_group_kernel_matches_the_reference(tmp_path, mon
                    capture_output=True)
     lib = ctypes.CDLL(str(so))
     for name in ("llmserve_quant_tile", "llmserve_quant_format", "llmserve_quant_bytes", "llmserve_quant_matmul"):
-        getattr(lib, name).restype, getattr(lib, name).argtypes = _SIGNATURES[name]
+        getattr(lib, name).restype, getattr(lib, name).argtypes = api().functions[name]
     monkeypatch.setattr(quant, "_own_kernels", lambda: lib)
     assert lib.llmserve_quant_tile() == (16 if "avx512bw" in MARCHES[march] else 1)
     for rows, n, k in [(1, 40, 576), (2, 37, 256), (7, 96, 512), (9, 16, 1536)]:

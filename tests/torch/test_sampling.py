@@ -25,7 +25,7 @@ def make_sampler(kind: str = "torch", seed: int = 0, eos=()) -> Sampler:
     """A CPU sampler drawing with torch's uniforms ("torch") or with the kernel library's keyed race ("kernel")."""
     s = Sampler(torch.device("cpu"), seed=seed, eos_token_ids=eos)
     if kind == "kernel":
-        from llmserve_torch.attention import cpu_sample
+        from llmserve_torch.sampling import cpu_sample
 
         s.keyed_sample = cpu_sample()
         if s.keyed_sample is None:
@@ -166,7 +166,7 @@ def test_filters_never_leave_an_empty_distribution(knob, kind):
 
 
 def test_kernel_argmax_matches_torch_including_ties():
-    from llmserve_torch.attention import cpu_argmax
+    from llmserve_torch.sampling import cpu_argmax
 
     argmax = cpu_argmax()
     if argmax is None:
@@ -194,14 +194,14 @@ def test_a_zero_uniform_draw_never_picks_a_masked_token(monkeypatch, sp):
 
 def _kernel_filter(x, temps, top_k, top_p, min_p):
     """csrc/race.cpp's filter_row over each row: x / t with what it drops at -1e30."""
-    from llmserve_torch.attention import build_kernel
+    from llmserve_torch import kernel_library
 
     make_sampler("kernel")  # (skips where the library does not build)
     R, n = x.shape
     y = torch.empty(R, n)
     args = [torch.tensor(temps).float(), torch.tensor(top_k, dtype=torch.int32), torch.tensor(top_p).float(),
             torch.tensor(min_p).float()]  # (held while the call reads them)
-    build_kernel().llmserve_filter_f32(x.data_ptr(), R, n, x.stride(0), *(a.data_ptr() for a in args), y.data_ptr())
+    kernel_library.load().llmserve_filter_f32(x.data_ptr(), R, n, x.stride(0), *(a.data_ptr() for a in args), y.data_ptr())
     return y
 
 

@@ -28,20 +28,12 @@
 
 namespace {
 
-struct QLinear {  // y[rows, n] = x[rows, k] · W^T (+ bias)
-  int32_t kind, n, k;  // a group format (w, its scales inside), or kInt8Rows: int8 per row (w, scale)
-  const void* w;
-  const float* scale;
-  const void* bias;  // in the activations' dtype, or null
-};
-
-struct Layer {
-  QLinear qkv, o, gate_up, down;
-  const void* in_norm;
-  const void* post_norm;
-  void* k_cache;  // this layer's [slots, kv_heads * head_dim]
-  void* v_cache;
-};
+// The call's tables as llmserve.h declares them (the one statement of their layout: kernel_library.py reads it)
+using QLinear = llmserve_qlinear;
+using Layer = llmserve_layer;
+using Model = llmserve_model;
+using Scratch = llmserve_scratch;
+using Step = llmserve_step;
 
 // How two members share the weights' matmuls out. Where the VM's two CPUs sit far apart, one of them streams
 // its half 10-25 % slower than the other for minutes at a time (each member's own time in the matmuls, timed
@@ -56,51 +48,10 @@ struct Balance {
   alignas(64) double lead_share;  // 0 before the first step: equal shares
   MemberTime busy[2];
 };
+static_assert(sizeof(Balance) == LLMSERVE_BALANCE_BYTES, "llmserve.h states the Balance a caller allocates");
 
-struct Model {
-  int32_t layers, hidden, heads, kv_heads, head_dim, inter, block_size, elem_size;
-  float eps, attn_scale;
-  const Layer* layer;
-  QLinear head;  // the LM head, or kind 0 where the caller never asks for logits
-  const void* final_norm;
-  const void* embed;  // [vocab, hidden] in the activations' dtype: Step::ids' rows
-  int32_t vocab;
-  Balance* balance;  // the caller's, kept between calls (null: equal shares)
-  int64_t wait_ahead;  // bytes of its next matmul's share a member asks for at most while it waits (0: none)
-};
-
-struct Scratch {  // each [max rows, its width], contiguous; f32: [max rows, widest int8 output]
-  void *h, *qkv, *attn, *o, *gu, *act, *down;
-  float* f32;
-};
-
-struct Step {
-  void* x;  // [rows, hidden]: the ids' embedding rows (copied in here), the last layer's output out
-  const int64_t* ids;  // [rows], the step's tokens
-  int32_t rows;
-  const float* cos;  // the model's tables [positions, head_dim / 2], as CpuOps.tables makes them, read at tok_pos
-  const float* sin;
-  const int64_t* slots;
-  const int32_t* block_tables;
-  int32_t max_blocks;
-  const int32_t* tok_req;
-  const int32_t* tok_pos;
-  int32_t threads;
-  double* stage_us;  // null, or kStages sums in microseconds this call adds to (benchmarks/profile_step.py)
-  float* logits;     // null, or [rows, head.n]: every row's float32 logits (the last forward's)
-  int64_t* tokens;   // null, or [forwards, rows]: each row's token (with logits): greedy or drawn (temps)
-  // forwards run back to back (a batch of decodes, with tokens): forward f reads the tokens of forward f - 1 as its
-  // ids, each row a position further on, its K/V slot found in block_tables (which reach the last forward's)
-  int32_t forwards;
-  // null where every row is greedy (its first largest logit), or [rows]: a row's temperature, 0 for a greedy row;
-  // a row with one > 0 draws its token from softmax(logits / t) by the race (race.cpp) with keys[f * rows + r]
-  const float* temps;
-  const uint64_t* keys;  // [forwards, rows], with temps
-  // null where no drawn row filters, or [3, rows]: each row's top_k (a whole number as a float; 0: none), top_p (1:
-  // none) and min_p (0: none), which a drawn row's race then runs over (filter_row, into filtered: [rows, vocab])
-  const float* filters;
-  float* filtered;
-};
+// The caller's balance state (Model::balance: opaque to it)
+inline Balance* balance_of(const Model& m) { return static_cast<Balance*>(m.balance); }
 
 // What a step's time is split into when the caller asks (Step::stage_us), in this order
 enum Stage { kQkv, kRopeKv, kAttention, kO, kNorms, kGateUp, kSiluMul, kDown, kHead, kStages };
@@ -264,7 +215,7 @@ void head(const Team& tm, const Team& mt, const Model& m, const Flow<T>& f, cons
   f.sync(tm);
   int j0, j1;  // this member's logits: the matmul's share of them
   {
-    const Busy busy(mt, m.balance);
+    const Busy busy(mt, balance_of(m));
     if (is_group_format(m.head.kind)) {
       team_quant_matmul(mt, m.head.kind, f.h, H, R, static_cast<const uint8_t*>(m.head.w), st.logits, V, V, H,
                         sizeof(T), 4);
@@ -346,13 +297,13 @@ template <typename T>
 void run(const Team& tm, const Model& m, const Scratch& s, const Step& st, float* part, Best* best) {
   const int R = st.rows, E = sizeof(T), H = m.hidden;
   const int q = m.heads * m.head_dim, kv = m.kv_heads * m.head_dim, qkv_w = q + 2 * kv;
-  rebalance(tm, m.balance);  // before the step's first barrier: the others read the share after it
+  rebalance(tm, balance_of(m));  // before the step's first barrier: the others read the share after it
   // x = the ids' embedding rows (llmserve_decode_layers checked them)
   for (int r = tm.begin(R); r < tm.end(R); ++r)
     std::memcpy(static_cast<char*>(st.x) + static_cast<int64_t>(r) * H * E,
                 static_cast<const char*>(m.embed) + st.ids[r] * H * E, static_cast<size_t>(H) * E);
   tm.sync();
-  const Team mt = matmul_team(tm, m.balance);
+  const Team mt = matmul_team(tm, balance_of(m));
   Flow<T> f(tm, s, st, m);
   Clock clock(tm.lead() ? st.stage_us : nullptr);  // the lead's clock: its stage times include its waits
   team_add_rms_norm(f.ew, f.x, H, nullptr, 0, m.layer[0].in_norm, f.h, H, R, H, m.eps, E);
@@ -360,7 +311,7 @@ void run(const Team& tm, const Model& m, const Scratch& s, const Step& st, float
   clock.mark(kNorms);
   for (int li = 0; li < m.layers; ++li) {
     const Layer& L = m.layer[li];
-    linear<T>(mt, L.qkv, f.h, R, s.qkv, s.f32, m.balance);
+    linear<T>(mt, L.qkv, f.h, R, s.qkv, s.f32, balance_of(m));
     wait_ahead_for(mt, m, L.o);
     tm.sync();
     clock.mark(kQkv);
@@ -384,21 +335,21 @@ void run(const Team& tm, const Model& m, const Scratch& s, const Step& st, float
                          f.own_attn);
     if (!f.own_attn) tm.sync();
     clock.mark(kAttention);
-    linear<T>(mt, L.o, f.attn, R, s.o, s.f32, m.balance);
+    linear<T>(mt, L.o, f.attn, R, s.o, s.f32, balance_of(m));
     wait_ahead_for(mt, m, L.gate_up);
     tm.sync();
     clock.mark(kO);
     team_add_rms_norm(f.ew, f.x, H, s.o, H, L.post_norm, f.h, H, R, H, m.eps, E);
     f.sync(tm);
     clock.mark(kNorms);
-    linear<T>(mt, L.gate_up, f.h, R, s.gu, s.f32, m.balance);
+    linear<T>(mt, L.gate_up, f.h, R, s.gu, s.f32, balance_of(m));
     wait_ahead_for(mt, m, L.down);
     tm.sync();
     clock.mark(kGateUp);
     team_silu_mul(f.ew, s.gu, 2 * m.inter, f.act, m.inter, R, m.inter, E);
     f.sync(tm);
     clock.mark(kSiluMul);
-    linear<T>(mt, L.down, f.act, R, s.down, s.f32, m.balance);
+    linear<T>(mt, L.down, f.act, R, s.down, s.f32, balance_of(m));
     wait_ahead_for(mt, m, li + 1 < m.layers ? m.layer[li + 1].qkv : st.logits != nullptr ? m.head : QLinear{});
     tm.sync();
     clock.mark(kDown);
@@ -440,7 +391,7 @@ extern "C" {
 
 // 0, or -1 (nothing run) where an id is not a row of the embedding, as torch's embedding raises then. Later forwards'
 // ids are the head's argmax: the caller runs more than one only where the head's rows are the embedding's
-int llmserve_decode_layers(const Model* m, const Scratch* s, const Step* st) {
+int llmserve_decode_layers(const llmserve_model* m, const llmserve_scratch* s, const llmserve_step* st) {
   for (int r = 0; r < st->rows; ++r)
     if (st->ids[r] < 0 || st->ids[r] >= m->vocab) return -1;
   float* part = attention_part(st->rows, m->heads, m->head_dim, st->threads);

@@ -81,8 +81,8 @@ void silu_mul(const Team& tm, const T* gu, int64_t gs, T* out, int64_t os, int r
 
 // y[r, n] = scale[n] * sum_k x[r, k] * w[n, k] for a few rows: each int8 weight row is read once from
 // memory for all of them (torch's _weight_int8pack_mm streamed SmolLM2's 28 MB LM head at ~8 GB/s).
-constexpr int kMaxRows = 8;
-constexpr int kMaxK = 8192;
+constexpr int kMaxRows = LLMSERVE_INT8_MAX_ROWS;
+constexpr int kMaxK = LLMSERVE_INT8_MAX_K;
 constexpr int kBlock = 64;  // activations are rounded to int16 with one scale per 64
 
 #if defined(__AVX2__)
@@ -218,7 +218,6 @@ void int8_matmul(const Team& tm, const T* x, int64_t xs, int rows, const int8_t*
 
 extern "C" {
 
-// rows <= 8 and K <= 8192 (the caller checks): float32 results.
 void llmserve_int8_matmul(const void* x, int64_t xs, int rows, const int8_t* w, const float* scale, float* y,
                           int64_t ys, int N, int K, int elem_size, int th) {
   on_team(th, true, [&](const Team& tm) { team_int8_matmul(tm, x, xs, rows, w, scale, y, ys, N, K, elem_size); });

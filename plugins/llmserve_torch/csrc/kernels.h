@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "llmserve.h"
 #include "team.h"
 
 // How far ahead (bytes) a matmul's thread asks for its weights (each thread's are contiguous). The bytes in flight
@@ -53,8 +54,8 @@ void filter_row(const float* x, int64_t n, float t, int top_k, float top_p, floa
 // scale per output row (decoder_ops.cpp), or a group format of quant_matmul.cpp: values of `bits` bits (4, 5, 6, 8)
 // in groups of 32 inputs, with offsets or symmetric, scales per 16 inputs (half) or per 32, float16 or (sup) int8
 // multiples of a float16 factor per 256 inputs
-constexpr int kInt8Rows = 8;
-constexpr int kGroupFormat = 0x100;
+constexpr int kInt8Rows = LLMSERVE_KIND_INT8_ROWS;
+constexpr int kGroupFormat = LLMSERVE_GROUP_FORMAT;
 constexpr int quant_format(int bits, bool offsets, bool half, bool sup = false) {
   return kGroupFormat | bits | (offsets ? 0x10 : 0) | (half ? 0x20 : 0) | (sup ? 0x40 : 0);
 }

@@ -30,9 +30,9 @@
 
 namespace {
 
-constexpr int kMaxQ = 8192;  // heads * head_dim
-constexpr int kMaxHeads = 128;
-constexpr int kMaxBlock = 64;
+constexpr int kMaxQ = LLMSERVE_ATTN_MAX_Q;  // heads * head_dim
+constexpr int kMaxHeads = LLMSERVE_ATTN_MAX_HEADS;
+constexpr int kMaxBlock = LLMSERVE_ATTN_MAX_BLOCK;
 constexpr int kChunk = 256;  // a multiple of every supported block size
 // The most K/V bytes of a chunk streamed in before its loops: more would not stay in a core's L2 until they are
 // read again (GPT-2 float32's 6 KB rows, 1.5 MB a chunk, read twice from memory: 64 sequences 4% slower)
@@ -383,16 +383,9 @@ void llmserve_write_kv(const void* k, int64_t ks, const void* v, int64_t vs, voi
   on_team(th, nt > 64, [&](const Team& tm) { team_write_kv(tm, k, ks, v, vs, kc, vc, slots, nt, row, elem_size); });
 }
 
-// Index of the first maximum of each float32 row (torch's argmax is a scalar loop: ~1.3 ms for 64 x 50257).
 void llmserve_argmax_f32(const float* x, int rows, int cols, int64_t stride, int64_t* out, int th) {
 #pragma omp parallel for num_threads(th)
   for (int r = 0; r < rows; ++r) out[r] = first_max(x + r * stride, cols);
-}
-
-void llmserve_attn_limits(int* max_q, int* max_heads, int* max_block) {
-  *max_q = kMaxQ;
-  *max_heads = kMaxHeads;
-  *max_block = kMaxBlock;
 }
 
 void llmserve_paged_attention_f32(const void* q, int64_t qs, const void* kc, const void* vc, const int32_t* bt,

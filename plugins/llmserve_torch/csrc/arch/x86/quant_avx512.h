@@ -1,0 +1,204 @@
+// The group kernel on AVX-512 (quant_matmul.cpp includes it where the build has AVX512BW): weight rows in tiles of
+// 16, one output per lane; vpdpbusd with AVX512-VNNI, vpmaddubsw without.
+#pragma once
+
+#include <immintrin.h>
+
+#include <vector>
+
+#include "quant_format.h"
+
+namespace quant {
+
+// A 4-byte piece of the activations, broadcast, meets all 16 rows in one vpdpbusd: no horizontal sums, no per-row
+// tails (576 inputs are 18 groups: a per-row layout had 2 left over after blocks of four), one scale vector per
+// group. 120 SmolLM2-shaped int4 matrices at one row, from memory, 2 threads of a Zen 5 EPYC: 1.80 ms in the per-row
+// layout (44 GB/s), 1.30 ms in tiles (61 GB/s).
+constexpr int kRowBlock = 4;  // rows of x that share one unpacking of a tile's group
+
+// Rows of activations, per group of 32: x ≈ d * q with q in -kQMax..kQMax, each q as two signed bytes q = 256 * h +
+// l (vpdpbusd multiplies unsigned by signed bytes: the weights 64 at a time, no widening, the same integer sums); qs
+// and xs: the sums of q and the exact sums of x over inputs 0..15 (qs0, xs0) and 16..31 (qs1, xs1), or with whole
+// groups (no Half) over all 32 in qs0 and xs0
+struct Split {
+  std::vector<int8_t> h, l;
+  std::vector<float> d, xs0, xs1;
+  std::vector<int32_t> qs0, qs1;
+};
+
+inline __m512 load16_half(const uint16_t* p) {  // 16 float16 as float
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const uint16_t* p) {  // 16 bfloat16 as float: the 16 bits become the top half
+  const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16));
+}
+
+template <bool Half, typename T>
+const Split& split_rows(const T* x, int64_t xs, int rows, int K) {
+  thread_local Split a;  // grown once: a step calls this ~120 times
+  const int ng = K / kG;
+  a.h.resize(static_cast<size_t>(rows) * K), a.l.resize(a.h.size());
+  a.d.resize(static_cast<size_t>(rows) * ng), a.xs0.resize(a.d.size()), a.xs1.resize(a.d.size());
+  a.qs0.resize(a.d.size()), a.qs1.resize(a.d.size());
+  const __m512i c128 = _mm512_set1_epi32(128);
+  for (int r = 0; r < rows; ++r)
+    for (int g = 0; g < ng; ++g) {
+      const T* xg = x + r * xs + g * kG;
+      const __m512 v0 = load16(xg), v1 = load16(xg + 16);
+      const float mx = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
+      const int64_t at = static_cast<int64_t>(r) * ng + g;
+      const __m512 inv = _mm512_set1_ps(mx > 0.f ? kQMax / mx : 0.f);
+      const __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, inv)), q1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, inv));
+      a.d[at] = mx / kQMax;
+      if (Half) {
+        a.xs0[at] = _mm512_reduce_add_ps(v0), a.xs1[at] = _mm512_reduce_add_ps(v1);
+        a.qs0[at] = _mm512_reduce_add_epi32(q0), a.qs1[at] = _mm512_reduce_add_epi32(q1);
+      } else {
+        a.xs0[at] = _mm512_reduce_add_ps(_mm512_add_ps(v0, v1));
+        a.qs0[at] = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
+      }
+      int8_t* h = a.h.data() + static_cast<int64_t>(r) * K + g * kG;
+      int8_t* l = a.l.data() + static_cast<int64_t>(r) * K + g * kG;
+      for (int half = 0; half < 2; ++half) {
+        const __m512i q = half ? q1 : q0;
+        const __m512i hi = _mm512_srai_epi32(_mm512_add_epi32(q, c128), 8);
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(h + 16 * half), _mm512_cvtepi32_epi8(hi));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(l + 16 * half),
+                         _mm512_cvtepi32_epi8(_mm512_sub_epi32(q, _mm512_slli_epi32(hi, 8))));
+      }
+    }
+  return a;
+}
+
+// acc + the sums of four unsigned-by-signed byte products per lane (u: weights of Bits bits)
+template <int Bits>
+HOT_INLINE __m512i dot4(__m512i acc, __m512i u, const int8_t* s4) {
+  int32_t v;
+  std::memcpy(&v, s4, 4);
+  const __m512i s = _mm512_set1_epi32(v);
+#if defined(__AVX512VNNI__)
+  return _mm512_dpbusd_epi32(acc, u, s);
+#else
+  const __m512i ones = _mm512_set1_epi16(1);
+  if (Bits < 8)  // |2 * 63 * 128| fits vpmaddubsw's saturating int16 pair sums
+    return _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(u, s), ones));
+  // 8-bit weights would saturate them (2 * 255 * 128): each nibble on its own, the high one's sums times 16
+  const __m512i m4 = _mm512_set1_epi8(0x0F);
+  const __m512i lo = _mm512_madd_epi16(_mm512_maddubs_epi16(_mm512_and_si512(u, m4), s), ones);
+  const __m512i hi = _mm512_madd_epi16(_mm512_maddubs_epi16(_mm512_and_si512(_mm512_srli_epi16(u, 4), m4), s), ones);
+  return _mm512_add_epi32(acc, _mm512_add_epi32(lo, _mm512_slli_epi32(hi, 4)));
+#endif
+}
+
+// v's 16-bit lanes shifted left by n (right by -n): a plane's bits moved to their place within each byte
+inline __m512i shift16(__m512i v, int n) { return n >= 0 ? _mm512_slli_epi16(v, n) : _mm512_srli_epi16(v, -n); }
+
+// A tile's group unpacked: lo[c] lane r holds row r's values of inputs 4c..4c+3, hi[c] those of 16 + 4c..16 + 4c + 3
+template <typename F>
+HOT_INLINE void unpack_tile(const uint8_t* wg, __m512i* lo, __m512i* hi) {
+  if (F::kBits == 8) {
+    for (int c = 0; c < 4; ++c)
+      lo[c] = _mm512_loadu_si512(wg + 64 * c), hi[c] = _mm512_loadu_si512(wg + 64 * (c + 4));
+    return;
+  }
+  const __m512i m4 = _mm512_set1_epi8(0x0F);
+  for (int c = 0; c < 4; ++c) {
+    const __m512i p = _mm512_loadu_si512(wg + 64 * c);
+    lo[c] = _mm512_and_si512(p, m4), hi[c] = _mm512_and_si512(_mm512_srli_epi16(p, 4), m4);
+  }
+  for (int p = 0; p < F::kBits - 4; ++p) {  // plane p: bit c of a byte to bit 4 + p of lo[c], bit 4 + c of hi[c]
+    const __m512i plane = _mm512_loadu_si512(wg + 256 + 64 * p), bit = _mm512_set1_epi8(static_cast<char>(16 << p));
+    for (int c = 0; c < 4; ++c) {
+      lo[c] = _mm512_or_si512(lo[c], _mm512_and_si512(shift16(plane, 4 + p - c), bit));
+      hi[c] = _mm512_or_si512(hi[c], _mm512_and_si512(shift16(plane, p - c), bit));
+    }
+  }
+}
+
+// A tile's 16 scales (kind 0) or offsets (1) of group g's part
+template <typename F>
+HOT_INLINE __m512 tile_scales(const Block<F>& b, int g, int part, int kind) {
+  const uint8_t* p = kind ? b.offsets(g, part) : b.scales(g, part);
+  if (!F::kSup) return load16_half(reinterpret_cast<const uint16_t*>(p));
+  const __m512 v = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+  return _mm512_mul_ps(v, load16_half(b.factors(g, kind)));
+}
+
+// One tile against RB rows of x from row r0: y[r0.., n0..n0+15] (outputs past N are padding, not stored). Each
+// group asks for the weights `ahead` bytes on (prefetch_distance): the hardware prefetcher alone left a one-row
+// matmul short of the machine's bandwidth (a step's 30 layers do not fit the L3)
+template <typename F, int RB, typename U>
+void tile_rows(const Block<F>& b, const Split& a, int r0, int K, U* y, int64_t ys, int n0, int N, int ahead) {
+  const int ng = K / kG;
+  constexpr int P = F::kParts;
+  __m512 acc[RB], zacc[RB];  // two chains per row: the scale and the zero terms
+  for (int r = 0; r < RB; ++r) acc[r] = _mm512_setzero_ps(), zacc[r] = _mm512_setzero_ps();
+  for (int g = 0; g < ng; ++g) {
+    const uint8_t* wg = b.values(g);
+    for (int c = 0; c < kTile * F::kRowBytes; c += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(wg) + ahead + c, _MM_HINT_T0);
+    __m512i lo[4], hi[4];
+    unpack_tile<F>(wg, lo, hi);
+    __m512 sc[P], zc[P];
+    for (int p = 0; p < P; ++p) {
+      sc[p] = tile_scales<F>(b, g, p, 0);
+      if (F::kOff)  // the zero point
+        zc[p] = _mm512_fmadd_ps(_mm512_set1_ps(F::kCentre), sc[p], tile_scales<F>(b, g, p, 1));
+    }
+    for (int r = 0; r < RB; ++r) {
+      const int64_t row = r0 + r, at = row * ng + g;
+      const int8_t* h = a.h.data() + row * K + g * kG;
+      const int8_t* l = a.l.data() + row * K + g * kG;
+      __m512i sh[P], sl[P];  // per part: the high and low activation bytes' sums
+      for (int p = 0; p < P; ++p) sh[p] = sl[p] = _mm512_setzero_si512();
+      for (int c = 0; c < 4; ++c) {
+        sh[0] = dot4<F::kBits>(sh[0], lo[c], h + 4 * c), sl[0] = dot4<F::kBits>(sl[0], lo[c], l + 4 * c);
+        sh[P - 1] = dot4<F::kBits>(sh[P - 1], hi[c], h + 16 + 4 * c);
+        sl[P - 1] = dot4<F::kBits>(sl[P - 1], hi[c], l + 16 + 4 * c);
+      }
+      const __m512 d = _mm512_set1_ps(a.d[at]);
+      for (int p = 0; p < P; ++p) {
+        // sum((q - centre) * xq), exact in int32 (at most 32 * 255 * 32639 < 2^28), then scale * d times it
+        const int qs = p ? a.qs1[at] : a.qs0[at];
+        const __m512i s = _mm512_sub_epi32(_mm512_add_epi32(_mm512_slli_epi32(sh[p], 8), sl[p]),
+                                           _mm512_set1_epi32(F::kCentre * qs));
+        acc[r] = _mm512_fmadd_ps(sc[p], _mm512_mul_ps(_mm512_cvtepi32_ps(s), d), acc[r]);
+        if (F::kOff) zacc[r] = _mm512_fmadd_ps(zc[p], _mm512_set1_ps(p ? a.xs1[at] : a.xs0[at]), zacc[r]);
+      }
+    }
+  }
+  const int valid = N - n0 < kTile ? N - n0 : kTile;
+  for (int r = 0; r < RB; ++r) {
+    alignas(64) float out[kTile];
+    _mm512_store_ps(out, _mm512_add_ps(acc[r], zacc[r]));
+    for (int i = 0; i < valid; ++i) store(y + (r0 + r) * ys + n0 + i, out[i]);
+  }
+}
+
+// This member's tiles; every member quantizes x itself into its own buffers, at the same time (one thread did it
+// before the others started, which took as long, and a shared copy would need a barrier)
+template <typename F, typename T, typename U>
+void group_matmul(const Team& tm, const T* x, int64_t xs, int rows, const uint8_t* w, U* y, int64_t ys, int N, int K) {
+  const int tiles = quant_tiles(N);
+  const Split& a = split_rows<F::kHalf>(x, xs, rows, K);
+  // SmolLM2's fused layers, builds alternated in one process (2 threads of a Zen 5 EPYC, weights in huge pages), 8
+  // KiB against 4 KiB where the VM read ~90 GB/s: 0.91-0.94 at one sequence, 0.95 at two, 0.98 at three and four,
+  // 1.02 at eight (so more rows keep 4 KiB); where it read ~55: 0.97-1.01 at one to four (docs/benchmarks.md)
+  const int ahead = prefetch_distance(rows, 8192);
+  const int t0 = tm.share_begin(tiles), t1 = tm.share_end(tiles);
+  for (int t = t0; t < t1; ++t) {
+    const Block<F> b(w, t, K);
+    int r0 = 0;
+    for (; r0 + kRowBlock <= rows; r0 += kRowBlock) tile_rows<F, kRowBlock>(b, a, r0, K, y, ys, t * kTile, N, ahead);
+    switch (rows - r0) {
+      case 3: tile_rows<F, 3>(b, a, r0, K, y, ys, t * kTile, N, ahead); break;
+      case 2: tile_rows<F, 2>(b, a, r0, K, y, ys, t * kTile, N, ahead); break;
+      case 1: tile_rows<F, 1>(b, a, r0, K, y, ys, t * kTile, N, ahead); break;
+      default: break;
+    }
+  }
+}
+
+}  // namespace quant
