@@ -11,6 +11,7 @@ from typing import Any
 
 from llmserve.async_engine import AsyncEngine
 from llmserve.config import EngineConfig
+from llmserve.server.connections import Connections
 from llmserve.server.errors import ApiError
 
 log = logging.getLogger("llmserve.server")
@@ -28,6 +29,7 @@ class ServerState:
     ready: bool = False
     draining: bool = False
     load_error: str | None = None
+    connections: Connections | None = None  # the transport's table (transport.uvicorn_config); None without one
     created: int = field(default_factory=lambda: int(time.time()))
     _snapshot: tuple[float, dict] | None = None  # (monotonic time, /stats body): polling never costs a step
     _snapshot_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
@@ -41,7 +43,8 @@ class ServerState:
                 snap = await self.aengine.call(_STATS)
                 snap["server"] = {"ready": self.ready, "draining": self.draining,
                                   "active_requests": self.aengine.num_active, "steps": self.aengine.num_steps,
-                                  "engine_pid": self.aengine.pid}
+                                  "engine_pid": self.aengine.pid,
+                                  "connections": self.connections.stats() if self.connections else None}
                 self._snapshot = (time.monotonic(), snap)
             return self._snapshot[1]
 

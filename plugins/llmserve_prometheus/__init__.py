@@ -32,10 +32,10 @@ def register_metric_sinks(register):
 
 @hookimpl
 def register_routes(register, engine):
-    """Serve the engine's Prometheus registry at GET /metrics; a served engine gets the sink if its config has none."""
+    """Serve GET /metrics: the engine's registry (a sink added if its config has none), the server's connections."""
     from starlette.responses import Response
 
-    from llmserve_prometheus.sink import CONTENT_TYPE, PrometheusSink
+    from llmserve_prometheus.sink import CONTENT_TYPE, PrometheusSink, render_connections
 
     sink = find_sink(engine)
     if sink is None:  # the one place that gives a server its Prometheus metrics
@@ -43,6 +43,10 @@ def register_routes(register, engine):
         engine.add_metric_sink(sink)
 
     async def metrics(request):
-        return Response(sink.render(max_age=0.1), media_type=CONTENT_TYPE)  # a snapshot: scrapers cost little
+        body = sink.render(max_age=0.1)  # a snapshot: scrapers cost little
+        table = request.app.state.llm.connections  # the server's, not the engine's: None without our transport
+        if table is not None:
+            body += render_connections(table.stats(), sink.model_name)
+        return Response(body, media_type=CONTENT_TYPE)
 
     register("/metrics", metrics, methods=("GET",))

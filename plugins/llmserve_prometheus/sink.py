@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from llmserve.interfaces import MetricSink
@@ -102,3 +103,36 @@ class PrometheusSink(MetricSink):
         if self._rendered is None or now - self._rendered[0] >= max_age:
             self._rendered = (now, generate_latest(self.registry))
         return self._rendered[1]
+
+
+class _ConnectionSnapshot:
+    """A collector of one Connections.stats() dict (llmserve/server/connections.py)."""
+
+    def __init__(self, stats: dict, model_name: str):
+        self.stats, self.model_name = stats, model_name
+
+    def collect(self):
+        s, m = self.stats, [self.model_name]
+        for key, doc in (("open", "Open HTTP connections (admitted, not yet closed)."),
+                         ("idle", "Open HTTP connections with no request in progress."),
+                         ("limit", "The cap on open HTTP connections (server.max_connections).")):
+            g = GaugeMetricFamily(f"llmserve_http_connections_{key}", doc, labels=["model_name"])
+            g.add_metric(m, s[key])
+            yield g
+        refused = CounterMetricFamily("llmserve_http_connections_refused", "Connections refused at a limit (503/429).",
+                                      labels=["model_name", "limit"])
+        for limit, n in s["refused"].items():
+            refused.add_metric(m + [limit], n)
+        yield refused
+        for key, doc in (("evicted", "Idle connections closed to make room for a new one."),
+                         ("timed_out", "Connections closed by a header, read or first-byte timeout.")):
+            c = CounterMetricFamily(f"llmserve_http_connections_{key}", doc, labels=["model_name"])
+            c.add_metric(m, s[key])
+            yield c
+
+
+def render_connections(stats: dict, model_name: str) -> bytes:
+    """The server's connection counts (Connections.stats()) in Prometheus' text exposition format."""
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_ConnectionSnapshot(stats, model_name))
+    return generate_latest(registry)
