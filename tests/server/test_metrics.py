@@ -123,5 +123,8 @@ def test_stats_reports_queue_cache_and_latencies(fake_server):
     assert {"waiting", "running", "cache", "metrics", "max_model_len", "server"} <= set(s)
     assert s["cache"]["num_blocks"] == 256 and s["cache"]["used_blocks"] == 0
     assert s["metrics"]["latency_seconds"]["ttft"]["count"] >= 1
+    conns = s["server"]["connections"]  # the transport's counts (tests/server/test_connections.py)
     assert s["server"] == {"ready": True, "draining": False, "active_requests": 0, "steps": s["server"]["steps"],
-                           "engine_pid": os.getpid()}  # server.engine_core thread: this process
+                           "engine_pid": os.getpid(), "connections": conns}  # engine_core thread: this process
+    assert conns["open"] >= 1 and conns["limit"] >= 16 and conns["refused"] == {"max_connections": 0,
+                                                                                 "max_connections_per_client": 0}

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import json
-import socket
 import time
 
 import pytest
 
 from tests.server.conftest import FAKE, start_server
+from tests.server.raw_http import HALF_HEAD, assert_error_shape, connect, read_all, request, responses
 
 LIMITS = {"max_header_bytes": 4096, "request_read_timeout": 0.6, "keep_alive_timeout": 0.6, "max_connections": 6}
 
@@ -18,42 +17,6 @@ def server():
     s = start_server({**FAKE, "server": LIMITS})
     yield s
     s.stop()
-
-
-def connect(server) -> socket.socket:
-    host, port = server.url.removeprefix("http://").split(":")
-    sock = socket.create_connection((host, int(port)), timeout=5)
-    return sock
-
-
-def read_all(sock: socket.socket) -> bytes:
-    """Everything until the server closes the connection (fails the test if it never does)."""
-    data = b""
-    while chunk := sock.recv(65536):
-        data += chunk
-    return data
-
-
-def responses(raw: bytes) -> list[tuple[int, dict]]:
-    """The (status, JSON body) of each HTTP/1.1 response in raw (Content-Length framed)."""
-    out = []
-    while raw:
-        head, _, rest = raw.partition(b"\r\n\r\n")
-        lines = head.decode().split("\r\n")
-        length = int(next(v for k, _, v in (ln.partition(": ") for ln in lines[1:]) if k.lower() == "content-length"))
-        out.append((int(lines[0].split()[1]), json.loads(rest[:length])))
-        raw = rest[length:]
-    return out
-
-
-def request(body: bytes, extra_headers: str = "", close: bool = False) -> bytes:
-    conn = "connection: close\r\n" if close else ""
-    return (f"POST /v1/completions HTTP/1.1\r\nhost: t\r\ncontent-type: application/json\r\n{conn}{extra_headers}"
-            f"content-length: {len(body)}\r\n\r\n").encode() + body
-
-
-def assert_error_shape(body: dict, code: str) -> None:
-    assert set(body["error"]) == {"message", "type", "param", "code"} and body["error"]["code"] == code
 
 
 def test_a_complete_header_over_the_limit_is_a_431_in_our_shape(server):
@@ -78,7 +41,7 @@ def test_an_unfinished_header_is_cut_off_at_the_limit_not_buffered(server):
 def test_a_half_sent_request_gets_a_408_after_the_read_timeout(server):
     with connect(server) as s:
         t0 = time.monotonic()
-        s.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: t\r\n")  # and never the rest
+        s.sendall(HALF_HEAD)  # and never the rest
         [(status, body)] = responses(read_all(s))
         waited = time.monotonic() - t0
     assert status == 408 and 0.5 < waited < 3
@@ -119,10 +82,13 @@ def test_an_idle_connection_is_closed_new_or_kept_alive(server):
 def test_connections_past_the_cap_get_a_503_in_our_shape(server):
     held = [connect(server) for _ in range(LIMITS["max_connections"])]
     try:
+        for s in held:  # half a head each: busy, so none of them is closed to make room
+            s.sendall(HALF_HEAD)
         time.sleep(0.1)
         with connect(server) as s:
-            [(status, body)] = responses(read_all(s))
-        assert status == 503
+            raw = read_all(s)
+            [(status, body)] = responses(raw)
+        assert status == 503 and b"\r\nretry-after: 1\r\n" in raw.lower()
         assert_error_shape(body, "too_many_connections")
     finally:
         for s in held:
