@@ -1,9 +1,12 @@
 """The CPU kernel library (csrc/): what it declares, how it is built, where the builds live, and loading it.
 
 csrc/llmserve.h is the one statement of the library's interface; the ctypes signatures, struct layouts and limits
-here are read from it (`api()`), never restated. The library is compiled once per source, compiler and CPU with the
-system's C++ compiler (-O3 -march=native, or $LLMSERVE_KERNEL_MARCH) and cached on disk (`cache_dir()`); where it
-cannot be built, `load()` raises and every caller runs torch's kernels instead, at a cost the warning names.
+here are read from it (`api()`), never restated. A package build (setup.py) compiles the library for each of a few
+CPU levels (`VARIANTS`, as ggml builds its CPU variants) into prebuilt/, so an installed wheel needs no compiler:
+`load()` takes the best variant this CPU runs. Elsewhere (a source tree, another CPU, $LLMSERVE_KERNEL_MARCH set) it
+is compiled once per source, compiler and CPU with the system's C++ compiler (-O3 -march=native) and cached on disk
+(`cache_dir()`). Where neither can be had, `load()` raises and every caller runs torch's kernels instead, at a cost
+the warning names.
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import hashlib
+import json
 import logging
 import os
 import platform
@@ -29,6 +33,12 @@ CSRC = Path(__file__).with_name("csrc")
 HEADER = CSRC / "llmserve.h"
 # one library (the longest to compile first: the sources compile side by side)
 SOURCES = ("quant_matmul.cpp", "decode_layers.cpp", "paged_attention.cpp", "decoder_ops.cpp", "race.cpp")
+
+
+def _library_files() -> list[Path]:
+    """The sources and headers a build is made of (the tests' drivers are not)."""
+    return [f for f in sorted(CSRC.rglob("*")) if f.suffix in (".cpp", ".h") and f.relative_to(CSRC).parts[0] != "tests"]
+
 
 # --- the interface, read from the header ---------------------------------------------------------------------------
 
@@ -118,9 +128,92 @@ def cpu_id() -> str:
     return "\n".join(lines)
 
 
-def cxx_flags(march: str) -> list[str]:
-    """The library's compiler flags for one target (`native` here; tests build other ISAs' paths too)."""
-    return ["-O3", f"-march={march}", "-ffast-math", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
+def cxx_flags(march: str, extra: tuple[str, ...] = ()) -> list[str]:
+    """The library's compiler flags for one target (`native` here; a variant's level; tests build other ISAs' paths)."""
+    return ["-O3", f"-march={march}", *extra, "-ffast-math", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
+
+
+@dataclass(frozen=True)
+class Variant:
+    """A prebuilt build of the library for one CPU level: its -march (and extra flags), and the CPU features
+    (/proc/cpuinfo's flags, or Features on ARM) a CPU needs to run it."""
+
+    name: str
+    march: str
+    extra: tuple[str, ...] = ()
+    needs: frozenset[str] = frozenset()
+
+
+_V3 = frozenset({"avx2", "fma", "f16c", "bmi1", "bmi2", "movbe"})  # x86-64-v3: Haswell, Zen 1, Alder Lake on
+_V4 = _V3 | {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"}  # x86-64-v4: Skylake-X on, Zen 4 on
+# per machine architecture, best first: each level the kernels have a path for (AVX-512 tiles with VNNI and BF16,
+# without them, AVX2 rows, scalar; NEON with and without the dot product)
+VARIANTS = {
+    "x86_64": (Variant("avx512-vnni-bf16", "x86-64-v4", ("-mavx512vnni", "-mavx512bf16"),
+                       _V4 | {"avx512_vnni", "avx512_bf16"}),
+               Variant("avx512-vnni", "x86-64-v4", ("-mavx512vnni",), _V4 | {"avx512_vnni"}),
+               Variant("avx512", "x86-64-v4", (), _V4),
+               Variant("avx2", "x86-64-v3", (), _V3),
+               Variant("x86-64", "x86-64")),
+    "aarch64": (Variant("armv8.2-dotprod", "armv8.2-a+dotprod", (), frozenset({"asimddp"})),
+                Variant("armv8", "armv8-a")),
+}
+PREBUILT = Path(__file__).with_name("prebuilt")
+_MANIFEST = "manifest.json"
+
+
+def cpu_features() -> frozenset[str]:
+    """The CPU's feature flags as Linux reports them ("flags" on x86, "Features" on ARM; empty elsewhere)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return frozenset()
+    for ln in text.splitlines():
+        if ln.startswith(("flags", "Features")):
+            return frozenset(ln.partition(":")[2].split())
+    return frozenset()
+
+
+def sources_hash() -> str:
+    """What a build is made of: every source and header (a prebuilt library of other sources is never loaded)."""
+    return hashlib.sha256(b"".join(f.read_bytes() for f in _library_files())).hexdigest()[:16]
+
+
+def prebuild(out: Path, names: tuple[str, ...] | None = None) -> list[str]:
+    """Compile every variant of this machine architecture (or those named) into `out` with a manifest of the sources
+    they were built from (setup.py, at a package build); the variants built (none without a compiler: warned)."""
+    cxx = os.environ.get("CXX", "g++")
+    out.mkdir(parents=True, exist_ok=True)
+    built = {}
+    for v in VARIANTS.get(platform.machine(), ()):
+        if names is not None and v.name not in names:
+            continue
+        so = out / f"llmserve_kernels-{v.name}.so"
+        try:
+            with tempfile.TemporaryDirectory(dir=out) as tmp:
+                compile_library(cxx, cxx_flags(v.march, v.extra), Path(tmp), so)
+        except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+            log.warning("the %s variant of the CPU kernel library was not prebuilt: %s", v.name, e)
+            continue
+        built[v.name] = so.name
+    (out / _MANIFEST).write_text(json.dumps({"sources": sources_hash(), "variants": built}, indent=1))
+    return list(built)
+
+
+def _prebuilt() -> tuple[Path, str] | None:
+    """The best prebuilt variant this CPU runs (or $LLMSERVE_KERNEL_VARIANT, where this CPU runs it), built from
+    these sources (None: none)."""
+    try:
+        manifest = json.loads((PREBUILT / _MANIFEST).read_text())
+    except (OSError, ValueError):
+        return None
+    if manifest.get("sources") != sources_hash():
+        return None
+    have, only = cpu_features(), os.environ.get("LLMSERVE_KERNEL_VARIANT")
+    for v in VARIANTS.get(platform.machine(), ()):
+        if v.name in manifest.get("variants", {}) and v.needs <= have and only in (None, v.name):
+            return PREBUILT / manifest["variants"][v.name], f"prebuilt {v.name} (-march={v.march})"
+    return None
 
 
 def kernel_march() -> str:
@@ -155,13 +248,9 @@ def compile_library(cxx: str, flags: list[str], tmp: Path, out: Path) -> None:
 
 # --- loading -------------------------------------------------------------------------------------------------------
 
-def _library_files() -> list[Path]:
-    """The sources and headers a build is made of (the tests' drivers are not)."""
-    return [f for f in sorted(CSRC.rglob("*")) if f.suffix in (".cpp", ".h") and f.relative_to(CSRC).parts[0] != "tests"]
-
-
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
+_build = ""  # how the loaded library was had (describe)
 _error: str | None = None
 
 # what runs where the library cannot be had, and what that costs (the one statement of it: the warning, /stats)
@@ -169,38 +258,53 @@ WITHOUT = ("torch's kernels run instead: decoding a quantized model is many time
            "default model); install a C++ compiler (g++ or clang++, with OpenMP) and restart")
 
 
+def _compiled() -> tuple[Path, str]:
+    """This machine's own build (-march=native, or $LLMSERVE_KERNEL_MARCH), compiled once and cached."""
+    cxx = os.environ.get("CXX", "g++")
+    march = kernel_march()
+    flags = cxx_flags(march)
+    # -march=native: the binary is only valid on this kind of CPU, so the CPU is part of the key
+    key = hashlib.sha256(" ".join([sources_hash(), cxx, *flags, sys.platform, cpu_id()]).encode()).hexdigest()[:16]
+    out = cache_dir() / f"llmserve_kernels_{key}.so"
+    if not out.exists():
+        # once per source/compiler/CPU: ten seconds or more of silence otherwise on a first start
+        log.info("compiling the CPU kernels (csrc/*.cpp, %s -O3 -march=%s) into %s; once per machine", cxx, march,
+                 out.parent)
+        t0 = time.perf_counter()
+        out.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
+            compile_library(cxx, flags, Path(tmp), out)
+        log.info("compiled the CPU kernels in %.1fs", time.perf_counter() - t0)
+    return out, f"compiled here ({cxx} -march={march})"
+
+
 def load() -> ctypes.CDLL:
-    """The library, built first where no build for these sources, this compiler and this CPU is cached; a
-    RuntimeError (the same one each call, warned about once) where it cannot be built or loaded."""
-    global _lib, _error
+    """The library: the best prebuilt variant this CPU runs, else this machine's own build (compiled first where none
+    is cached); a RuntimeError (the same one each call, warned about once) where neither can be had."""
+    global _lib, _build, _error
     with _lock:
         if _lib is not None:
             return _lib
         if _error is not None:
             raise RuntimeError(_error)
         try:
-            src = b"".join(f.read_bytes() for f in _library_files())
-            cxx = os.environ.get("CXX", "g++")
-            march = kernel_march()
-            flags = cxx_flags(march)
-            # -march=native: the binary is only valid on this kind of CPU, so the CPU is part of the key
-            key = hashlib.sha256(src + " ".join([cxx, *flags, sys.platform, cpu_id()]).encode()).hexdigest()[:16]
-            out = cache_dir() / f"llmserve_kernels_{key}.so"
-            if not out.exists():
-                # once per source/compiler/CPU: ten seconds or more of silence otherwise on a first start
-                log.info("compiling the CPU kernels (csrc/*.cpp, %s -O3 -march=%s) into %s; once per machine",
-                         cxx, march, out.parent)
-                t0 = time.perf_counter()
-                out.parent.mkdir(parents=True, exist_ok=True)
-                with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
-                    compile_library(cxx, flags, Path(tmp), out)
-                log.info("compiled the CPU kernels in %.1fs", time.perf_counter() - t0)
-            _lib = bind(ctypes.CDLL(str(out)))
+            found = None if os.environ.get("LLMSERVE_KERNEL_MARCH") else _prebuilt()
+            path, build = found or _compiled()
+            _lib, _build = bind(ctypes.CDLL(str(path))), build
             return _lib
         except (OSError, RuntimeError, AttributeError, subprocess.SubprocessError) as e:
             _error = f"llmserve's CPU kernel library could not be built ({e})"
             log.warning("%s; %s", _error, WITHOUT)
             raise RuntimeError(_error) from None
+
+
+def describe() -> dict:
+    """For /stats: which build runs and on which SIMD path, or why none does and what that costs."""
+    try:
+        lib = load()
+    except RuntimeError as e:
+        return {"unavailable": str(e), "instead": WITHOUT}
+    return {"build": _build, "isa": lib.llmserve_quant_isa().decode(), "file": Path(lib._name).name}
 
 
 def unavailable() -> str | None:

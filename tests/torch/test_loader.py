@@ -224,6 +224,7 @@ def test_without_a_compiler_auto_falls_back_with_a_warning_and_cpu_is_a_clear_er
 
     monkeypatch.setattr(kernel_library, "_lib", None)
     monkeypatch.setattr(kernel_library, "_error", None)
+    monkeypatch.setattr(kernel_library, "PREBUILT", tmp_path / "no-prebuilt")  # (as in a source tree)
     monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
     monkeypatch.setenv("LLMSERVE_CACHE_DIR", str(tmp_path / "kernels"))
     with caplog.at_level(logging.INFO, logger="llmserve.torch"):
@@ -234,6 +235,8 @@ def test_without_a_compiler_auto_falls_back_with_a_warning_and_cpu_is_a_clear_er
     assert len(warned) == 1, warned
     assert "could not be built" in warned[0] and "no-such-compiler" in warned[0] and "slower" in warned[0] \
         and "install a C++ compiler" in warned[0]
+    # and /stats says so too
+    assert "no-such-compiler" in b.describe()["kernel_library"]["unavailable"]
     out = b.execute(batch_of([Driver(b).request("a", list(b"hi there"), 0, 8)]))
     assert len(out.sampled_token_ids) == 1 and 0 <= out.sampled_token_ids[0] < 257
     with pytest.raises(ConfigError, match="cpu kernel cannot be used"):
