@@ -148,6 +148,7 @@ class Engine:
         self.eos_token_ids = frozenset(self.backend.eos_token_ids) | {self.eos_token_id} - {None}
         auto = config.model.generation_config == "auto"  # the model's sampling defaults, for omitted fields
         self.generation_defaults = dict(self.backend.generation_defaults) if auto else {}
+        self.generation_defaults_source = self.backend.generation_defaults_source if self.generation_defaults else None
         self.vocab_size: int = self.backend.vocab_size
         self.constraints = build_constraints(config, plugins, self.tokenizer, self.vocab_size)
         self.collector = MetricsCollector()

@@ -14,8 +14,10 @@ from llmserve.engine import Engine, build_constraints, build_tokenizer
 
 def engine_facts(e: Engine) -> dict[str, Any]:
     """What a Front needs of a built engine: limits, vocabulary, sampling defaults, its tokenizer's source."""
-    return {"served_model_name": e.config.served_model_name, "max_model_len": e.max_model_len, "vocab_size": e.vocab_size,
-            "generation_defaults": dict(e.generation_defaults), "eos_token_id": e.eos_token_id,
+    return {"model": e.config.model.model, "served_model_name": e.config.served_model_name,
+            "max_model_len": e.max_model_len, "vocab_size": e.vocab_size,
+            "generation_defaults": dict(e.generation_defaults),
+            "generation_defaults_source": e.generation_defaults_source, "eos_token_id": e.eos_token_id,
             "tokenizer_path": e.backend.tokenizer_path, "default_tokenizer": e.backend.default_tokenizer,
             "backend": e.backend.describe()}
 
@@ -40,13 +42,14 @@ class Front(Engine):
 
     def __init__(self, config, plugins, facts: dict[str, Any]):  # noqa: D107 - Engine.__init__ would load the model
         self.config, self.plugins = config, plugins
-        # the name the engine serves under (a backend may name it, as the fake one does): the server answers with it
-        config.model.served_model_name = facts["served_model_name"]
+        # the names the engine serves under (a backend may name them, as the fake one does): the server answers so
+        config.model.model, config.model.served_model_name = facts["model"], facts["served_model_name"]
         self.backend = RemoteBackend(facts)
         self.vocab_size = facts["vocab_size"]
         self.max_model_len = facts["max_model_len"]
         self.eos_token_id = facts["eos_token_id"]
         self.generation_defaults = dict(facts["generation_defaults"])
+        self.generation_defaults_source = facts["generation_defaults_source"]
         # Engine's own rules: the same tokenizer the engine built
         self.tokenizer = build_tokenizer(config, plugins, facts["default_tokenizer"], facts["tokenizer_path"])
         self.constraints = build_constraints(config, plugins, self.tokenizer, self.vocab_size)

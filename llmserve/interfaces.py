@@ -118,6 +118,8 @@ class ModelBackend(ABC):
     eos_token_ids: frozenset[int] = frozenset()
     # the model's default SamplingParams fields (generation_config.json): requests that leave them out get these
     generation_defaults: dict[str, Any] = {}  # noqa: RUF012 - read only
+    # where generation_defaults came from (a file, a model card), for /v1/models; None: nowhere
+    generation_defaults_source: str | None = None
     default_tokenizer: str | None = None  # the registered tokenizer that tokenizer "auto" means for this model
     # a local directory of tokenizer files the backend's model source produced (a GGUF's, say); the engine
     # hands it to the tokenizer as model.tokenizer when the config names none

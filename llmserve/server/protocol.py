@@ -79,6 +79,11 @@ class StructuredOutputs(_Model):
     json_object: bool | None = None
 
 
+def sampling_defaults(model_defaults: dict[str, Any]) -> dict[str, Any]:
+    """The sampling fields a request that leaves them out gets: the model's defaults, else the API's."""
+    return {k: model_defaults.get(k, _Request.model_fields[k].default) for k in _MODEL_DEFAULTS}
+
+
 def _json_text(schema: Any) -> str:
     return schema if isinstance(schema, str) else json.dumps(schema, sort_keys=True)
 

@@ -13,7 +13,7 @@ from llmserve.limits import check_request
 from llmserve.request import SamplingParams
 from llmserve.server.answer import ChatAnswer, CompletionAnswer, dumps
 from llmserve.server.errors import ApiError, bad_request
-from llmserve.server.protocol import ChatRequest, CompletionRequest, openapi, parse
+from llmserve.server.protocol import ChatRequest, CompletionRequest, openapi, parse, sampling_defaults
 from llmserve.server.state import ServerState
 
 
@@ -139,9 +139,13 @@ def chat_prompt(st: ServerState, req: ChatRequest) -> str:
 
 
 def _model_card(st: ServerState) -> dict:
-    return {"id": st.model_name, "object": "model", "created": st.created, "owned_by": "llmserve",
-            "root": st.config.model.model, "parent": None,
-            "max_model_len": st.engine.max_model_len if st.engine is not None else None}
+    e = st.engine
+    card = {"id": st.model_name, "object": "model", "created": st.created, "owned_by": "llmserve",
+            "root": st.config.model.model, "parent": None, "max_model_len": e.max_model_len if e is not None else None}
+    if e is not None:  # what a request that leaves them out samples with, and who said so (llmserve's field)
+        card["sampling_defaults"] = {**sampling_defaults(e.generation_defaults),
+                                     "source": e.generation_defaults_source or "the OpenAI API's defaults"}
+    return card
 
 
 async def list_models(request: Request) -> Response:

@@ -16,10 +16,10 @@ def _build(config) -> FakeBackend:
     from llmserve.config import ModelConfig, check_options
 
     o = check_options(config.backend.options, _OPTIONS, "backend.options (fake)")
-    if config.model.served_model_name is None and config.model.model == ModelConfig().model:
-        # it loads no model: served as "fake" (configs/fake.yaml's name, the docs'), not as the default checkpoint;
-        # the server reads the name from this (shared) config
-        config.model.served_model_name = "fake"
+    if config.model.model == ModelConfig().model:
+        # it loads no model: named "fake" (configs/fake.yaml's name, the docs'), not as the default checkpoint, in
+        # the served name and /v1/models' root; the server reads both from this (shared) config
+        config.model.model = "fake"
     max_len = config.model.max_model_len or o["max_model_len"]
     return FakeBackend(vocab_size=int(o["vocab_size"]), max_model_len=int(max_len),
                        eos_token_id=o["eos_token_id"], num_blocks=int(o["num_blocks"]),

@@ -51,6 +51,7 @@ class FakeBackend(ModelBackend):
         self.eos_token_id = ids[0] if ids else None
         self.eos_token_ids = frozenset(ids) - {None}
         self.generation_defaults = generation_defaults or {}
+        self.generation_defaults_source = "backend.options.generation_defaults" if generation_defaults else None
         self.max_decode_forwards = max_decode_forwards
         self.max_decode_forward_rows = max_decode_forward_rows
         self._num_blocks = num_blocks

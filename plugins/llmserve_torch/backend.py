@@ -108,6 +108,7 @@ class TorchBackend(ModelBackend):
         self.eos_token_id = self.arch.eos_token_id
         self.eos_token_ids = loaded.generation.eos_token_ids | {self.eos_token_id} - {None}
         self.generation_defaults = loaded.generation.sampling
+        self.generation_defaults_source = loaded.generation.source
         # the embedded model's vocabulary is the byte-level tokenizer's, each byte shown as a printable character
         # (its random output would otherwise send control bytes to a terminal); a checkpoint ships its own
         self.default_tokenizer = "printable" if mc.model == "embedded" else "hf"
@@ -433,6 +434,8 @@ class TorchBackend(ModelBackend):
             "linear": self.loaded.linear,
             "quantization": self._quantization(),
             "decoder_ops": self.model.ops.name if self.model.ops is not None else "torch",
+            # which build of the CPU kernels runs, or why none does and what that costs
+            "kernel_library": kernel_library.describe() if self.device.type == "cpu" else None,
             "max_model_len": self.max_model_len,
             "threads": torch.get_num_threads(),
             # (granted: as the kernel backed the arena at load; reading it again costs ~25 ms)

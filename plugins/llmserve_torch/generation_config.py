@@ -32,10 +32,11 @@ GGUF_EOS = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "token
 
 @dataclass(frozen=True, slots=True)
 class GenerationDefaults:
-    """Every EOS id the model declares, and its default SamplingParams fields."""
+    """Every EOS id the model declares, its default SamplingParams fields, and where those came from."""
 
     eos_token_ids: frozenset[int] = frozenset()
     sampling: dict[str, Any] = field(default_factory=dict)
+    source: str | None = None  # the file (or model card, model_cards.py) that set sampling; None: nothing did
 
 
 def _ids(value: Any) -> set[int]:
@@ -69,7 +70,8 @@ def read(model_dir: Path) -> GenerationDefaults:
             continue
         sampling[name] = v
     return GenerationDefaults(frozenset(_ids(_json(model_dir / "config.json").get("eos_token_id"))
-                                        | _ids(gen.get("eos_token_id"))), sampling)
+                                        | _ids(gen.get("eos_token_id"))), sampling,
+                              str(model_dir / FILE) if sampling else None)
 
 
 def from_gguf(ckpt) -> dict[str, Any]:

@@ -18,6 +18,7 @@ from llmserve_torch.generation_config import GenerationDefaults
 from llmserve_torch.models import gpt2, qwen2
 from llmserve_torch.fused import decoder_ops
 from llmserve_torch.kernel_plan import KernelPlan, plan_kernels
+from llmserve_torch.model_cards import with_card
 from llmserve_torch.models.common import LinearMaker, choose_packing
 from llmserve_torch.quant import GROUP, MODES, QuantLinear, QuantWeight, to_kind
 
@@ -294,4 +295,5 @@ def load_model(mc: ModelConfig, linear: str = "auto", batch_hint: int = 64, max_
              dtype_reason, device, src.weights)
     return LoadedModel(model=model, arch=arch, dtype=dtype, dtype_reason=dtype_reason, device=device,
                        source=src.source, weights=src.weights, linear="onednn" if pack else "torch",
-                       tokenizer_dir=src.tokenizer_dir, kernels=make.plan, generation=src.generation)
+                       tokenizer_dir=src.tokenizer_dir, kernels=make.plan,
+                       generation=with_card(src.generation, src.names))

@@ -38,6 +38,8 @@ class SourceResult:
     weights: str  # the files read, or "dummy (...)"
     tokenizer_dir: str | None = None  # tokenizer files the source produced (None: the model path has them)
     generation: GenerationDefaults = field(default_factory=GenerationDefaults)  # EOS ids, sampling defaults
+    # what the weights are called (a hub id, a file name, a GGUF's general.name): model_cards.py looks them up
+    names: tuple[str, ...] = ()
 
 
 class ModelSource(ABC):
@@ -93,7 +95,8 @@ class CheckpointSource(ModelSource):
             files = weight_files(model_dir, mc.load_format)
             sd = read_state_dict(files, family(arch).normalize_name)
             weights = ", ".join(f.name for f in files)
-        return SourceResult(arch, sd, str(model_dir), weights, generation=read(model_dir))
+        return SourceResult(arch, sd, str(model_dir), weights, generation=read(model_dir),
+                            names=(mc.model, model_dir.name))
 
 
 class GGUFSource(ModelSource):
@@ -113,6 +116,7 @@ class GGUFSource(ModelSource):
         from llmserve_torch import gguf_cache, gguf_file
 
         path = gguf_file.resolve_gguf(mc.model)
+        names = (path.stem,)
         if mc.load_format == "dummy":
             arch = gguf_file.GGUFCheckpoint(path).arch()
             sd, weights = _dummy(arch, mc.seed)
@@ -127,11 +131,15 @@ class GGUFSource(ModelSource):
         else:  # the config and tokenizer from the cache, the weights repacked from the file itself
             arch = read_arch(cache_dir)
             normalize = family(arch).normalize_name
-            sd = {normalize(k): v for k, v in gguf_file.GGUFCheckpoint(path).state_dict(quantized=True).items()}
+            ckpt = gguf_file.GGUFCheckpoint(path)  # (opening one takes seconds: its name is read while it is open)
+            sd = {normalize(k): v for k, v in ckpt.state_dict(quantized=True).items()}
             res = SourceResult(arch, {k: v for k, v in sd.items() if k is not None}, str(path),
                                f"{path.name} (quantized tensors repacked for the CPU kernels)",
                                generation=read(cache_dir))
-        res.source = str(path)
+            names += (ckpt.meta("general.name", ""),)
+        if res.generation.source:  # the cache's generation_config.json holds what the file's metadata says
+            res.generation = replace(res.generation, source=f"{path.name}'s metadata (general.sampling.*)")
+        res.source, res.names = str(path), names
         res.tokenizer_dir = str(cache_dir) if has_tokenizer else None
         return res
 

@@ -41,6 +41,16 @@ def test_the_default_model_knows_the_capital_of_france(default_server):
     assert backend["model_type"] == "llama" and backend["dtype_reason"].startswith("auto: ")
 
 
+def test_a_question_without_a_temperature_is_answered_at_the_defaults_models_says(default_server):
+    """The file carries no sampling keys: plugins/llmserve_torch/model_cards.py gives them, /v1/models says so."""
+    client = default_server.client(timeout=120)
+    defaults = client.models.list().data[0].model_extra["sampling_defaults"]
+    assert defaults["temperature"] == 0.0 and "Q4_1 file" in defaults["source"]
+    for seed in range(3):  # (a seed would vary a sampled answer; at the card's 0.2, one in three lacked Paris)
+        r = client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=QUESTION, seed=seed)
+        assert "Paris" in r.choices[0].message.content, r.choices[0].message.content
+
+
 def run_example(server, name: str) -> dict:
     """Run examples/clients/<name> against the server with --json; its printed object."""
     proc = subprocess.run([sys.executable, str(ROOT / "examples" / "clients" / name),

@@ -19,11 +19,14 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_the_fake_backend_serves_as_fake_unless_a_model_is_named():
-    for config, name in (({"backend": {"name": "fake"}}, "fake"), (FAKE, "embedded"),
-                         ({"backend": {"name": "fake"}, "model": {"served_model_name": "mine"}}, "mine")):
+    for config, name, root in (({"backend": {"name": "fake"}}, "fake", "fake"), (FAKE, "embedded", "embedded"),
+                               ({"backend": {"name": "fake"}, "model": {"served_model_name": "mine"}}, "mine", "fake")):
         s = start_server(config)
         try:
-            assert [m["id"] for m in httpx.get(s.url + "/v1/models").json()["data"]] == [name]
+            # (root: what is loaded; the fake backend loads no model, so never the default model's name)
+            assert [(m["id"], m["root"]) for m in httpx.get(s.url + "/v1/models").json()["data"]] == [(name, root)]
+            wrong = httpx.post(s.url + "/v1/completions", json={"model": "SmolLM2-135M-Instruct", "prompt": "Hi"})
+            assert wrong.status_code == 404
             r = httpx.post(s.url + "/v1/completions", json={"model": name, "prompt": "Hi", "max_tokens": 2})
             assert r.status_code == 200 and r.json()["model"] == name
             assert s.stats()["model"] == name

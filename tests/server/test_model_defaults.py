@@ -90,3 +90,18 @@ def test_offline_generate_without_params_takes_the_models_defaults():
         assert eng.generate([[1, 2, 3]]) == [_free_run([1, 2, 3], 3)]
     finally:
         eng.shutdown()
+
+
+def test_models_shows_the_sampling_an_omitted_field_gets_and_where_it_comes_from(server):
+    auto = server.engine.config.model.generation_config == "auto"
+    (card,) = server.client().models.list().data
+    assert card.model_extra["sampling_defaults"] == (
+        {"temperature": 0.25, "top_p": 1.0, "top_k": 7, "min_p": 0.0, "repetition_penalty": 1.0,
+         "source": "backend.options.generation_defaults"} if auto else
+        {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0,
+         "source": "the OpenAI API's defaults"})
+
+
+def test_a_requests_temperature_zero_stays_greedy_over_the_models_default(server):
+    _, sp = _chat(server, max_tokens=2, temperature=0)
+    assert sp.temperature == 0.0

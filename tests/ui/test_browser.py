@@ -100,6 +100,21 @@ def test_completion_mode_with_a_json_schema(page, fake_server):
     assert not page.problems, page.problems
 
 
+def test_the_sampling_fields_say_what_an_empty_one_samples_with(page):
+    s = start_server(FAKE | {"backend": {"name": "fake", "options": {"generation_defaults": {"temperature": 0.2}}}})
+    try:
+        page.goto(s.url + "/")
+        page.wait_for_function("() => document.querySelector('#temperature').placeholder.startsWith('0.2')")
+        assert page.get_attribute("#temperature", "placeholder") == "0.2 (model's default)"
+        assert page.get_attribute("#temperature", "title") == ("left empty: 0.2, from "
+                                                               "backend.options.generation_defaults")
+        assert page.get_attribute("#top-p", "placeholder") == "1 (model's default)"  # the API's, the model sets none
+        page.screenshot(path=str(OUTPUT / "ui-sampling-defaults.png"))
+        assert not page.problems, page.problems
+    finally:
+        s.stop()
+
+
 def test_the_api_key_is_typed_into_the_page_and_kept_in_the_browser(page):
     s = start_server(FAKE | {"server": {"api_key": "sesame"}})
     try:

@@ -7,7 +7,7 @@ const $ = (id) => document.getElementById(id);
 const KEY_STORE = "llmserve.apiKey";
 const HISTORY = 90; // dashboard points kept (one a second: a minute and a half)
 
-const ui = { mode: "chat", messages: [], controller: null };
+const ui = { mode: "chat", messages: [], controller: null, models: [] };
 
 // ---- API key and models ---------------------------------------------------------------------
 
@@ -34,8 +34,20 @@ async function loadModels() {
   }
   const select = $("model");
   const chosen = select.value;
+  ui.models = body.data;
   select.replaceChildren(...body.data.map((m) => new Option(m.id, m.id)));
   if (body.data.some((m) => m.id === chosen)) select.value = chosen;
+  showSamplingDefaults();
+}
+
+function showSamplingDefaults() {
+  // an empty field samples at the model's default: /v1/models says which value, and who recommends it
+  const model = ui.models.find((m) => m.id === $("model").value);
+  const d = model && model.sampling_defaults;
+  for (const [id, key] of [["temperature", "temperature"], ["top-p", "top_p"]]) {
+    $(id).placeholder = d ? `${d[key]} (model's default)` : "model's default";
+    $(id).title = d ? `left empty: ${d[key]}, from ${d.source}` : "";
+  }
 }
 
 function initKey() {
@@ -466,6 +478,7 @@ document.addEventListener("DOMContentLoaded", () => {
     if (ev.key === "Enter" && !ev.shiftKey && !ev.isComposing) send(ev);
   });
   $("stop-btn").addEventListener("click", () => ui.controller && ui.controller.abort());
+  $("model").addEventListener("change", showSamplingDefaults);
   $("clear").addEventListener("click", () => {
     if (ui.controller) ui.controller.abort();
     ui.messages = [];
