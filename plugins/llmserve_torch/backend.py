@@ -436,8 +436,6 @@ class TorchBackend(ModelBackend):
             "decoder_ops": self.model.ops.name if self.model.ops is not None else "torch",
             # which build of the CPU kernels runs, or why none does and what that costs
             "kernel_library": kernel_library.describe() if self.device.type == "cpu" else None,
-            # which build of the CPU kernels runs, or why none does and what that costs
-            "kernel_library": kernel_library.describe() if self.device.type == "cpu" else None,
             "max_model_len": self.max_model_len,
             "threads": torch.get_num_threads(),
             # (granted: as the kernel backed the arena at load; reading it again costs ~25 ms)
