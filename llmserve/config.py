@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import difflib
 import os
 import types
 import typing
@@ -249,15 +250,40 @@ def _type_check(value: Any, tp: Any, key: str, source: str) -> Any:
     raise ConfigError(f"{source}: {key}: expected {expected}, got {value!r}")
 
 
-def _build(cls: type, data: dict[str, Any], prefix: str, source: str) -> Any:
+def closest(word: str, known: list[str]) -> str | None:
+    """The known name a misspelled word most likely meant, if one is close enough."""
+    close = difflib.get_close_matches(word, known, n=1, cutoff=0.6)
+    return close[0] if close else None
+
+
+def _hint(word: str, known: list[str], prefix: str = "") -> str:
+    """" (did you mean 'prefix.x'?)", else " (known: a, b, …)"."""
+    match = closest(word, known)
+    return f" (did you mean {prefix + match!r}?)" if match else f" (known: {', '.join(sorted(known)) or 'none'})"
+
+
+def _unknown_keys(cls: type, data: dict[str, Any], prefix: str) -> list[str]:
+    """Every key in data and its sections that cls does not declare, each with the closest known one."""
     hints = typing.get_type_hints(cls)
-    known = {f.name for f in dataclasses.fields(cls)}
-    kwargs = {}
+    known = [f.name for f in dataclasses.fields(cls) if f.name != "source"]
+    out = []
     for k, v in data.items():
         key = f"{prefix}.{k}" if prefix else str(k)
-        if k not in known or k == "source":
-            raise ConfigError(f"{source}: unknown key {key!r} (known: {', '.join(sorted(known - {'source'}))})")
-        kwargs[k] = _type_check(v, hints[k], key, source)
+        if k not in known:
+            out.append(f"{key!r}{_hint(str(k), known, f'{prefix}.' if prefix else '')}")
+            continue
+        tp = hints[k]
+        if typing.get_origin(tp) is list and dataclasses.is_dataclass(item := typing.get_args(tp)[0]):
+            out += [u for i, e in enumerate(v if isinstance(v, list) else []) if isinstance(e, dict)
+                    for u in _unknown_keys(item, e, f"{key}[{i}]")]
+        elif dataclasses.is_dataclass(tp) and isinstance(v, dict):
+            out += _unknown_keys(tp, v, key)
+    return out
+
+
+def _build(cls: type, data: dict[str, Any], prefix: str, source: str) -> Any:
+    hints = typing.get_type_hints(cls)
+    kwargs = {k: _type_check(v, hints[k], f"{prefix}.{k}" if prefix else str(k), source) for k, v in data.items()}
     try:
         return cls(**kwargs)
     except TypeError as e:  # a required field is missing
@@ -269,6 +295,10 @@ def config_from_dict(data: dict[str, Any] | None, source: str = "<dict>") -> Eng
     data = data or {}
     if not isinstance(data, dict):
         raise ConfigError(f"{source}: the top level must be a mapping of sections")
+    unknown = _unknown_keys(EngineConfig, data, "")  # all of them at once: a fix per run wastes runs
+    if unknown:
+        raise ConfigError(f"{source}: unknown key {unknown[0]}" if len(unknown) == 1 else
+                          f"{source}: {len(unknown)} unknown keys:" + "".join(f"\n  {u}" for u in unknown))
     cfg = _build(EngineConfig, data, "", source)
     cfg.source = source
     cfg.validate()
@@ -298,8 +328,11 @@ def load_config(path: str | os.PathLike | None = None, overrides: dict[str, Any]
             raise ConfigError(f"cannot read config file {path}: {e.strerror}") from None
         try:
             data = yaml.safe_load(text) or {}
-        except yaml.YAMLError as e:
-            raise ConfigError(f"{source}: not valid YAML: {e}") from None
+        except yaml.YAMLError as e:  # its own text names "<unicode string>": the file and line are said here
+            mark = getattr(e, "problem_mark", None)
+            where = f"{source}:{mark.line + 1}:{mark.column + 1}" if mark else source
+            what = " ".join(str(x) for x in (getattr(e, "context", None), getattr(e, "problem", None)) if x)
+            raise ConfigError(f"{where}: not valid YAML: {what or e}") from None
         if not isinstance(data, dict):
             raise ConfigError(f"{source}: the top level must be a mapping of sections")
     if defaults:
@@ -323,6 +356,6 @@ def check_options(options: dict[str, Any], allowed: dict[str, Any], where: str) 
     """For plugins: reject unknown option keys, fill defaults from `allowed` (name → default)."""
     unknown = sorted(set(options) - set(allowed))
     if unknown:
-        raise ConfigError(f"{where}: unknown option(s) {', '.join(map(repr, unknown))} "
-                          f"(known: {', '.join(sorted(allowed)) or 'none'})")
+        raise ConfigError(f"{where}: unknown option(s) "
+                          f"{', '.join(repr(k) + _hint(k, list(allowed)) for k in unknown)}")
     return {**allowed, **options}

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -14,7 +15,7 @@ import httpx
 import pytest
 
 from llmserve.cli import build_parser, main
-from llmserve.config import config_from_dict, load_config
+from llmserve.config import ServerConfig, check_options, config_from_dict, load_config
 from llmserve.errors import ConfigError
 from tests.server.conftest import free_port
 
@@ -53,6 +54,33 @@ def test_unknown_key_names_the_key_and_the_file(tmp_path):
     f = tmp_path / "bad.yaml"
     f.write_text("scheduler:\n  max_num_seq: 8\n")
     with pytest.raises(ConfigError, match=r"bad\.yaml: unknown key 'scheduler\.max_num_seq'"):
+        load_config(f)
+
+
+def test_every_unknown_key_is_reported_at_once_each_with_the_closest_known_one(tmp_path):
+    f = tmp_path / "two.yaml"
+    f.write_text("scheduler:\n  max_num_seq: 8\nserver:\n  prot: 9000\n  colour: blue\n"
+                 "metrics:\n  sinks:\n    - name: jsonl\n      optons: {}\n")
+    with pytest.raises(ConfigError) as e:
+        load_config(f)
+    assert str(e.value).splitlines() == [
+        f"{f}: 4 unknown keys:",
+        "  'scheduler.max_num_seq' (did you mean 'scheduler.max_num_seqs'?)",
+        "  'server.prot' (did you mean 'server.port'?)",
+        "  'server.colour' (known: " + ", ".join(sorted(n for n in ServerConfig.__dataclass_fields__)) + ")",
+        "  'metrics.sinks[0].optons' (did you mean 'metrics.sinks[0].options'?)"]
+    with pytest.raises(ConfigError, match=r"<command line>: unknown key 'cache.blok_size' \(did you mean "
+                                          r"'cache.block_size'\?\)$"):
+        load_config(None, {"cache.blok_size": 32})
+    with pytest.raises(ConfigError, match=r"unknown option\(s\) 'pathh' \(did you mean 'path'\?\)$"):
+        check_options({"pathh": "x"}, {"path": None, "append": False}, "metrics.sinks[jsonl].options")
+
+
+def test_a_yaml_error_names_the_file_and_the_line(tmp_path):
+    f = tmp_path / "broken.yaml"
+    f.write_text("model:\n  model: x\n dtype: auto\n")
+    with pytest.raises(ConfigError, match=rf"^{re.escape(str(f))}:3:2: not valid YAML: while parsing a block "
+                                          "mapping expected <block end>"):
         load_config(f)
 
 
