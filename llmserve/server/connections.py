@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import collections
 import logging
-import time
 from typing import Protocol
 
 log = logging.getLogger("llmserve.server")
@@ -15,9 +14,6 @@ _RESERVE_FDS = 256
 # the default cap's ceiling: an open h11 connection costs the server some 6 KiB (measured), and
 # more streams than this are past what one engine serves at once anyway
 _MAX_DEFAULT = 16384
-# an idle connection is closed for a new one only once it has been idle this long: a client that has
-# just connected, or just had an answer, is about to send, and closing it then would reset its request
-EVICT_AFTER = 1.0
 
 
 def raise_fd_limit() -> int:
@@ -41,7 +37,7 @@ class Evictable(Protocol):
     """What the table needs of a connection (transport.LimitedH11Protocol)."""
 
     def evict(self) -> None:
-        """Close this idle connection at once, to make room for a new one."""
+        """Answer this idle connection 503 and close it, to make room for a new one."""
 
 
 class Connections:
@@ -52,7 +48,7 @@ class Connections:
         self.per_client = per_client  # 0: no per-address limit
         self.linger_limit = linger_limit  # refused connections left open to be read, at the most
         self._open: dict[Evictable, str] = {}  # connection → client address
-        self._idle: dict[Evictable, float] = {}  # idle ones → since when (monotonic), oldest first
+        self._idle: dict[Evictable, None] = {}  # the idle ones, longest idle first (a dict keeps insertion order)
         self._by_client: collections.Counter[str] = collections.Counter()
         self.refused = {"max_connections": 0, "max_connections_per_client": 0}
         self.evicted = 0  # idle connections closed to make room for a new one
@@ -76,22 +72,24 @@ class Connections:
             self.refused["max_connections_per_client"] += 1
             return "max_connections_per_client"
         if len(self._open) >= self.limit:
-            oldest = next(iter(self._idle), None)  # closing an idle connection loses its client nothing
-            if oldest is None or time.monotonic() - self._idle[oldest] < EVICT_AFTER:
+            if not self._idle:
                 self.refused["max_connections"] += 1
                 return "max_connections"
+            # the longest idle makes room: an attacker's silent connection, or a client's spare kept-alive
+            # one, rather than a newcomer that is about to send (each one refused is told so: evict())
+            oldest = next(iter(self._idle))
             self.forget(oldest)
             self.evicted += 1
             oldest.evict()
         self._open[conn] = client
         self._by_client[client] += 1
-        self._idle[conn] = time.monotonic()
+        self._idle[conn] = None
         return None
 
     def idle(self, conn: Evictable) -> None:
         """conn has no request in progress: in line for eviction behind those idle longer."""
         if conn in self._open and conn not in self._idle:
-            self._idle[conn] = time.monotonic()
+            self._idle[conn] = None
 
     def busy(self, conn: Evictable) -> None:
         """conn is receiving or being answered a request: never evicted."""

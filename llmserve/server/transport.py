@@ -2,9 +2,9 @@
 
 uvicorn's default httptools protocol buffers a header of any size and never times out a half-sent
 request; h11 bounds the buffered head (`max_header_bytes`), and this subclass adds timeouts (a new
-connection's first byte, a request's head, the whole request), a cap on open connections that closes
-the oldest idle one before it refuses anyone, and refusals in OpenAI's error shape that the client
-gets to read. The keep-alive timeout between requests is uvicorn's own.
+connection's first byte, a request's head, the whole request), a cap on open connections at which the
+longest idle connection gives up its place before anyone busy is refused, and refusals in OpenAI's
+error shape that the client gets to read. The keep-alive timeout between requests is uvicorn's own.
 """
 
 from __future__ import annotations
@@ -40,10 +40,10 @@ def _raw_response(err: ApiError) -> bytes:
     return head.encode() + body
 
 
-def _past_limit(limit: str, table: Connections) -> ApiError:
+def _past_limit(limit: str, table: Connections, why: str = "") -> ApiError:
     """The refusal of a connection past max_connections (503) or max_connections_per_client (429)."""
     if limit == "max_connections":
-        return ApiError(503, f"too many open connections (limit max_connections={table.limit}); retry later",
+        return ApiError(503, f"too many open connections (limit max_connections={table.limit}){why}; retry later",
                         code="too_many_connections", headers={"Retry-After": "1"})
     return ApiError(429, f"too many open connections from your address (limit max_connections_per_client="
                          f"{table.per_client}); retry later", code="too_many_connections_per_client",
@@ -98,10 +98,9 @@ class LimitedH11Protocol(H11Protocol):
             super().shutdown()
 
     def evict(self) -> None:
-        """Close this idle connection to make room (its client reconnects; it had nothing in flight)."""
-        self._cancel_timer()
-        if not self.transport.is_closing():
-            self.transport.close()
+        """Answer 503 and close, to make room: a request crossing the answer reads it, not a reset."""
+        self._unset_keepalive_if_required()
+        self._refuse(_past_limit("max_connections", self.table, ": this idle connection made room for another"))
 
     def send_400_response(self, msg: str) -> None:
         # uvicorn calls this when h11 refuses a request: a head past max_header_bytes, or a malformed one
@@ -165,7 +164,7 @@ class LimitedH11Protocol(H11Protocol):
         if self.transport.is_closing():
             return
         self.transport.write(_raw_response(err))
-        if not self.table.linger():  # too many already: close now, and a slow client may see a reset
+        if not self.table.linger():  # no descriptor to spare: close now (a client yet to send sees a reset)
             self.transport.close()
             return
         self._dropped = 0

@@ -12,7 +12,6 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from llmserve.server import connections
 from llmserve.server.connections import Connections
 from tests.server.conftest import FAKE, start_server
 from tests.server.raw_http import HALF_HEAD, assert_error_shape, connect, read_all, request, responses
@@ -73,21 +72,21 @@ class FakeConn:
         self.evicted = True
 
 
-def test_the_table_evicts_the_longest_idle_only_once_it_has_idled_a_while(monkeypatch):
+def test_the_table_evicts_the_longest_idle_and_refuses_when_none_is_idle():
     t = Connections(limit=2)
     a, b, c, d = FakeConn(), FakeConn(), FakeConn(), FakeConn()
     assert t.admit(a, "x") is None and t.admit(b, "x") is None
-    assert t.admit(c, "x") == "max_connections"  # both idle, but only just: they are about to send
-    monkeypatch.setattr(connections, "EVICT_AFTER", 0.0)
     t.busy(a)
     assert t.admit(c, "x") is None and b.evicted and not a.evicted  # the idle one goes, not the busy one
     t.busy(c)
     assert t.admit(d, "x") == "max_connections"  # nothing idle: refused
+    t.idle(c)
     t.idle(a)
-    t.forget(c)
-    t.forget(c)  # idempotent
-    assert t.stats() == {"open": 1, "idle": 1, "limit": 2, "per_client_limit": 0, "evicted": 1, "timed_out": 0,
-                         "refused": {"max_connections": 2, "max_connections_per_client": 0}, "lingering": 0}
+    assert t.admit(d, "x") is None and c.evicted and not a.evicted  # c has been idle longer than a
+    t.forget(d)
+    t.forget(d)  # idempotent
+    assert t.stats() == {"open": 1, "idle": 1, "limit": 2, "per_client_limit": 0, "evicted": 2, "timed_out": 0,
+                         "refused": {"max_connections": 1, "max_connections_per_client": 0}, "lingering": 0}
 
 
 def test_the_table_limits_each_address_when_asked():
@@ -120,8 +119,8 @@ def test_the_open_file_limit_is_raised_and_sizes_the_cap():
 def test_idle_connections_make_room_and_half_sent_heads_are_cut_at_the_header_timeout(server):
     wait_closed(server)
     idle = [connect(server) for _ in range(CAP)]  # the whole cap, sending nothing
-    time.sleep(connections.EVICT_AFTER + 0.3)
-    half = [connect(server) for _ in range(CAP // 2)]  # each closes an idle one to get in
+    time.sleep(0.2)
+    half = [connect(server) for _ in range(CAP // 2)]  # each makes an idle one give up its place
     sent = []
     for s in half:
         s.sendall(HALF_HEAD)
@@ -134,7 +133,9 @@ def test_idle_connections_make_room_and_half_sent_heads_are_cut_at_the_header_ti
             assert code == 408 and 0.8 < time.monotonic() - t0 < 2.5
             assert_error_shape(body, "request_timeout")
             assert "header_timeout" in body["error"]["message"]
-        assert sum(closed_by_server(s, 0.05) for s in idle) >= CAP // 2 + 1  # the oldest idle ones made room
+        made_room = [responses(read_all(s)) for s in idle[:CAP // 2 + 1]]  # the longest idle, told why
+        assert all(code == 503 and "made room" in body["error"]["message"] for [(code, body)] in made_room)
+        assert not any(closed_by_server(s, 0.05) for s in idle[CAP // 2 + 1:])  # the rest still held
     finally:
         for s in idle + half:
             s.close()
@@ -196,7 +197,9 @@ def test_a_burst_past_the_cap_gets_answers_not_transport_errors(server):
     metrics = httpx.get(server.url + "/metrics").text
     series = {(x.name, x.labels.get("limit")): x.value
               for fam in text_string_to_metric_families(metrics) for x in fam.samples}
-    assert series[("llmserve_http_connections_refused_total", "max_connections")] >= len(refused)
+    told = series[("llmserve_http_connections_refused_total", "max_connections")]  # newcomers turned away
+    told += series[("llmserve_http_connections_evicted_total", None)]  # and idle ones that made room for them
+    assert told >= len(refused)
     assert series[("llmserve_http_connections_limit", None)] == CAP
     assert series[("llmserve_http_connections_open", None)] >= 1  # the scrape's own
 
