@@ -12,14 +12,43 @@ import logging
 import os
 import sys
 import threading
+import traceback
 from typing import NoReturn
 
+from llmserve.config import closest
 from llmserve.config_args import add_config_arguments, config_from_args
 from llmserve.errors import LLMServeError, PluginError
 from llmserve.plugins import load_plugins, loaded_once
 
+class _Parser(argparse.ArgumentParser):
+    """argparse whose errors are one line: no usage block first, and an unknown flag names the closest known one."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+    def parse_args(self, args=None, namespace=None):
+        args = sys.argv[1:] if args is None else list(args)
+        parser = self  # the (sub)command parser that reads each token: the top one until a command is named
+        for a in args:
+            if a == "--":
+                break
+            commands = next((x for x in parser._actions if isinstance(x, argparse._SubParsersAction)), None)
+            if commands is not None and a in commands.choices:
+                parser = commands.choices[a]
+            elif a.startswith("-") and not a[1:].replace(".", "", 1).isdigit():  # (a negative number is a value)
+                flag = a.split("=", 1)[0]
+                if flag not in parser._option_string_actions:
+                    match = closest(flag, list(parser._option_string_actions))
+                    parser.error(f"unknown option {flag} " +
+                                 (f"(did you mean {match}?)" if match else f"(see {parser.prog} --help)"))
+        ns, extras = self.parse_known_args(args, namespace)
+        if extras:
+            parser.error(f"unexpected argument {extras[0]!r} (see {parser.prog} --help)")
+        return ns
+
+
 # --log-level, which every command takes (before or after its name)
-_COMMON = argparse.ArgumentParser(prog="llmserve", add_help=False)
+_COMMON = _Parser(prog="llmserve", add_help=False)
 _COMMON.add_argument("--log-level", default=None, choices=["debug", "info", "warning", "error"],
                     help="log level (default info; for serve it also sets server.log_level)")
 
@@ -63,7 +92,20 @@ def cmd_serve(args: argparse.Namespace) -> int:
         code = serve(cfg)
     except KeyboardInterrupt:  # Ctrl-C: uvicorn re-raises it once it has shut down
         code = 130
+    except LLMServeError as e:  # the port, the model: reported as main() reports it, then the same exit
+        code = _report(e)
+    except SystemExit as e:  # uvicorn's, when its start-up fails
+        code = e.code if isinstance(e.code, int) else 1
+    except BaseException:  # a bug: its traceback, then the same exit (the teardown would bury it in leak reports)
+        traceback.print_exc()
+        code = 1
     _leave_after_serving(code)
+
+
+def _report(e: LLMServeError) -> int:
+    """Print an error the user can act on as one line (no traceback); the exit status it gets."""
+    print(f"llmserve: error: {e}", file=sys.stderr)
+    return 2
 
 
 def _leave_after_serving(code: int) -> NoReturn:
@@ -110,7 +152,7 @@ def cmd_config(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     """The built-in commands, then those the plugins register."""
     # no abbreviations: a command's own flag (bench offline --n) must never match a global one's prefix
-    parser = argparse.ArgumentParser(prog="llmserve", parents=[_COMMON], allow_abbrev=False,
+    parser = _Parser(prog="llmserve", parents=[_COMMON], allow_abbrev=False,
                                      description="A plugin-based LLM serving engine with an OpenAI-compatible "
                                                  "API. With no command, `llmserve --config FILE` serves.")
     add_config_arguments(parser)
@@ -148,8 +190,7 @@ def main(argv: list[str] | None = None) -> int:
             args = build_parser().parse_args(argv)
             return int(getattr(args, "func", cmd_serve)(args) or 0)
     except LLMServeError as e:
-        print(f"llmserve: error: {e}", file=sys.stderr)
-        return 2
+        return _report(e)
     except KeyboardInterrupt:
         if any(t.daemon and t.is_alive() for t in threading.enumerate()):
             # Ctrl-C while the engine thread is still starting: finalizing the interpreter under it while it is in

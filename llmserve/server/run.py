@@ -3,15 +3,41 @@
 from __future__ import annotations
 
 import asyncio
+import errno
 import gc
 import logging
 import signal
+import socket
+
+from llmserve.errors import ConfigError
 
 log = logging.getLogger("llmserve.server")
 
 
+def bind_socket(host: str, port: int) -> socket.socket:
+    """The server's socket, bound as uvicorn binds it; a ConfigError saying what to pass when it cannot be."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a restart is not refused by old TIME_WAITs
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        if e.errno == errno.EADDRINUSE:
+            why = f"port {port} on {host} is already in use; pass --port N (or stop the other server)"
+        elif e.errno == errno.EACCES:
+            why = f"port {port} on {host} needs privileges this user lacks; pass --port N above 1023"
+        else:  # an address this machine does not have, a name that does not resolve
+            why = f"cannot listen on {host} port {port} ({e.strerror or e}); pass --host ADDRESS, e.g. 127.0.0.1"
+        raise ConfigError(why) from None
+    return sock
+
+
 def serve(config) -> int:
     """Run the OpenAI-compatible server until SIGTERM/SIGINT; 0 after a clean drain."""
+    sc = config.server
+    # bound first, before torch is even imported, so a port in use fails the command in a second, not after the
+    # model loads (not yet listening: a client is refused until the engine is ready, as before)
+    sock = bind_socket(sc.host, sc.port)
     import uvicorn
     from sse_starlette.sse import AppStatus
 
@@ -36,7 +62,6 @@ def serve(config) -> int:
                  engine.backend.describe().get("threads", "-"))
     app = create_app(config, aengine)
     state = app.state.llm
-    sc = config.server
 
     class DrainingServer(uvicorn.Server):
         """On SIGTERM: stop admitting (503), give requests drain_timeout to finish, answer the rest 503, exit 0."""
@@ -60,6 +85,6 @@ def serve(config) -> int:
     # collection, which shortens GC pauses while serving (the serve command then exits without the
     # interpreter's teardown: cli._leave_after_serving says why)
     gc.freeze()
-    log.info("serving %s on http://%s:%d", config.served_model_name, sc.host, sc.port)
-    server.run()
+    log.info("serving %s on http://%s:%d", config.served_model_name, sc.host, sock.getsockname()[1])
+    server.run(sockets=[sock])
     return 0

@@ -11,7 +11,6 @@ import time
 from typing import Any
 
 from llmserve.batch import ModelOutput, SchedulerOutput
-from llmserve.constraints import unpack_bitmask
 from llmserve.interfaces import ModelBackend
 from llmserve.request import Logprob
 
@@ -79,6 +78,8 @@ class FakeBackend(ModelBackend):
         logprobs: list[Logprob | None] | None = None
         allowed = {}  # batch row → its allowed token ids, where a constraint limits them
         if batch.token_bitmask is not None:
+            from llmserve.constraints import unpack_bitmask  # (it imports torch: not on `llmserve --help`'s path)
+
             rows = unpack_bitmask(batch.token_bitmask, V)
             allowed = {i: rows[k].nonzero().flatten().tolist() for k, i in enumerate(batch.bitmask_rows)}
         for i, r in enumerate(batch.requests):
