@@ -6,6 +6,8 @@ small models given free whitespace tend to emit it forever).
 
 from __future__ import annotations
 
+import importlib.util
+
 from llmserve.config import check_options
 from llmserve.errors import PluginError
 from llmserve.hookspecs import hookimpl
@@ -33,6 +35,7 @@ def _xgrammar(config, tokenizer, vocab_size):
 
 @hookimpl
 def register_structured_output(register):
-    """Register the llguidance and xgrammar engines."""
+    """Register the llguidance engine, and the xgrammar one where its package is installed."""
     register("llguidance", _llguidance)
-    register("xgrammar", _xgrammar)
+    if importlib.util.find_spec("xgrammar") is not None:  # (found, not imported: it imports torch and triton)
+        register("xgrammar", _xgrammar)

@@ -45,6 +45,19 @@ def test_llmserve_plugins_text_and_plugin_limit(subprocess_env, tmp_path):
     assert "example" not in {p["name"] for p in json.loads(proc.stdout)["plugins"]}
 
 
+@pytest.mark.parametrize("installed", [False, True])
+def test_llmserve_plugins_lists_xgrammar_only_where_it_is_installed(installed, monkeypatch, capsys):
+    import importlib.util
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: (find_spec("json") if installed else None) if name == "xgrammar"
+                        else find_spec(name, *a))
+    assert cli.main(["plugins", "--json"]) == 0
+    grammar = {p["name"]: p for p in json.loads(capsys.readouterr().out)["plugins"]}["llmserve_grammar"]
+    assert grammar["components"]["grammar"] == (["llguidance", "xgrammar"] if installed else ["llguidance"])
+
+
 def test_llmserve_plugins_reports_a_broken_plugin(site, capsys):
     site.add("broken", 'raise ImportError("needs a package that is not installed")')
     assert cli.main(["plugins", "--json"]) == 0
