@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import socket
+import time
 
 HALF_HEAD = b"POST /v1/completions HTTP/1.1\r\nhost: t\r\n"  # a request head that never ends
 
@@ -45,3 +46,16 @@ def request(body: bytes, extra_headers: str = "", close: bool = False) -> bytes:
 def assert_error_shape(body: dict, code: str) -> None:
     """body is OpenAI's error object, with this code."""
     assert set(body["error"]) == {"message", "type", "param", "code"} and body["error"]["code"] == code
+
+
+def refused(server, status: int, code: str, send: bytes = b"", pause: float = 0.0) -> dict:
+    """Connect, send (after pause), read to the close: one response, this status, Retry-After: 1, this code."""
+    with connect(server) as s:
+        time.sleep(pause)
+        if send:
+            s.sendall(send)
+        raw = read_all(s)  # a reset would raise ConnectionResetError here
+    [(got, body)] = responses(raw)
+    assert got == status and b"\r\nretry-after: 1\r\n" in raw.lower(), raw[:300]
+    assert_error_shape(body, code)
+    return body
