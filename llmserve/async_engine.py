@@ -266,6 +266,8 @@ class AsyncEngine:
             self.built.set_exception(e)
             return
         self.built.set_result(eng)
+        if hasattr(eng, "early"):  # an Engine: a step's forwards reach their streams as each ends (Engine.early)
+            eng.early = self._emit
         try:
             while True:
                 self._flush()
@@ -289,14 +291,8 @@ class AsyncEngine:
                     self._recover(e)
                     continue
                 self.num_steps += 1
-                live = self._live
-                for o in out.outputs:
-                    if o.finished and o.request_id in live:
-                        live[o.request_id] -= 1
-                        if live[o.request_id] <= 0 or o.finish_reason is FinishReason.ERROR:
-                            del live[o.request_id]
                 if out.outputs:
-                    self._post(self._deliver, out.outputs)
+                    self._emit(out.outputs)
         except BaseException as e:  # pragma: no cover - a bug in this loop
             log.exception("the engine thread crashed")
             self.dead = e
@@ -307,6 +303,17 @@ class AsyncEngine:
                 eng.shutdown()
             except Exception:  # noqa: BLE001 - shutting down anyway
                 log.exception("engine shutdown failed")
+
+    def _emit(self, outputs: list[RequestOutput]) -> None:
+        """Hand a step's outputs to their streams, the finished ones' requests leaving `_live`: from the engine
+        thread, or mid-step from the backend's relay while the engine thread waits in the backend's call."""
+        live = self._live
+        for o in outputs:
+            if o.finished and o.request_id in live:
+                live[o.request_id] -= 1
+                if live[o.request_id] <= 0 or o.finish_reason is FinishReason.ERROR:
+                    del live[o.request_id]
+        self._post(self._deliver, outputs)
 
     def _post(self, fn: Callable[..., Any], *args: Any) -> None:
         """Run fn(*args) on the event loop: how the engine thread hands outputs and errors to the streams."""

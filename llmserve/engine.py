@@ -17,7 +17,7 @@ import dataclasses
 import logging
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -93,12 +93,51 @@ def _forwards(batch: SchedulerOutput, mo: ModelOutput, live: dict[str, Request])
     (ModelOutput.more_token_ids) for the sequences still live after the forwards before it."""
     yield batch, mo
     for toks in mo.more_token_ids or ():
-        rows = [i for i, sr in enumerate(batch.requests) if sr.request_id in live]
-        if not rows:
+        part = _later_forward(batch, toks, live)
+        if part is None:
             return
-        reqs = [batch.requests[i] for i in rows]
-        yield (SchedulerOutput(requests=reqs, num_decode_tokens=len(reqs), block_size=batch.block_size),
-               ModelOutput(sampled_token_ids=[toks[i] for i in rows]))
+        yield part
+
+
+def _later_forward(batch: SchedulerOutput, toks: list[int], live: dict[str, Request]):
+    """A forward after a step's first as (batch, output): the sequences still live and their tokens (None: none)."""
+    rows = [i for i, sr in enumerate(batch.requests) if sr.request_id in live]
+    if not rows:
+        return None
+    reqs = [batch.requests[i] for i in rows]
+    return (SchedulerOutput(requests=reqs, num_decode_tokens=len(reqs), block_size=batch.block_size),
+            ModelOutput(sampled_token_ids=[toks[i] for i in rows]))
+
+
+class _Relay:
+    """A step's forwards replayed as the backend makes them (ModelBackend.on_forward, on the backend's thread while
+    the engine's waits in execute()), their outputs handed on at once (Engine.early): a token reaches its stream
+    when its forward ends, not when the step's last does."""
+
+    def __init__(self, engine: Engine, batch: SchedulerOutput, t0: float):
+        self.engine, self.batch, self.t0 = engine, batch, t0
+        self.handed = 0  # forwards replayed here; the step replays the rest
+        self.sampled = 0
+        self.error: BaseException | None = None  # raised on the engine's thread once execute() returns
+
+    def forward(self, j: int, tokens: list[int]) -> None:
+        """ModelBackend.on_forward: replay forward j as the step would have."""
+        if self.error is not None or j != self.handed:
+            return
+        e = self.engine
+        try:
+            part = (self.batch, ModelOutput(sampled_token_ids=tokens)) if j == 0 else \
+                _later_forward(self.batch, tokens, e._seqs)
+            outputs: list[RequestOutput] = []
+            if part is not None:
+                e.scheduler.update_from_output(*part)
+                self.sampled += len(part[1].sampled_token_ids)
+                e._postprocess(*part, time.perf_counter(), self.t0, outputs)
+            self.handed = j + 1
+            if outputs:
+                e.early(outputs)
+        except Exception as exc:  # noqa: BLE001 - the step fails as it would have failed replaying this forward
+            self.error = exc
 
 
 def _one_delta_each(outputs: list[RequestOutput]) -> list[RequestOutput]:
@@ -156,6 +195,8 @@ class Engine:
         self._groups: dict[str, _Group] = {}
         self._holding: dict[str, _Group] = {}  # groups whose other sequences wait for the first's prompt
         self._pending: list[RequestOutput] = []  # outputs made outside step() (immediate failures)
+        # where outputs made during a step go at once (AsyncEngine's delivery); None: with the step's outputs
+        self.early: Callable[[list[RequestOutput]], None] | None = None
         self._step_no = 0
         self._prefix_q = self._prefix_h = 0
         self.startup_seconds = time.perf_counter() - t0
@@ -336,15 +377,28 @@ class Engine:
         if batch.requests:
             self.constraints.fill(batch, self._seqs)
             tb = time.perf_counter()
-            done = self._execute(batch)
+            # several forwards: each replayed as it ends, where the outputs have somewhere to go mid-step
+            relay = _Relay(self, batch, t0) if batch.num_steps > 1 and self.early is not None else None
+            self.backend.on_forward = relay.forward if relay is not None else None
+            try:
+                done = self._execute(batch)
+            finally:
+                self.backend.on_forward = None
             now = time.perf_counter()
             backend_s = now - tb
+            if relay is not None:
+                if relay.error is not None:
+                    raise relay.error
+                sampled += relay.sampled
             for part, mo in done:
                 f = 1 + len(mo.more_token_ids or ())
                 forwards = max(forwards, f)
+                handed = relay.handed if relay is not None and part is batch else 0
                 # a forward at a time, as if each had been a step: stops, blocks and text as one forward a step; each
-                # forward's tokens stamped when it ended (its even share of the backend's time: equal work each)
+                # forward the relay did not replay stamped when it ended (its even share of the backend's time)
                 for j, (fpart, fmo) in enumerate(_forwards(part, mo, self._seqs)):
+                    if j < handed:
+                        continue
                     self.scheduler.update_from_output(fpart, fmo)
                     sampled += len(fmo.sampled_token_ids) - fmo.sampled_token_ids.count(None)
                     self._postprocess(fpart, fmo, now if f == 1 else tb + backend_s * (j + 1) / f, t0, outputs)

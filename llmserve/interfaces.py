@@ -7,7 +7,7 @@ objects directly, so no pluggy call sits on the per-token path.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -129,6 +129,10 @@ class ModelBackend(ABC):
     max_decode_forwards: int = 1
     # the most sequences a batch of decodes may hold and still run several forwards (None: any number)
     max_decode_forward_rows: int | None = None
+    # set by the engine around an execute() of several forwards: called as on_forward(j, tokens) with forward j's
+    # tokens (one a sequence; j = 0, 1, ... in order) as soon as they exist, while execute() still runs (from
+    # another thread; never after execute() returns); a backend that cannot simply never calls it
+    on_forward: Callable[[int, list[int]], None] | None = None
 
     @abstractmethod
     def num_kv_blocks(self, block_size: int) -> int:

@@ -112,7 +112,13 @@ class FakeBackend(ModelBackend):
                     else:
                         entries.append(None)
                 prompt_logprobs.append(entries)
-        return ModelOutput(sampled, logprobs, prompt_logprobs, self._later_forwards(batch, sampled, logprobs))
+        more = self._later_forwards(batch, sampled, logprobs)
+        if more is not None and self.on_forward is not None:
+            # handed on before execute returns, all but the last (left to the engine's replay, as a real call's
+            # last forwards often are: they end as the call returns)
+            for j, toks in enumerate([sampled, *more][:-1]):
+                self.on_forward(j, toks)
+        return ModelOutput(sampled, logprobs, prompt_logprobs, more)
 
     def _next(self, token_ids: list[int], num_output_tokens: int, sp) -> int:
         """The token after token_ids (an end-of-sequence token moves on while ignore_eos or min_tokens holds it)."""

@@ -310,7 +310,8 @@ class TorchBackend(ModelBackend):
         if self.stack is not None and self.stack.covers(T):
             head = len(sample_rows) == T and self.stack.covers_head(T)
             if head and temps is not None and batch.num_steps > 1 and T == len(batch.requests):  # forwards ahead
-                tokens = self.stack.decode_ahead(ids, meta, batch.num_steps, self._race(batch, temps, batch.num_steps))
+                tokens = self.stack.decode_ahead(ids, meta, batch.num_steps, self._race(batch, temps, batch.num_steps),
+                                                 self.on_forward)
                 return None, None, tokens[0], tokens[1:], meta, sample_rows
             race = self._race(batch, temps, 1) if head and temps is not None else None
             return *self.stack.forward(ids, meta, logits=head, argmax=temps is not None, race=race), None, meta, \

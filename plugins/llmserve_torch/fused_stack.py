@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from llmserve_torch import kernel_library
+from llmserve_torch.forward_relay import ForwardRelay, Listener
 from llmserve_torch.quant import OWN_INT8_MAX_ROWS, QuantLinear
 
 FUSE_LAYERS = ("auto", "off")
@@ -113,6 +114,7 @@ class FusedStack:
         # None, or float64 [len(STAGES)] that each call adds its kernels' microseconds to (profiling only: a clock
         # read per kernel)
         self.stage_us: torch.Tensor | None = None
+        self._relay: ForwardRelay | None = None  # made at the first call with a listener (decode_ahead)
 
     def _linear(self, lin: QuantLinear) -> _QLinear:
         bias = None
@@ -168,31 +170,49 @@ class FusedStack:
         x, out = self._call(input_ids, meta, logits, argmax, 1, race)
         return x, out if logits else None, self._tokens[:T].tolist() if logits and argmax else None
 
-    def decode_ahead(self, input_ids: torch.Tensor, meta, forwards: int, race: Race | None = None) -> list[list[int]]:
+    def decode_ahead(self, input_ids: torch.Tensor, meta, forwards: int, race: Race | None = None,
+                     listener: Listener | None = None) -> list[list[int]]:
         """Forwards of a batch of decodes run back to back in one call, each on the tokens of the one before
         (greedy, or drawn as `race` says) and a position further on (covers_head rows, up to max_forwards; meta's
-        block tables reach the last forward's slots): each forward's tokens. Hidden states and logits are the last
+        block tables reach the last forward's slots): each forward's tokens, each also handed to `listener` (from
+        the relay's thread) as soon as it exists, where one is given. Hidden states and logits are the last
         forward's."""
         T = input_ids.shape[0]
-        self._call(input_ids, meta, True, True, forwards, race)
+        if listener is None:
+            self._call(input_ids, meta, True, True, forwards, race)
+        else:
+            self._grow(T)
+            if self._relay is None:
+                self._relay = ForwardRelay()
+            self._relay.open(listener, self._tokens[:forwards * T].reshape(forwards, T))
+            try:
+                self._call(input_ids, meta, True, True, forwards, race, self._relay)
+            finally:
+                self._relay.close()
         return self._tokens[:forwards * T].reshape(forwards, T).tolist()
 
     def _call(self, input_ids: torch.Tensor, meta, logits: bool, argmax: bool, forwards: int,
-              race: Race | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """The C call over the step's rows; its hidden-state and logits buffers."""
+              race: Race | None = None, relay: ForwardRelay | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The C call over the step's rows (telling `relay` of each forward's tokens); its hidden-state and logits
+        buffers."""
         T = input_ids.shape[0]
-        if T > self._rows:  # grow-only, from room for a few rows
-            self._buffers(max(T, min(self.max_rows, 8)))
+        self._grow(T)
         x, x_at, out, out_at = self._outputs(T)
         bt = meta.block_tables
         st = _Step(x_at, input_ids.data_ptr(), T, self._cos_at, self._sin_at, meta.slots.data_ptr(), bt.data_ptr(),
                    bt.shape[1], meta.tok_req.data_ptr(), meta.tok_pos.data_ptr(), torch.get_num_threads(),
                    None if self.stage_us is None else self.stage_us.data_ptr(), out_at if logits else None,
                    self._tokens_at if logits and argmax else None, forwards,
-                   *(self._race_args(race, T) if race is not None and argmax else (None,) * 4))
+                   *(self._race_args(race, T) if race is not None and argmax else (None,) * 4),
+                   *((relay.progress_at, relay.notify_fd) if relay is not None else (None, -1)))
         if self._fn(ctypes.addressof(self._model), ctypes.addressof(self._scratch), ctypes.addressof(st)):
             raise IndexError("index out of range in self")  # a token id past the embedding, as torch says it
         return x, out
+
+    def _grow(self, rows: int) -> None:
+        """Buffers for `rows` rows: grow-only, from room for a few."""
+        if rows > self._rows:
+            self._buffers(max(rows, min(self.max_rows, 8)))
 
     def _race_args(self, race: Race, rows: int) -> tuple:
         """Step's temps, keys, filters and filtered: where a row filters, room for its filtered logits (grow-only;

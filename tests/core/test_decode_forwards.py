@@ -79,6 +79,51 @@ def test_several_forwards_a_step_give_what_one_a_step_gives():
         assert c.used_blocks == 0 and c.num_sequences == 0
 
 
+def test_each_forward_reaches_the_streams_as_it_ends():
+    """With somewhere for outputs to go mid-step (Engine.early: the async engine's delivery), each forward the backend
+    hands on (ModelBackend.on_forward) is replayed then and its outputs go there at once, one delta a sequence; the
+    rest with the step's. The same tokens, text, stops and blocks as one forward a step."""
+    _, ref, ref_steps = run(engine(1), requests())
+    eng = engine(8)
+    early: list[list] = []
+    eng.early = early.append
+    ids = [eng.add_request(p, sp, request_id=f"r{i}") for i, (p, sp) in enumerate(requests())]
+    outs: dict[tuple[str, int], list] = {}
+    steps = []
+    while eng.has_unfinished:
+        so = eng.step()
+        steps.append(so.metrics)
+        for batch in [*early, so.outputs]:
+            keys = [(o.request_id, o.index) for o in batch]
+            assert len(keys) == len(set(keys)), "a sequence got two deltas in one delivery"
+            for o in batch:
+                outs.setdefault((o.request_id, o.index), []).append(o)
+        early.clear()
+    assert len(ids) == 5 and summary(outs) == summary(ref)
+    assert max(m.num_forwards for m in steps) == 8
+    assert sum(m.num_output_tokens for m in steps) == sum(m.num_output_tokens for m in ref_steps)
+    c = eng.scheduler_stats().cache
+    assert c.used_blocks == 0 and c.num_sequences == 0
+
+
+def test_a_step_run_by_a_relay_that_fails_fails_like_any_step():
+    eng = engine(8)
+    eng.early = lambda outputs: None
+    eng.add_request([1, 2, 3], SamplingParams(max_tokens=20, ignore_eos=True))
+    eng.step()  # the prompt: one forward
+    boom = RuntimeError("replay failed")
+
+    def fail(*a, **k):
+        raise boom
+
+    eng._postprocess = fail
+    relayed, inner = [], eng.backend.execute
+    eng.backend.execute = lambda batch: (relayed.append(eng.backend.on_forward is not None), inner(batch))[1]
+    with pytest.raises(RuntimeError, match="replay failed"):
+        eng.step()
+    assert relayed == [True] and eng.backend.on_forward is None  # raised from the relay's replay; listener gone
+
+
 def test_stop_strings_and_text_match_across_a_run():
     # byte tokenizer: the stop string is found in text detokenized a forward at a time
     prompt = [104, 105]

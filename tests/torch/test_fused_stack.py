@@ -4,6 +4,8 @@ over prompt chunks and decodes."""
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 import torch
@@ -285,9 +287,12 @@ def test_the_first_members_share_follows_the_measured_rates(llama_dir):
         torch.set_num_threads(before)
 
 
-def _engine_outputs(path, dtype, quantization, steps, sampling):
+def _engine_outputs(path, dtype, quantization, steps, sampling, early=None):
     """Every sequence's tokens and finish reason through an Engine on the fused call, and how many forwards its
-    steps ran."""
+    steps ran; with `early` (a list), outputs delivered mid-step (Engine.early) count too, and each such delivery's
+    thread name is appended to it."""
+    import threading
+
     from llmserve.engine import Engine
 
     eng = Engine.from_config({
@@ -298,13 +303,19 @@ def _engine_outputs(path, dtype, quantization, steps, sampling):
     g = torch.Generator().manual_seed(11)
     for i, (n, sp) in enumerate(zip((5, 9, 3, 14), sampling)):
         eng.add_request(torch.randint(0, 200, (n,), generator=g).tolist(), sp, request_id=f"r{i}")
-    got, forwards = {}, []
+    got, forwards, delivered = {}, [], []
+
+    def take(outputs):
+        for o in outputs:
+            toks, _ = got.get(o.request_id, ([], None))
+            got[o.request_id] = (toks + o.new_token_ids, o.finish_reason)
+
+    if early is not None:
+        eng.early = lambda outputs: (early.append(threading.current_thread().name), take(outputs))
     while eng.has_unfinished:
         so = eng.step()
         forwards.append(so.metrics.num_forwards)
-        for o in so.outputs:
-            toks, _ = got.get(o.request_id, ([], None))
-            got[o.request_id] = (toks + o.new_token_ids, o.finish_reason)
+        take(so.outputs)
     return got, forwards
 
 
@@ -389,3 +400,32 @@ def test_a_file_of_mixed_group_kinds_runs_fused_with_its_own_head(mixed_gguf, dt
         if logits is not None:
             want = plain.model.logits(plain_hidden)
             assert torch.equal(logits, want) and tokens == want.argmax(dim=-1).tolist()
+
+
+def test_each_forward_of_a_call_is_handed_on_while_the_call_runs(llama_dir, monkeypatch):
+    """decode_ahead with a listener (the engine's relay): each forward's tokens replayed and delivered from the
+    relay's thread as the call writes them, before it returns, the same tokens as a forward a step."""
+    from llmserve_torch import fused_stack
+
+    sampling = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in (19, 7, 23, 12)]
+    one, _ = _engine_outputs(llama_dir, "float32", "int4", 1, sampling)
+    # every call made to last 50 ms past its last forward (the GIL released, as in the call): the relay hands every
+    # forward on before the call returns
+    real_call = fused_stack.FusedStack._call
+
+    def slow_call(self, *args):
+        out = real_call(self, *args)
+        if len(args) > 6 and args[6] is not None:
+            time.sleep(0.05)
+        return out
+
+    monkeypatch.setattr(fused_stack.FusedStack, "_call", slow_call)
+    threads: list[str] = []
+    many, f8 = _engine_outputs(llama_dir, "float32", "int4", 8, sampling, early=threads)
+    assert many == one and max(f8) == 8
+    assert threads and set(threads) == {"llmserve-forward-relay"}
+    # one delivery a forward of each call: as many as the forwards after each sequence's prompt
+    assert len(threads) == sum(f for f in f8 if f > 1)
+    monkeypatch.setattr(fused_stack.FusedStack, "_call", real_call)
+    many, _ = _engine_outputs(llama_dir, "bfloat16", "int4", 8, sampling, early=[])  # as fast as it runs
+    assert many == _engine_outputs(llama_dir, "bfloat16", "int4", 1, sampling)[0]

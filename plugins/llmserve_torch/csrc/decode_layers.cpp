@@ -23,6 +23,8 @@
 #include <cstring>
 #include <vector>
 
+#include <unistd.h>
+
 #include "bf16.h"
 #include "kernels.h"
 
@@ -384,10 +386,21 @@ void next_forward(Step& f, const Model& m, std::vector<int64_t>& slots, std::vec
   f.slots = slots.data(), f.tok_pos = pos.data();
 }
 
+// Where the caller asks (Step::progress): the forwards whose tokens are written so far, and a byte on
+// Step::notify_fd to wake whoever hands them on (the lead, once its tokens of a forward are written)
+void tell_progress(const Step& st, int done) {
+  if (st.progress == nullptr) return;
+  __atomic_store_n(st.progress, done, __ATOMIC_RELEASE);
+  if (st.notify_fd >= 0) {
+    const char b = 0;
+    const ssize_t n = write(st.notify_fd, &b, 1);  // non-blocking: a full pipe already holds a wake-up
+    (void)n;
+  }
+}
+
 }  // namespace
 
 extern "C" {
-
 
 // 0, or -1 (nothing run) where an id is not a row of the embedding, as torch's embedding raises then. Later forwards'
 // ids are the head's argmax: the caller runs more than one only where the head's rows are the embedding's
@@ -414,6 +427,7 @@ int llmserve_decode_layers(const llmserve_model* m, const llmserve_scratch* s, c
         run<float>(tm, *m, *s, f, part, best);
       else
         run<uint16_t>(tm, *m, *s, f, part, best);
+      if (tm.lead()) tell_progress(*st, i + 1);
     }
   });
   return 0;

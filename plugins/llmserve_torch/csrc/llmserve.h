@@ -115,6 +115,11 @@ struct llmserve_step {
    * none) and min_p (0: none); filtered: [rows, vocab], room for a filtering row's logits */
   const float* filters;
   float* filtered;
+  /* null, or where the call stores how many forwards' tokens are written so far (after each forward, with release
+   * order); then a byte is written to notify_fd (where >= 0) each time, to wake a thread that hands them on while
+   * the call runs (fused_stack.py's _Watcher) */
+  int32_t* progress;
+  int32_t notify_fd;
 };
 
 /* --- entry points ----------------------------------------------------------------------------------------------- */
