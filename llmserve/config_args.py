@@ -30,6 +30,8 @@ CONFIG_FLAGS: dict[str, tuple[str, type, str]] = {
     "--max-num-batched-tokens": ("scheduler.max_num_batched_tokens", int, "token budget per step"),
     "--num-scheduler-steps": ("scheduler.num_scheduler_steps", int,
                               "forwards a step may run on a batch of decodes when nothing waits (1: one)"),
+    "--stream-interval": ("scheduler.stream_interval", int,
+                          "tokens a stream gets at a time from a step of several forwards (1: each as it is made)"),
     "--cache": ("cache.name", str, "KV-cache allocator plugin"),
     "--block-size": ("cache.block_size", int, "tokens per KV block"),
     "--num-blocks": ("cache.num_blocks", int, "KV blocks (default: from --kv-cache-memory)"),

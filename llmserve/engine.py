@@ -118,6 +118,8 @@ class _Relay:
         self.engine, self.batch, self.t0 = engine, batch, t0
         self.handed = 0  # forwards replayed here; the step replays the rest
         self.sampled = 0
+        self.every = engine.config.scheduler.stream_interval
+        self.held: list[RequestOutput] = []  # replayed, not yet delivered (every `every` forwards)
         self.error: BaseException | None = None  # raised on the engine's thread once execute() returns
 
     def forward(self, j: int, tokens: list[int]) -> None:
@@ -128,14 +130,14 @@ class _Relay:
         try:
             part = (self.batch, ModelOutput(sampled_token_ids=tokens)) if j == 0 else \
                 _later_forward(self.batch, tokens, e._seqs)
-            outputs: list[RequestOutput] = []
             if part is not None:
                 e.scheduler.update_from_output(*part)
                 self.sampled += len(part[1].sampled_token_ids)
-                e._postprocess(*part, time.perf_counter(), self.t0, outputs)
+                e._postprocess(*part, time.perf_counter(), self.t0, self.held)
             self.handed = j + 1
-            if outputs:
-                e.early(outputs)
+            if self.held and self.handed % self.every == 0:
+                held, self.held = _one_delta_each(self.held), []
+                e.early(held)
         except Exception as exc:  # noqa: BLE001 - the step fails as it would have failed replaying this forward
             self.error = exc
 
@@ -390,6 +392,7 @@ class Engine:
                 if relay.error is not None:
                     raise relay.error
                 sampled += relay.sampled
+                outputs += relay.held  # replayed since its last delivery: with the step's
             for part, mo in done:
                 f = 1 + len(mo.more_token_ids or ())
                 forwards = max(forwards, f)

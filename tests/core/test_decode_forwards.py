@@ -85,6 +85,7 @@ def test_each_forward_reaches_the_streams_as_it_ends():
     rest with the step's. The same tokens, text, stops and blocks as one forward a step."""
     _, ref, ref_steps = run(engine(1), requests())
     eng = engine(8)
+    eng.config.scheduler.stream_interval = 1
     early: list[list] = []
     eng.early = early.append
     ids = [eng.add_request(p, sp, request_id=f"r{i}") for i, (p, sp) in enumerate(requests())]
@@ -104,6 +105,20 @@ def test_each_forward_reaches_the_streams_as_it_ends():
     assert sum(m.num_output_tokens for m in steps) == sum(m.num_output_tokens for m in ref_steps)
     c = eng.scheduler_stats().cache
     assert c.used_blocks == 0 and c.num_sequences == 0
+
+
+def test_a_stream_gets_a_runs_tokens_stream_interval_at_a_time():
+    eng = engine(8)
+    assert eng.config.scheduler.stream_interval == 2  # the default
+    early: list[list] = []
+    eng.early = early.append
+    eng.add_request([1, 2, 3], SamplingParams(max_tokens=17, ignore_eos=True), request_id="r")
+    eng.step()  # the prompt, and its first token
+    so = eng.step()  # a run of 8: the fake backend hands on the first 7 before execute returns
+    assert [len(batch[0].new_token_ids) for batch in early] == [2, 2, 2]
+    assert len(so.outputs) == 1 and len(so.outputs[0].new_token_ids) == 2  # the 7th held, the 8th replayed after
+    assert [t for b in early for t in b[0].new_token_ids] + so.outputs[0].new_token_ids == \
+        stream([1, 2, 3], 9)[1:]
 
 
 def test_a_step_run_by_a_relay_that_fails_fails_like_any_step():

@@ -299,7 +299,8 @@ def _engine_outputs(path, dtype, quantization, steps, sampling, early=None):
         "model": {"model": str(path), "dtype": dtype, "quantization": quantization},
         "backend": {"name": "torch", "kv_cache_memory": "8MiB", "options": {"quant_rows": 4}},
         "tokenizer": {"name": "none"}, "cache": {"block_size": 4},
-        "scheduler": {"max_num_seqs": 3, "max_num_batched_tokens": 64, "num_scheduler_steps": steps}})
+        "scheduler": {"max_num_seqs": 3, "max_num_batched_tokens": 64, "num_scheduler_steps": steps,
+                      "stream_interval": 1}})
     g = torch.Generator().manual_seed(11)
     for i, (n, sp) in enumerate(zip((5, 9, 3, 14), sampling)):
         eng.add_request(torch.randint(0, 200, (n,), generator=g).tolist(), sp, request_id=f"r{i}")
