@@ -76,6 +76,9 @@ class CacheConfig:
     block_size: int = 16
     num_blocks: int | None = None  # None: as many as the backend's kv_cache_memory holds
     enable_prefix_caching: bool = True
+    # which cached block no sequence holds goes first when a fresh one is needed: the least recently used
+    # ("lru"), or the first cached ("fifo")
+    eviction: str = "lru"
     options: dict[str, Any] = field(default_factory=dict)
 
 

@@ -34,6 +34,7 @@ CONFIG_FLAGS: dict[str, tuple[str, type, str]] = {
                           "tokens a stream gets at a time from a step of several forwards (1: each as it is made)"),
     "--cache": ("cache.name", str, "KV-cache allocator plugin"),
     "--block-size": ("cache.block_size", int, "tokens per KV block"),
+    "--eviction": ("cache.eviction", str, "lru | fifo: which cached KV block goes first"),
     "--num-blocks": ("cache.num_blocks", int, "KV blocks (default: from --kv-cache-memory)"),
     "--host": ("server.host", str, "address to bind"),
     "--port": ("server.port", int, "port to bind"),

@@ -6,13 +6,15 @@ cache salt), so equal prefixes of the same salt map to equal blocks. The default
 sha256 digest: a Python hash of an int tuple is unsalted and cheap to collide, and a forged
 collision would serve one user's KV to another (vLLM's GHSA-rm76-4mrf-v9r8). The "builtin"
 option keys the cache by the exact (parent, tokens, salt) tuple instead, so a hit is a token
-comparison and never a hash coincidence. Blocks no sequence holds keep their contents in an LRU
-pool and are evicted only when a fresh block is needed.
+comparison and never a hash coincidence. Blocks no sequence holds keep their contents and are
+evicted only when a fresh block is needed: the least recently used first ("lru"), or the first
+cached first whatever its hits since ("fifo").
 """
 
 from __future__ import annotations
 
 import hashlib
+import heapq
 import itertools
 from array import array
 from collections import OrderedDict
@@ -22,6 +24,7 @@ from llmserve.interfaces import CacheAllocator
 from llmserve.stats import CacheStats
 
 BLOCK_KEYS = ("sha256", "builtin")
+EVICTIONS = ("lru", "fifo")
 
 
 def block_hash(parent: bytes | None, tokens: Sequence[int], salt: str | None = None) -> bytes:
@@ -40,10 +43,13 @@ class PagedAllocator(CacheAllocator):
     """Fixed-size blocks, per-sequence block tables, ref counts, prefix sharing of full blocks."""
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 block_key: str = "sha256"):
+                 block_key: str = "sha256", eviction: str = "lru"):
         assert num_blocks >= 1 and block_size >= 1
         if block_key not in BLOCK_KEYS:
             raise ValueError(f"block_key must be one of {', '.join(BLOCK_KEYS)}, got {block_key!r}")
+        if eviction not in EVICTIONS:
+            raise ValueError(f"eviction must be one of {', '.join(EVICTIONS)}, got {eviction!r}")
+        self.eviction = eviction
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
@@ -54,6 +60,11 @@ class PagedAllocator(CacheAllocator):
         self._free: list[int] = list(range(num_blocks - 1, -1, -1))
         # ref-0 blocks that still hold a cached prefix, least recently used first
         self._evictable: OrderedDict[int, None] = OrderedDict()
+        # fifo: when each block's contents were cached, and the evictable ones by that (entries of blocks since
+        # retained or re-cached are skipped when popped)
+        self._cached_at = [0] * num_blocks
+        self._fifo: list[tuple[int, int]] = []
+        self._cache_serials = itertools.count()
         self._cached: dict[Hashable, int] = {}  # block key → block
         self._block_key: list[Hashable | None] = [None] * num_blocks
         self._ident: list[Hashable | None] = [None] * num_blocks  # what a child block's key chains on
@@ -120,12 +131,22 @@ class PagedAllocator(CacheAllocator):
         if self._free:
             b = self._free.pop()
         else:
-            b, _ = self._evictable.popitem(last=False)
+            b = self._pop_evictable()
             self._forget(b)
             self._evictions += 1
         self.ref_count[b] = 1
         self._used += 1
         return b
+
+    def _pop_evictable(self) -> int:
+        """The cached block to evict: the least recently released (lru), or the first cached (fifo)."""
+        if self.eviction == "lru":
+            return self._evictable.popitem(last=False)[0]
+        while True:
+            at, b = heapq.heappop(self._fifo)
+            if b in self._evictable and self._cached_at[b] == at:
+                del self._evictable[b]
+                return b
 
     def _retain(self, b: int) -> None:
         if self.ref_count[b] == 0:
@@ -140,6 +161,12 @@ class PagedAllocator(CacheAllocator):
             self._used -= 1
             if self._block_key[b] is not None:
                 self._evictable[b] = None  # most recently used at the end
+                if self.eviction == "fifo":
+                    if len(self._fifo) > 4 * self.num_blocks:  # mostly entries of blocks retained since
+                        self._fifo = [(self._cached_at[e], e) for e in self._evictable]
+                        heapq.heapify(self._fifo)
+                    else:
+                        heapq.heappush(self._fifo, (self._cached_at[b], b))
             else:
                 self._free.append(b)
 
@@ -201,6 +228,7 @@ class PagedAllocator(CacheAllocator):
                 b = table[i]
                 self._cached[key] = b
                 self._block_key[b] = key
+                self._cached_at[b] = next(self._cache_serials)
                 self._ident[b] = key if self._sha else next(self._serials)
             # chain on the registered block's identity, so later look-ups walk the same path
             parent = self._ident[b]
@@ -224,6 +252,7 @@ class PagedAllocator(CacheAllocator):
             b, _ = self._evictable.popitem(last=False)
             self._forget(b)
             self._free.append(b)
+        self._fifo.clear()
 
     # --- reporting ----------------------------------------------------------------------------
 

@@ -54,6 +54,8 @@ class PrometheusSink(MetricSink):
         self.prefix_queries = counter("llmserve_prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
         self.prefix_hits = counter("llmserve_prefix_cache_hits", "Prompt tokens served from the prefix cache.")
         self.preemptions = counter("llmserve_preemptions", "Sequences preempted (blocks freed, recomputed later).")
+        self.evictions = counter("llmserve_kv_cache_evictions", "Cached KV blocks evicted for fresh ones (cache.eviction).")
+        self._evicted = 0  # the allocator's total at the last stats (it counts since start)
         self._success = Counter("llmserve_request_success", "Sequences that ended, by finish reason.",
                                 ["model_name", "finished_reason"], registry=r)
         self._failure = Counter("llmserve_request_failure", "Sequences that failed (backend or request error).",
@@ -75,6 +77,9 @@ class PrometheusSink(MetricSink):
         self.running.set(st.num_running)
         self.waiting.set(st.num_waiting)
         self.kv_usage.set(st.cache.usage)
+        if st.cache.evictions > self._evicted:
+            self.evictions.inc(st.cache.evictions - self._evicted)
+            self._evicted = st.cache.evictions
 
     def on_request_finished(self, m) -> None:
         """Latency histograms, token counters and the finish-reason counter."""

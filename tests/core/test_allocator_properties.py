@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 
 from hypothesis import settings
@@ -12,9 +14,78 @@ from llmserve.testing import NUM_BLOCKS, allocator_machine, check_allocator
 from llmserve_paged_cache import PagedAllocator
 
 
-@pytest.mark.parametrize("block_key", ["sha256", "builtin"])
-def test_the_paged_allocator_conforms(block_key):
-    check_allocator(lambda n, bs: PagedAllocator(n, bs, enable_prefix_caching=True, block_key=block_key))
+@pytest.mark.parametrize(("block_key", "eviction"), [("sha256", "lru"), ("builtin", "lru"), ("sha256", "fifo")])
+def test_the_paged_allocator_conforms(block_key, eviction):
+    check_allocator(lambda n, bs: PagedAllocator(n, bs, enable_prefix_caching=True, block_key=block_key,
+                                                 eviction=eviction))
+
+
+class Watched(PagedAllocator):
+    """Records when each block was cached and when it was last released, and checks every eviction against them:
+    the least recently released cached block (lru), or the first cached (fifo)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.ticks = itertools.count()
+        self.cached_tick: dict[int, int] = {}
+        self.released_tick: dict[int, int] = {}
+        self.evicted: list[int] = []
+
+    def cache_full_blocks(self, seq_id, token_ids, num_computed_tokens):
+        before = list(self._block_key)
+        super().cache_full_blocks(seq_id, token_ids, num_computed_tokens)
+        for b in self.block_table(seq_id):  # in the table's order: a prefix's root first
+            if before[b] is None and self._block_key[b] is not None:
+                self.cached_tick[b] = next(self.ticks)
+
+    def free(self, seq_id):
+        table = list(self.block_table(seq_id)) if seq_id in self._tables else []
+        super().free(seq_id)
+        for b in reversed(table):  # the order free releases them in
+            if self.ref_count[b] == 0:
+                self.released_tick[b] = next(self.ticks)
+
+    def _take_fresh(self):
+        if self._free:
+            return super()._take_fresh()
+        order = self.cached_tick if self.eviction == "fifo" else self.released_tick
+        want = min(self._evictable, key=lambda b: order[b])
+        b = super()._take_fresh()
+        assert b == want, f"{self.eviction} evicted block {b}, not {want}"
+        self.evicted.append(b)
+        return b
+
+
+@pytest.mark.parametrize("eviction", ["lru", "fifo"])
+def test_cached_blocks_are_evicted_in_the_policys_order(eviction):
+    """Under the kit's random admissions, growths, writes and frees, each eviction takes the block its policy
+    names; and both policies do evict (the machine fills the cache)."""
+    made = []
+
+    def make(n, bs):
+        made.append(Watched(n, bs, eviction=eviction))
+        return made[-1]
+
+    run_state_machine_as_test(allocator_machine(make), settings=settings(max_examples=60, stateful_step_count=40,
+                                                                           deadline=None))
+    assert sum(len(a.evicted) for a in made) > 0
+
+
+def test_fifo_and_lru_evict_different_blocks_after_a_hit():
+    """Two prefixes cached, the first one hit again: lru keeps the first (used last), fifo evicts it (cached first)."""
+    kept = {}
+    for eviction in ("lru", "fifo"):
+        a = PagedAllocator(4, 2, eviction=eviction)
+        for sid, toks in (("a", [1, 2, 3]), ("b", [7, 8, 9])):
+            a.allocate(sid, toks, 3)
+            a.cache_full_blocks(sid, toks, 3)
+            a.free(sid)
+        a.allocate("a2", [1, 2, 5], 3)  # a hit on a's first block
+        a.free("a2")
+        a.allocate("big", [4] * 5, 5)  # 3 blocks: the 2 free ones and 1 of the 2 cached
+        kept[eviction] = (a.lookup_prefix([1, 2, 0]), a.lookup_prefix([7, 8, 0]))
+        assert a.stats().evictions == 1
+    assert kept == {"lru": (2, 0), "fifo": (0, 2)}
 
 
 def test_the_paged_allocators_ref_counts_match_the_holders():
@@ -96,3 +167,14 @@ def test_a_cache_salt_keeps_a_tenants_prefix_to_itself(block_key):
     assert a.lookup_prefix(prompt, "tenant-a") == 8
     assert a.lookup_prefix(prompt, "tenant-b") == 0
     assert a.lookup_prefix(prompt) == 0  # no salt is a salt of its own
+
+
+def test_cache_eviction_is_the_configs_and_checked():
+    from llmserve.config import config_from_dict
+    from llmserve.errors import ConfigError
+    from llmserve_paged_cache import _build
+
+    assert _build(config_from_dict({"cache": {"eviction": "fifo"}}), 8).eviction == "fifo"
+    assert _build(config_from_dict({}), 8).eviction == "lru"
+    with pytest.raises(ConfigError, match="cache.eviction: must be one of lru, fifo"):
+        _build(config_from_dict({"cache": {"eviction": "random"}}), 8)

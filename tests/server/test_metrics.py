@@ -16,6 +16,7 @@ NAMES = [
     "llmserve_num_requests_running", "llmserve_num_requests_waiting", "llmserve_kv_cache_usage_ratio",
     "llmserve_prompt_tokens", "llmserve_generation_tokens", "llmserve_request_success",
     "llmserve_prefix_cache_queries", "llmserve_prefix_cache_hits", "llmserve_preemptions",
+    "llmserve_kv_cache_evictions",
 ]
 
 
