@@ -66,7 +66,8 @@ def register_launchers(register):
 
 @hookspec
 def register_routes(register, engine):
-    """Add HTTP routes: ``register(path, endpoint, methods=("GET",))`` with a starlette endpoint."""
+    """Add HTTP routes: ``register(path, endpoint, methods=("GET",), openapi=None)`` with a starlette endpoint;
+    ``openapi={"path": <OpenAPI path item>, "schemas": <component schemas it refers to>}`` lists it in /openapi.json."""
 
 
 @hookspec

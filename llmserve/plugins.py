@@ -40,6 +40,7 @@ DEFAULT_PLUGINS: tuple[str, ...] = (
     "llmserve_bench",
     "llmserve_tools",
     "llmserve_ui",
+    "llmserve_generate",
     "llmserve_ray",
 )
 

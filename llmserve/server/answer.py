@@ -83,12 +83,15 @@ class Answer:
             gen.abort()
             raise map_error(e) from None
         gen.abort()
+        return Response(dumps(self.body()), media_type="application/json")
+
+    def body(self) -> dict[str, Any]:
+        """The whole answer's JSON body, once every choice has ended."""
         choices = [self._choice(i, "".join(ch.text), ch.lp)
                    | {"finish_reason": self._finish(i, ch.finish), "stop_reason": ch.stop_reason}
                    for i, ch in enumerate(self.choices)]
-        return Response(dumps({"id": self.id, "object": self.object_name, "created": self.created,
-                               "model": self.st.model_name, "choices": choices, "usage": self.usage(),
-                               "system_fingerprint": None}), media_type="application/json")
+        return {"id": self.id, "object": self.object_name, "created": self.created, "model": self.st.model_name,
+                "choices": choices, "usage": self.usage(), "system_fingerprint": None}
 
     async def _fold_all(self, gen: Generation, batch) -> None:
         while batch is not None:

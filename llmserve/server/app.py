@@ -55,11 +55,15 @@ def create_app(config: EngineConfig, engine=None) -> Starlette:
             return
         taken = {r.path for r in app.router.routes if isinstance(r, Route)}
 
-        def register(path: str, endpoint, methods=("GET",)) -> None:  # the register_routes hook's callback
+        def register(path: str, endpoint, methods=("GET",), openapi: dict | None = None) -> None:
+            # the register_routes hook's callback; openapi: {"path": path item, "schemas": components} for
+            # /openapi.json
             if path in taken:
                 log.warning("a plugin route %s clashes with an existing route; skipped", path)
-            else:
-                app.router.routes.append(Route(path, endpoint, methods=list(methods)))
+                return
+            app.router.routes.append(Route(path, endpoint, methods=list(methods)))
+            if openapi is not None:
+                st.openapi_paths[path] = {"path": openapi["path"], "schemas": openapi.get("schemas", {})}
 
         eng.plugins.pm.hook.register_routes(register=register, engine=eng)
         st.engine = eng

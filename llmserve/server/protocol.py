@@ -214,6 +214,10 @@ class _Request(_Model):
         return sp
 
 
+# what a route plugin's generation body builds on (its sampling fields, their checks and defaults)
+GenerationRequest = _Request
+
+
 class CompletionRequest(_Request):
     """A /v1/completions body; prompts are strings or token-id lists."""
 
@@ -412,7 +416,7 @@ def validate(model: type[_Model], raw: bytes, endpoint: str) -> Any:
     try:
         req = model.model_validate_json(raw)
     except ValidationError as e:
-        raise _bad_body(e) from None
+        raise _bad_body(e, _FIELDS | model.model_fields.keys()) from None
     for k, v in req.model_extra.items():
         if k in UNSUPPORTED_FIELDS and v not in UNSUPPORTED_FIELDS[k]:
             raise bad_request(f"{k} is not supported by this server (got {json.dumps(v)[:80]}); "
@@ -423,7 +427,7 @@ def validate(model: type[_Model], raw: bytes, endpoint: str) -> Any:
     return req
 
 
-def _bad_body(e: ValidationError):
+def _bad_body(e: ValidationError, fields: set[str]):
     """The 400 for pydantic's errors under the first bad field; `param` is its path, less union-member tags."""
     errors = e.errors(include_url=False)
     first = errors[0]
@@ -436,7 +440,7 @@ def _bad_body(e: ValidationError):
     for x in errors:
         if x["loc"][:1] != first["loc"][:1]:
             continue
-        loc = [p for p in x["loc"] if isinstance(p, int) or p in _FIELDS]
+        loc = [p for p in x["loc"] if isinstance(p, int) or p in fields]
         shared = loc if shared is None else [a for a, b in itertools.takewhile(lambda ab: ab[0] == ab[1],
                                                                                zip(shared, loc))]
         got = "" if isinstance(x["input"], (dict, list)) else f", got {json.dumps(x['input'])[:80]}"

@@ -21,8 +21,9 @@ def _state(request: Request) -> ServerState:
     return request.app.state.llm
 
 
-async def _admit(request: Request, model) -> tuple[ServerState, AsyncEngine, Any, SamplingParams]:
-    """The shared start of a generation endpoint, each step once: admission, body, validation, model name."""
+async def admit(request: Request, model) -> tuple[ServerState, AsyncEngine, Any, SamplingParams]:
+    """The shared start of a generation endpoint (a route plugin's too), each step once: admission, body,
+    validation, model name."""
     st = _state(request)
     aengine = st.admit()
     body = await request.body()  # within the limits SizeLimitMiddleware enforces while this reads
@@ -79,7 +80,7 @@ async def encode(tok, text: str, add_special_tokens: bool = True) -> list[int]:
 
 async def completions(request: Request) -> Response:
     """POST /v1/completions."""
-    st, aengine, req, sp = await _admit(request, CompletionRequest)
+    st, aengine, req, sp = await admit(request, CompletionRequest)
     tok = st.engine.tokenizer
     prompt_ids: list[list[int]] = []
     prompt_texts: list[str] = []
@@ -105,7 +106,7 @@ async def completions(request: Request) -> Response:
 
 async def chat_completions(request: Request) -> Response:
     """POST /v1/chat/completions."""
-    st, aengine, req, sp = await _admit(request, ChatRequest)
+    st, aengine, req, sp = await admit(request, ChatRequest)
     prompt = chat_prompt(st, req)
     ids = req.truncated(await encode(st.engine.tokenizer, prompt, req.add_special_tokens), st.engine.max_model_len,
                         sp.max_tokens)
@@ -161,8 +162,15 @@ async def get_model(request: Request) -> Response:
 
 
 async def openapi_json(request: Request) -> Response:
-    """GET /openapi.json: the request schemas of the generation endpoints (from the pydantic models)."""
-    return JSONResponse(openapi())
+    """GET /openapi.json: the request schemas of the generation endpoints (from the pydantic models), with the
+    paths route plugins describe."""
+    doc = openapi()
+    extra = _state(request).openapi_paths
+    if extra:
+        doc = {**doc, "paths": {**doc["paths"], **{p: item["path"] for p, item in extra.items()}},
+               "components": {"schemas": {**doc["components"]["schemas"],
+                                          **{k: v for item in extra.values() for k, v in item["schemas"].items()}}}}
+    return JSONResponse(doc)
 
 
 async def health(request: Request) -> Response:

@@ -30,6 +30,8 @@ class ServerState:
     draining: bool = False
     load_error: str | None = None
     connections: Connections | None = None  # the transport's table (transport.uvicorn_config); None without one
+    # path → {"path": its OpenAPI path item, "schemas": the component schemas it refers to}: route plugins' own
+    openapi_paths: dict[str, dict] = field(default_factory=dict)
     created: int = field(default_factory=lambda: int(time.time()))
     _snapshot: tuple[float, dict] | None = None  # (monotonic time, /stats body): polling never costs a step
     _snapshot_lock: asyncio.Lock = field(default_factory=asyncio.Lock)

@@ -101,7 +101,8 @@ def test_openapi_json_describes_the_request_bodies(fake_server):
     r = httpx.get(fake_server.url + "/openapi.json")
     assert r.status_code == 200
     doc = r.json()
-    assert doc["openapi"].startswith("3.") and set(doc["paths"]) == {"/v1/completions", "/v1/chat/completions"}
+    assert doc["openapi"].startswith("3.") and set(doc["paths"]) == {"/v1/completions", "/v1/chat/completions",
+                                                                 "/v1/generate"}  # (llmserve_generate's)
     schemas = doc["components"]["schemas"]
     chat = schemas["ChatRequest"]
     assert chat["required"] == ["messages"] and chat["properties"]["temperature"]["type"] == "number"
