@@ -63,7 +63,7 @@ def log(msg: str) -> None:
 
 
 def llama_dir(version: str = LLAMA_CPP_PYTHON) -> Path:
-    from llmserve_torch.gguf_cache import cache_root
+    from llmserve_torch.cache_paths import cache_root
 
     return cache_root() / "llama.cpp" / version
 
@@ -180,7 +180,7 @@ def llama_version(server: Path) -> dict[str, Any]:
 
 
 def derived_dir() -> Path:
-    from llmserve_torch.gguf_cache import cache_root
+    from llmserve_torch.cache_paths import cache_root
 
     return cache_root() / "llama.cpp" / "models"
 

@@ -13,19 +13,15 @@ import time
 from pathlib import Path
 
 from llmserve.errors import ConfigError
+from llmserve_torch.cache_paths import cache_root
+from llmserve_torch.generation_config import FILE, from_gguf
+from llmserve_torch.gguf_file import GGUFCheckpoint
 
 log = logging.getLogger("llmserve.torch")
 
 # bump when the conversion changes what it writes: caches of another format are rebuilt
 FORMAT = 1
 MARKER = "llmserve-gguf.json"  # written last: a directory without it is not a cache
-
-
-def cache_root() -> Path:
-    """$LLMSERVE_CACHE, else $XDG_CACHE_HOME/llmserve, else ~/.cache/llmserve."""
-    if os.environ.get("LLMSERVE_CACHE"):
-        return Path(os.environ["LLMSERVE_CACHE"]).expanduser()
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "llmserve"
 
 
 def file_sha256(path: Path, index: Path) -> str:
@@ -96,9 +92,6 @@ def export_tokenizer(path: Path, out: Path) -> bool:
 def cached_checkpoint(path: Path) -> tuple[Path, bool]:
     """The GGUF's converted checkpoint directory (converting on the first call) and whether it holds a tokenizer."""
     from safetensors.torch import save_file
-
-    from llmserve_torch.gguf_file import GGUFCheckpoint
-    from llmserve_torch.generation_config import FILE, from_gguf
 
     root = cache_root() / "gguf"
     try:

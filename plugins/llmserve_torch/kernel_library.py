@@ -104,7 +104,8 @@ def bind(lib: ctypes.CDLL) -> ctypes.CDLL:
 
 def cache_dir() -> Path:
     """Where built kernels live: $LLMSERVE_CACHE_DIR, else kernels/ in llmserve's cache root, else the temp dir."""
-    from llmserve_torch.gguf_cache import cache_root  # the one rule for where llmserve caches things
+    # imported here, not above: setup.py runs this module alone, where llmserve_torch cannot be imported
+    from llmserve_torch.cache_paths import cache_root
 
     if os.environ.get("LLMSERVE_CACHE_DIR"):
         return Path(os.environ["LLMSERVE_CACHE_DIR"])

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from llmserve.errors import ConfigError
-from llmserve_torch.gguf_cache import cache_root
+from llmserve_torch.cache_paths import cache_root
 
 log = logging.getLogger("llmserve.torch")
 

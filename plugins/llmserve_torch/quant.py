@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from llmserve_torch import kernel_library
+from llmserve_torch.kernel_plan import NEVER
 
 GROUP = 32  # a group: llama.cpp's Q4_0 ... Q8_0 block and the K-quants' sub-block (Q6_K's scales: per 16)
 # the group kinds and their bits: each GGUF type's blocks map onto one at the file's own bits (gguf_quant.py);
@@ -367,8 +368,6 @@ class QuantLinear:
 
     def max_quantized_rows(self) -> int:
         """The most rows a call runs in the quantized kernel (more go to the dense copy, where there is one)."""
-        from llmserve_torch.kernel_plan import NEVER
-
         return self.plan.choice(self.kind)[1] if self.dense is not None else NEVER
 
     def kernel_tensors(self) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -19,7 +19,7 @@ from llmserve.config import ModelConfig, config_from_dict
 from llmserve.engine import Engine
 from llmserve.errors import ConfigError
 from llmserve.request import SamplingParams
-from llmserve_torch import gguf_cache, gguf_file, sources
+from llmserve_torch import cache_paths, gguf_cache, gguf_file, sources
 from llmserve_torch.arch import Rope
 from llmserve_torch.loader import load_model
 from llmserve_torch.models.rope import default_inv_freq, inv_freq
@@ -200,13 +200,13 @@ def test_a_directory_holding_one_gguf_loads_it(llama_gguf):
 
 
 def test_cache_root_follows_llmserve_cache_then_xdg(monkeypatch, tmp_path):
-    assert gguf_cache.cache_root() == tmp_path / "cache"
+    assert cache_paths.cache_root() == tmp_path / "cache"
     monkeypatch.delenv("LLMSERVE_CACHE")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
-    assert gguf_cache.cache_root() == tmp_path / "xdg" / "llmserve"
+    assert cache_paths.cache_root() == tmp_path / "xdg" / "llmserve"
     monkeypatch.delenv("XDG_CACHE_HOME")
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
-    assert gguf_cache.cache_root() == tmp_path / "home" / ".cache" / "llmserve"
+    assert cache_paths.cache_root() == tmp_path / "home" / ".cache" / "llmserve"
 
 
 def test_an_interrupted_first_load_leaves_no_cache(llama_gguf, cache, monkeypatch):
