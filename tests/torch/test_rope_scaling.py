@@ -20,7 +20,7 @@ from torch_helpers import Driver, batch_of, make_backend, make_llama
 from llmserve.errors import ConfigError
 from llmserve.request import SamplingParams
 from llmserve_torch.arch import Rope, rope_from_hf
-from llmserve_torch.loader import read_arch
+from llmserve_torch.checkpoint import read_arch
 from llmserve_torch.models.rope import default_inv_freq, inv_freq
 
 MAX_POSITIONS = 256
