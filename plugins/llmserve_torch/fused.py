@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from llmserve_torch import kernel_library
+from llmserve_torch.attention import triton_unavailable_on
 
 log = logging.getLogger("llmserve.torch")
 
@@ -86,7 +87,7 @@ class TritonOps(TorchOps):
     name = "triton"
 
     def __init__(self):
-        from llmserve_torch import triton_kernels
+        from llmserve_torch import triton_kernels  # only where Triton is installed
 
         self.add_rms, self.rope, self.silu_mul = (triton_kernels.add_rms, triton_kernels.rope,
                                                   triton_kernels.silu_mul)
@@ -94,8 +95,6 @@ class TritonOps(TorchOps):
 
 def _triton_ops(device: torch.device, kind: str) -> TorchOps:
     """Triton's ops where Triton runs on this device; torch's otherwise (an error if triton was asked for)."""
-    from llmserve_torch.attention import triton_unavailable_on
-
     why = triton_unavailable_on(device)
     if why is None:
         return TritonOps()

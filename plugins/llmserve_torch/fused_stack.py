@@ -16,6 +16,8 @@ import torch
 
 from llmserve_torch import kernel_library
 from llmserve_torch.forward_relay import ForwardRelay, Listener
+from llmserve_torch.fused import CpuOps
+from llmserve_torch.models.qwen2 import Qwen2Model
 from llmserve_torch.quant import OWN_INT8_MAX_ROWS, QuantLinear
 
 FUSE_LAYERS = ("auto", "off")
@@ -41,9 +43,6 @@ STAGES = ("q|k|v matmul", "RoPE + K/V store", "attention", "o matmul", "residual
 
 def _why_not(model, attention, lib) -> str | None:
     """Why the fused stack cannot run this model on this cache (None when it can)."""
-    from llmserve_torch.fused import CpuOps
-    from llmserve_torch.models.qwen2 import Qwen2Model
-
     if lib is None:
         return "the kernel library did not build"
     if not isinstance(model, Qwen2Model) or model.arch.qk_norm:
