@@ -26,6 +26,7 @@ _ids = itertools.count()
 # deployment name → the LLMRequestRouter of that deployment's handle in this process (serve_router.py
 # registers it): the ingress reads the running replicas and the router's costs from it
 ROUTERS: dict[str, Any] = {}
+REPLICAS = "EngineReplica"  # the replicas' deployment (launch.py names it so): the ingress's key into ROUTERS
 
 
 class FleetFront(Front):

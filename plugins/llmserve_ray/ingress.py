@@ -16,8 +16,7 @@ class Ingress:
     """Builds the OpenAI app (llmserve.server.app.create_app) over the replicas' DeploymentHandle."""
 
     async def __init__(self, config: dict, replicas):
-        from llmserve_ray.fleet import ROUTERS
-        from llmserve_ray.launch import REPLICAS
+        from llmserve_ray.fleet import REPLICAS, ROUTERS
 
         self.config = config_from_dict(config)
         info = await replicas.describe.remote()  # also starts this process's router for the replicas

@@ -15,12 +15,12 @@ from typing import Any
 from llmserve.config import EngineConfig, check_options
 from llmserve.errors import LLMServeError
 from llmserve.plugins import load_plugins
+from llmserve_ray.fleet import REPLICAS
 
 log = logging.getLogger("llmserve.ray")
 
 APP_NAME = "llmserve"
 INGRESS = "Ingress"
-REPLICAS = "EngineReplica"  # the replicas' deployment; the ingress finds its router by this name
 _OPTIONS = {"router": {}, "max_ongoing_requests": 256, "stats_period_s": 0.5, "ingress_num_cpus": 0.0,
             "health_check_period_s": 2.0}
 
