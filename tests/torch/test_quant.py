@@ -371,58 +371,6 @@ def test_bad_settings_are_config_errors(qwen2_dir):
         make_backend("embedded", options={"decoder_ops": "gpu"})
 
 
-def test_a_measured_crossover_is_remembered_for_the_next_load(monkeypatch):
-    from llmserve_torch import kernel_plan
-
-    w = torch.from_numpy(_weights(64, 128))
-
-    def lins():
-        return [QuantLinear(quantize_int4(w), None, None, Linear(w.to(torch.bfloat16), None, pack=False))
-                for _ in range(2)]
-
-    first = KernelPlan()
-    plan_kernels(first, lins(), torch.bfloat16, max_batch_rows=8)
-    assert first.kinds["int4"].how == "measured"
-    monkeypatch.setattr(kernel_plan, "_measure_crossover", lambda *a: pytest.fail("measured twice"))
-    second = KernelPlan()
-    plan_kernels(second, lins(), torch.bfloat16, max_batch_rows=8)
-    assert second.kinds["int4"].how == "measured earlier on this machine"
-    assert second.kinds["int4"].max_rows == first.kinds["int4"].max_rows
-    assert second.kinds["int4"].timings == first.kinds["int4"].timings
-
-
-def test_the_activation_dtype_picked_is_remembered_for_the_next_load(monkeypatch):
-    """A float32 model's kernels take bf16 or float32 activations, timed once per machine: timed at every load,
-    the pick flipped under CPU contention and two loads of one model ran different kernels."""
-    from llmserve_torch import kernel_plan
-
-    w = torch.from_numpy(_weights(64, 128))
-
-    def lins():
-        return [QuantLinear(quantize_int4(w), None, None, None) for _ in range(2)]
-
-    timed = []
-    real_time = kernel_plan._time
-    monkeypatch.setattr(kernel_plan, "_time", lambda fn, reps=2: timed.append(1) or real_time(fn, reps))
-    first = KernelPlan()
-    plan_kernels(first, lins(), torch.float32, max_batch_rows=8)
-    assert len(timed) == 2  # bf16 and float32, once each
-    picked = first.kinds["int4"].act
-    other = torch.float32 if picked == torch.bfloat16 else torch.bfloat16
-    # the later load would now pick the other dtype, were it timed again
-    monkeypatch.setattr(kernel_plan, "_time", lambda fn, reps=2: pytest.fail("timed again"))
-    second = KernelPlan()
-    plan_kernels(second, lins(), torch.float32, max_batch_rows=8)
-    assert second.kinds["int4"].act == picked
-    # another serving dtype or other shapes are another measurement
-    # (the timed lambda binds its dtype as its default argument)
-    monkeypatch.setattr(kernel_plan, "_time", lambda fn, reps=2: 1.0 if fn.__defaults__[0] == other else 2.0)
-    wide = QuantLinear(quantize_int4(torch.from_numpy(_weights(64, 256))), None, None, None)
-    third = KernelPlan()
-    plan_kernels(third, [wide], torch.float32, max_batch_rows=8)
-    assert third.kinds["int4"].act == other
-
-
 @pytest.mark.parametrize("rows", [1, 3, 8, 12])  # ours up to 8 (int16 activations, or float without SIMD); aten
 @pytest.mark.parametrize("serving", DTYPES + [torch.float16])  # float16: not ours (it reads fp32/bf16 only)
 def test_each_int8_kernel_path_matches_the_reference(rows, serving):
