@@ -2,7 +2,7 @@
 
 tool_choice auto reads calls with the tool parser plugin named by server.tool_parser; reasoning comes out through
 server.reasoning_parser. tool_choice required or a named function is enforced by the grammar (`tool_grammar`), so
-its JSON is read here directly.
+its JSON is read here directly, as it streams.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from typing import Any
 from llmserve.interfaces import ReasoningParser, ToolCallDelta, ToolParser
 from llmserve.request import StructuredOutput
 from llmserve.server.errors import bad_request
+from llmserve.server.jsoncalls import JsonCalls
 
 
 class _Named(ToolParser):
@@ -32,18 +33,14 @@ class _Named(ToolParser):
 
 
 class _Required(ToolParser):
-    """tool_choice required: the grammar made the output a JSON array of {"name", "parameters"}, read once whole."""
+    """tool_choice required: the grammar made the output a JSON array of {"name", "parameters"}, read as it streams
+    (the calls whole before a max_tokens cut are kept, as is the cut one as far as it came)."""
 
     def __init__(self):
-        self.text = ""
+        self.calls = JsonCalls(depth=2, args=("parameters",))
 
     def feed(self, text: str, final: bool = False) -> tuple[str, list[ToolCallDelta]]:
-        self.text += text
-        try:
-            return "", [ToolCallDelta(i, c["name"], json.dumps(c["parameters"], ensure_ascii=False))
-                        for i, c in enumerate(json.loads(self.text) if final else [])]
-        except (ValueError, TypeError, KeyError):  # cut by max_tokens (finish_reason length)
-            return "", []
+        return "", self.calls.feed(text)
 
 
 class ChoiceParser:
@@ -79,6 +76,10 @@ class ChoiceParser:
         return {"index": p.index, **call, "function": dict(call["function"])}
 
 
+# a function without parameters takes none: OpenAI's "empty parameter list"
+EMPTY = {"type": "object", "properties": {}, "additionalProperties": False}
+
+
 def tool_grammar(req: Any, current: StructuredOutput | None) -> StructuredOutput | None:
     """The grammar that enforces tool_choice required or a named function (vLLM's schemas), else `current`."""
     choice, tools = req.tool_choice, req.tools or []
@@ -89,10 +90,9 @@ def tool_grammar(req: Any, current: StructuredOutput | None) -> StructuredOutput
     if current is not None:
         raise bad_request("tool_choice required or a named function cannot be combined with another output "
                           "constraint (response_format, guided_*)", "tool_choice")
-    empty = {"type": "object", "properties": {}}
     if choice == "required":
         items = [{"type": "object", "properties": {"name": {"const": t.function.name},
-                                                   "parameters": t.function.parameters or empty},
+                                                   "parameters": t.function.parameters or EMPTY},
                   "required": ["name", "parameters"], "additionalProperties": False} for t in tools]
         schema = {"type": "array", "minItems": 1, "items": {"anyOf": items}} | ({} if req.parallel_tool_calls
                                                                                 else {"maxItems": 1})
@@ -102,7 +102,7 @@ def tool_grammar(req: Any, current: StructuredOutput | None) -> StructuredOutput
         raise bad_request(f"tool_choice names the function {choice.function.name!r}, which is not among tools "
                           f"({', '.join(names)})", "tool_choice.function.name")
     i = names.index(choice.function.name)
-    return StructuredOutput("json", json.dumps(tools[i].function.parameters or empty), f"tools[{i}].function.parameters")
+    return StructuredOutput("json", json.dumps(tools[i].function.parameters or EMPTY), f"tools[{i}].function.parameters")
 
 
 def choice_parsers(st: Any, req: Any, sp: Any, prompt: str) -> Callable[[], ChoiceParser] | None:

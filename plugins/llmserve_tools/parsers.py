@@ -7,7 +7,7 @@ possible start of a tag is held back. Text that turns out to hold no call is sen
 from __future__ import annotations
 
 from llmserve.interfaces import ToolCallDelta, ToolParser
-from llmserve_tools.jsoncalls import JsonCalls
+from llmserve.server.jsoncalls import JsonCalls
 
 
 def held(text: str, tag: str) -> int:

@@ -9,9 +9,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from llmserve_tools import HermesParser, Llama3JsonParser, ThinkParser, auto
-from llmserve_tools.jsoncalls import JsonCalls
 
 from llmserve.errors import InvalidRequestError
+from llmserve.server.jsoncalls import JsonCalls
 from llmserve.server.tools import ChoiceParser, _Named, _Required
 
 
@@ -123,9 +123,25 @@ def test_required_and_named_read_the_grammar_output():
     text = '[{"name": "a", "parameters": {"x": [1]}}, {"parameters": {}, "name": "b"}]'
     assert run(lambda: ChoiceParser(None, _Required()), text, [5, 9, 30])["tool_calls"] == \
         [{"name": "a", "arguments": '{"x": [1]}'}, {"name": "b", "arguments": "{}"}]
-    assert run(lambda: ChoiceParser(None, _Required()), '[{"name": "a", "param', [3])["tool_calls"] == []  # cut
+    # cut by max_tokens: the whole calls stay, and the cut one as far as it came (OpenAI's shape; finish_reason length)
+    cut = '[{"name": "a", "parameters": {"x": 1}}, {"name": "b", "parameters": {"y": [2'
+    assert run(lambda: ChoiceParser(None, _Required()), cut, [3, 20, 50])["tool_calls"] == \
+        [{"name": "a", "arguments": '{"x": 1}'}, {"name": "b", "arguments": '{"y": [2'}]
+    assert run(lambda: ChoiceParser(None, _Required()), '[{"name": "a", "param', [3])["tool_calls"] == \
+        [{"name": "a", "arguments": ""}]
     m = run(lambda: ChoiceParser(None, _Named("f")), '{"q": "w"}', [1, 4])
     assert m == {"content": "", "reasoning_content": "", "tool_calls": [{"name": "f", "arguments": '{"q": "w"}'}]}
+
+
+REQUIRED = '[{"name": "a", "parameters": {"x": [1, "]}"]}}, {"name": "b", "parameters": {}}]'
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.lists(st.integers(0, len(REQUIRED)), max_size=10))
+def test_required_streamed_in_any_pieces_gives_the_same_calls(cuts):
+    m = run(lambda: ChoiceParser(None, _Required()), REQUIRED, cuts)
+    assert m == run(lambda: ChoiceParser(None, _Required()), REQUIRED)
+    assert m["tool_calls"] == [{"name": "a", "arguments": '{"x": [1, "]}"]}'}, {"name": "b", "arguments": "{}"}]
 
 
 THINK = "<think>\nStep 1 < step 2.\n</think>\n\nThe answer."

@@ -66,9 +66,89 @@ def test_streamed_calls_assemble_in_the_sdk(echo):
         assert (t.id is None) == (t.function.name is None)
 
 
-def test_parallel_tool_calls_false_answers_one_call(echo):
-    c = ask(echo, TWO, tools=[WEATHER, TIME], parallel_tool_calls=False).choices[0]
-    assert [t.function.name for t in c.message.tool_calls] == ["get_weather"]
+# tool_choice required: the grammar's array, written as the grammar allows it (compact JSON)
+REQUIRED = ('[{"name":"get_weather","parameters":{"city":"Paris","unit":"c"}},'
+            '{"name":"get_time","parameters":{"zone":"utc"}}]')
+# each way of calling: the model's text and the request fields that make the server read calls out of it
+WAYS = {"auto": (TWO, {}), "required": (REQUIRED, {"tool_choice": "required"})}
+
+
+@pytest.fixture(scope="module")
+def paced():
+    # a step takes 2 ms, so a stream's deliveries each hold a few tokens, as with a real model
+    s = start_server({**ECHO, "backend": {"name": "echo", "options": {"step_cost_s": 0.002}},
+                      "server": {"tool_parser": "hermes"}}, extra_plugins=[EchoPlugin()])
+    yield s
+    s.stop()
+
+
+def answer(server, said: str, **kw) -> tuple[dict, list[dict]]:
+    """The whole answer's choice, and the streamed answer's tool-call pieces as the server sent them; the streamed
+    choice's finish_reason and content are checked against the whole one's here."""
+    body = {"model": "echo", "messages": [{"role": "user", "content": script(said)}], "max_tokens": 400, **kw}
+    whole = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=60).json()["choices"][0]
+    pieces, content, finish = [], "", None
+    with httpx.stream("POST", server.url + "/v1/chat/completions", json=body | {"stream": True}, timeout=60) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                (c,) = json.loads(line[6:])["choices"]
+                pieces += c["delta"].get("tool_calls", [])
+                content += c["delta"].get("content") or ""
+                finish = c["finish_reason"] or finish
+    assert finish == whole["finish_reason"] and content == (whole["message"]["content"] or "")
+    return whole, pieces
+
+
+def assembled(pieces: list[dict]) -> list[tuple[str, str]]:
+    """(name, arguments) of each call, put together as a client does: the first piece names it, the rest extend."""
+    calls: dict[int, list] = {}
+    for p in pieces:
+        if p["index"] not in calls:
+            assert p["id"].startswith("call_") and p["type"] == "function" and p["function"]["name"], p
+            calls[p["index"]] = [p["function"]["name"], p["function"]["arguments"]]
+        else:
+            assert set(p) == {"index", "function"} and set(p["function"]) == {"arguments"}, p
+            calls[p["index"]][1] += p["function"]["arguments"]
+    assert sorted(calls) == list(range(len(calls)))
+    return [tuple(calls[i]) for i in sorted(calls)]
+
+
+def calls_of(choice: dict) -> list[tuple[str, str]]:
+    return [(t["function"]["name"], t["function"]["arguments"]) for t in choice["message"].get("tool_calls") or ()]
+
+
+@pytest.mark.parametrize("way", WAYS)
+def test_streamed_calls_come_name_first_then_arguments_in_pieces(paced, way):
+    said, kw = WAYS[way]
+    whole, pieces = answer(paced, said, tools=[WEATHER, TIME], **kw)
+    assert whole["finish_reason"] == "tool_calls"
+    assert [name for name, _ in calls_of(whole)] == ["get_weather", "get_time"]
+    assert assembled(pieces) == calls_of(whole)  # the streamed calls are the whole answer's, to the character
+    for i in (0, 1):
+        mine = [p for p in pieces if p["index"] == i]
+        assert "name" in mine[0]["function"]  # the name comes with the call's first piece, before more arguments
+        assert sum(bool(p["function"]["arguments"]) for p in mine) > 1  # the arguments as they were written
+
+
+@pytest.mark.parametrize("way", WAYS)
+def test_calls_whole_before_a_length_cut_are_answered(paced, way):
+    said, kw = WAYS[way]
+    cut = said.index("zone") + 2  # inside the second call's arguments (the byte tokenizer: a token a character)
+    whole, pieces = answer(paced, said, tools=[WEATHER, TIME], max_tokens=cut, **kw)
+    assert whole["finish_reason"] == "length"
+    first, second = calls_of(whole)
+    assert first[0] == "get_weather" and json.loads(first[1]) == {"city": "Paris", "unit": "c"}
+    assert second[0] == "get_time" and second[1].endswith('"zo')  # the cut call as far as it came, as OpenAI does
+    assert assembled(pieces) == calls_of(whole)
+
+
+@pytest.mark.parametrize("way", WAYS)
+def test_parallel_tool_calls_false_answers_one_call(paced, way):
+    # auto: the calls after the first are dropped; required: the grammar ends the array after one call
+    said, kw = WAYS[way]
+    whole, pieces = answer(paced, said, tools=[WEATHER, TIME], parallel_tool_calls=False, **kw)
+    assert [name for name, _ in calls_of(whole)] == ["get_weather"] and whole["finish_reason"] == "tool_calls"
+    assert assembled(pieces) == calls_of(whole)
 
 
 def test_tool_choice_none_leaves_the_text_alone(echo):

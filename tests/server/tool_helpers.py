@@ -3,11 +3,13 @@ Qwen2.5-style chat template (tools, tool calls, tool results), and a tool to cal
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 from llmserve_fake import FakeBackend
 
 from llmserve.batch import ModelOutput
+from llmserve.constraints import unpack_bitmask
 from llmserve.hookspecs import hookimpl
 
 START, END = "\x01", "\x02"  # the byte tokenizer's ids 1 and 2 mark the text the echo backend answers with
@@ -19,22 +21,34 @@ def script(text: str) -> str:
 
 
 class EchoBackend(FakeBackend):
-    """Answers with the prompt's tokens after the last `start` token up to `end`, or the whole prompt without one."""
+    """Answers with the prompt's tokens after the last `start` token up to `end`, or the whole prompt without one.
+
+    Under a grammar it writes only what the grammar allows: once it refuses a scripted token the echo stops, and the
+    answer ends as soon as the grammar lets it (meanwhile the highest allowed id: a `}` or `]` closes JSON)."""
 
     def __init__(self, start: int, end: int, **kw):
         super().__init__(**kw)
         self.start, self.end = start, end
 
     def execute(self, batch):
+        if self.step_cost_s:
+            time.sleep(self.step_cost_s)
+        allowed = {}
+        if batch.token_bitmask is not None:
+            rows = unpack_bitmask(batch.token_bitmask, self.vocab_size)
+            allowed = {i: rows[k].nonzero().flatten().tolist() for k, i in enumerate(batch.bitmask_rows)}
         sampled = []
-        for r in batch.requests:
+        for i, r in enumerate(batch.requests):
             prompt = r.token_ids[:r.num_prompt_tokens]
             said = prompt
             if self.start in prompt:
                 said = prompt[len(prompt) - prompt[::-1].index(self.start):]
                 said = said[:said.index(self.end)] if self.end in said else said
-            n = r.num_output_tokens
-            sampled.append(None if not r.do_sample else said[n] if n < len(said) else self.eos_token_id)
+            n, ok = r.num_output_tokens, allowed.get(i)
+            tok = said[n] if n < len(said) else self.eos_token_id
+            if ok and (tok not in ok or r.token_ids[r.num_prompt_tokens:] != said[:n]):
+                tok = self.eos_token_id if self.eos_token_id in ok else max(ok)
+            sampled.append(tok if r.do_sample else None)
         return ModelOutput(sampled)
 
 
@@ -42,9 +56,10 @@ class EchoPlugin:
     @hookimpl
     def register_backends(self, register):
         def build(config):
-            o = {"start": 1, "end": 2, "vocab_size": 257, "eos_token_id": 256, **config.backend.options}
+            o = {"start": 1, "end": 2, "vocab_size": 257, "eos_token_id": 256, "step_cost_s": 0.0,
+                 **config.backend.options}
             return EchoBackend(o["start"], o["end"], vocab_size=o["vocab_size"], eos_token_id=o["eos_token_id"],
-                               max_model_len=config.model.max_model_len or 4096)
+                               max_model_len=config.model.max_model_len or 4096, step_cost_s=o["step_cost_s"])
 
         register("echo", build)
 

@@ -1,5 +1,6 @@
 """JsonCalls: tool calls read out of JSON text as it streams — a call's name once it is whole, then its arguments
-piece by piece. The default parsers use it; so may a plugin's (docs/tool-calling.md)."""
+piece by piece. tool_choice required's output is read with it, so are the default parsers' calls, and so may a
+plugin's (docs/tool-calling.md)."""
 
 from __future__ import annotations
 
