@@ -22,7 +22,8 @@ from pydantic.json_schema import models_json_schema
 from llmserve.errors import InvalidRequestError
 from llmserve.request import SamplingParams, StructuredOutput
 from llmserve.server.errors import bad_request
-from llmserve.server.tools import tool_grammar
+from llmserve.server.strict import check_strict
+from llmserve.server.tools import EMPTY, tool_grammar
 
 log = logging.getLogger("llmserve.server.protocol")
 
@@ -60,7 +61,7 @@ class JsonSchemaFormat(_Model):
     name: str = "response"
     description: str | None = None
     schema_: dict[str, Any] | bool = Field(default=True, alias="schema")
-    strict: bool | None = None  # the schema is always enforced; strict changes nothing here
+    strict: bool | None = None  # the schema is always enforced; strict true also refuses open objects (OpenAI's rules)
 
 
 class ResponseFormat(_Model):
@@ -144,7 +145,10 @@ class _Request(_Model):
             if rf.json_schema is None:
                 raise bad_request("response_format of type json_schema needs json_schema.schema",
                                   "response_format.json_schema")
-            found.append(StructuredOutput("json", _json_text(rf.json_schema.schema_), "response_format.json_schema.schema"))
+            param = "response_format.json_schema.schema"
+            if rf.json_schema.strict:
+                check_strict(rf.json_schema.schema_, f"response_format {rf.json_schema.name!r}", param)
+            found.append(StructuredOutput("json", _json_text(rf.json_schema.schema_), param))
         so = self.structured_outputs
         for field_, kind, value in (
                 ("structured_outputs.json", "json", so and so.json_), ("structured_outputs.regex", "regex", so and so.regex),
@@ -346,6 +350,10 @@ class ChatRequest(_Request):
                 raise bad_request(f"messages[{i}].content is required for role {m.role!r}", f"messages[{i}].content")
             if m.role == "tool" and m.tool_call_id is None:
                 raise bad_request(f"messages[{i}].tool_call_id is required for role 'tool'", f"messages[{i}].tool_call_id")
+        for i, t in enumerate(self.tools or ()):
+            if t.function.strict:
+                check_strict(t.function.parameters or EMPTY, f"function {t.function.name!r}",
+                             f"tools[{i}].function.parameters", "invalid_function_parameters")
         for name in ("functions", "function_call"):
             if getattr(self, name) is not None:
                 raise bad_request(f"{name} (legacy function calling) is not supported: send tools and tool_choice",

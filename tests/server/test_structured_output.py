@@ -15,6 +15,7 @@ import pydantic
 import pytest
 
 from tests.server.conftest import FAKE, start_server
+from tests.server.tool_helpers import ECHO, EchoPlugin, script
 
 
 class City(pydantic.BaseModel):
@@ -45,7 +46,7 @@ def test_sdk_parse_returns_the_pydantic_object(server):
 
 
 def test_json_schema_streamed_with_n_choices_each_validate(server):
-    schema = City.model_json_schema()
+    schema = City.model_json_schema() | {"additionalProperties": False}  # strict: closed, as OpenAI wants it
     stream = server.client().chat.completions.create(
         model="embedded", messages=[{"role": "user", "content": "two cities"}], n=2, stream=True, max_tokens=2000,
         response_format={"type": "json_schema", "json_schema": {"name": "city", "schema": schema, "strict": True}},
@@ -145,6 +146,57 @@ def test_a_bad_constraint_is_a_400_naming_the_field(server, body, param):
     err = r.json()["error"]
     assert err["param"] == param and err["type"] == "invalid_request_error", err
     assert server.wait_idle()["running"] == 0
+
+
+# --- strict: OpenAI's rules, and a model that would write a key the schema does not name ----------------------
+
+@pytest.fixture(scope="module")
+def echo():
+    s = start_server(ECHO, extra_plugins=[EchoPlugin()])
+    yield s
+    s.stop()
+
+
+def strict_format(schema: dict, strict: bool = True) -> dict:
+    return {"type": "json_schema", "json_schema": {"name": "pair", "schema": schema, "strict": strict}}
+
+
+OPEN = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+
+
+def test_a_strict_schema_allows_no_key_it_does_not_name(echo):
+    def said(fmt):
+        r = post(echo, "/v1/chat/completions", {"messages": [{"role": "user", "content": script('{"a":1,"b":2}')}],
+                                                "max_tokens": 50, "response_format": fmt})
+        return r.json()["choices"][0]["message"]["content"] if r.status_code == 200 else r.json()["error"]
+
+    assert said(strict_format(OPEN, strict=False)) == '{"a":1,"b":2}'  # JSON Schema's objects are open
+    assert said(strict_format(OPEN | {"additionalProperties": False})) == '{"a":1}'  # the extra key: impossible
+    err = said(strict_format(OPEN))  # OpenAI refuses an open object in strict mode, as this server does
+    assert err == {"message": "Invalid schema for response_format 'pair': In context=(), 'additionalProperties' is "
+                              "required to be supplied and to be false.", "type": "invalid_request_error",
+                   "param": "response_format.json_schema.schema", "code": None}
+
+
+CLOSED = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"], "additionalProperties": False}
+
+
+@pytest.mark.parametrize("schema, says", [
+    ({"type": "array", "items": {"type": "integer"}}, """must be a JSON Schema of 'type: "object"', got 'type: "array"'"""),
+    (CLOSED | {"properties": {"a": {"type": "integer"}, "b": {"type": "string"}}}, "Missing 'b'"),
+    (CLOSED | {"properties": {"a": {"type": "object", "properties": {}}}},
+     "context=('properties', 'a'), 'additionalProperties' is required"),
+    (CLOSED | {"properties": {"a": {"type": "array", "items": {"$ref": "#/$defs/p"}}},
+               "$defs": {"p": {"type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"]}}},
+     "context=('$defs', 'p'), 'additionalProperties' is required"),
+    (CLOSED | {"properties": {"a": {"anyOf": [{"type": "null"}, {"type": "object", "additionalProperties": True}]}}},
+     "context=('properties', 'a', 'anyOf', '1'), 'additionalProperties' is required"),
+])
+def test_strict_schemas_openai_refuses_are_400(echo, schema, says):
+    r = post(echo, "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                                            "response_format": strict_format(schema)})
+    assert r.status_code == 400 and says in r.json()["error"]["message"], r.text
+    assert r.json()["error"]["param"] == "response_format.json_schema.schema"
 
 
 def test_the_torch_sampler_applies_the_mask_greedy_sampled_and_seeded():

@@ -186,6 +186,10 @@ BAD = [
      "tool_choice.function.name"),
     ({"tool_choice": "required"}, "tool_choice"),
     ({"tools": [WEATHER], "parallel_tool_calls": "no"}, "parallel_tool_calls"),
+    # strict: OpenAI's rules (every object closed, every property required)
+    ({"tools": [{"type": "function", "function": {"name": "f", "strict": True, "parameters": {
+        "type": "object", "properties": {"a": {"type": "string"}}, "required": ["a"]}}}]},
+     "tools[0].function.parameters"),
     ({"functions": [{"name": "f"}]}, "functions"),
     ({"function_call": "auto"}, "function_call"),
     ({"chat_template": "{{ messages }}"}, "chat_template"),

@@ -1,0 +1,59 @@
+"""OpenAI's strict mode for JSON schemas (response_format json_schema and function tools with "strict": true).
+
+OpenAI refuses a strict schema unless its root is an object and every object in it is closed
+(additionalProperties false) with every property required; so does this server, with OpenAI's messages. A schema
+it takes is then enforced as written, so no object can gain a key the schema does not name.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from typing import Any
+
+from llmserve.server.errors import bad_request
+
+# where JSON Schema keeps subschemas: a map of them, one, or a list of them
+_MAPS = ("properties", "$defs", "definitions", "patternProperties")
+_ONE = ("items", "additionalProperties", "not", "contains", "if", "then", "else")
+_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems", "items")
+
+
+def check_strict(schema: Any, what: str, param: str, code: str | None = None) -> None:
+    """A 400 naming `param` unless OpenAI's strict mode takes `schema` (`what` names it as OpenAI does)."""
+    def refuse(message: str):
+        return bad_request(f"Invalid schema for {what}: {message}", param, code)
+
+    root = schema.get("type") if isinstance(schema, dict) else None
+    if root != "object":
+        got = "no type" if root is None else f"'type: {json.dumps(root)}'"
+        raise refuse(f"schema must be a JSON Schema of 'type: \"object\"', got {got}.")
+    for context, node in _subschemas(schema, ()):
+        if not _is_object(node):
+            continue
+        if node.get("additionalProperties") is not False:
+            raise refuse(f"In context={context}, 'additionalProperties' is required to be supplied and to be false.")
+        missing = [k for k in node.get("properties") or {} if k not in (node.get("required") or ())]
+        if missing:
+            raise refuse(f"In context={context}, 'required' is required to be supplied and to be an array including "
+                         f"every key in properties. Missing {missing[0]!r}.")
+
+
+def _is_object(node: dict) -> bool:
+    kind = node.get("type")
+    return kind == "object" or (isinstance(kind, list) and "object" in kind) or "properties" in node
+
+
+def _subschemas(node: Any, context: tuple) -> Iterator[tuple[tuple, dict]]:
+    """Every schema in node (itself first), each with the keys that lead to it."""
+    if not isinstance(node, dict):
+        return
+    yield context, node
+    for key in _MAPS:
+        for name, sub in (node.get(key) or {}).items() if isinstance(node.get(key), dict) else ():
+            yield from _subschemas(sub, (*context, key, name))
+    for key in _ONE:
+        yield from _subschemas(node.get(key), (*context, key))
+    for key in _LISTS:
+        for i, sub in enumerate(node[key]) if isinstance(node.get(key), list) else ():
+            yield from _subschemas(sub, (*context, key, str(i)))
