@@ -117,7 +117,7 @@ struct llmserve_step {
   float* filtered;
   /* null, or where the call stores how many forwards' tokens are written so far (after each forward, with release
    * order); then a byte is written to notify_fd (where >= 0) each time, to wake a thread that hands them on while
-   * the call runs (fused_stack.py's _Watcher) */
+   * the call runs (forward_relay.py's ForwardRelay) */
   int32_t* progress;
   int32_t notify_fd;
 };
