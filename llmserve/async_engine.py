@@ -25,7 +25,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from llmserve.errors import EngineDeadError
-from llmserve.request import FinishReason, RequestOutput, SamplingParams
+from llmserve.request import FinishReason, PoolingParams, RequestOutput, SamplingParams
 from llmserve.threads import ENGINE_THREAD_NAME, name_os_thread, warn_if_foreign_pool
 
 log = logging.getLogger("llmserve.async_engine")
@@ -192,14 +192,17 @@ class AsyncEngine:
     # --- requests (call these on the event loop) ----------------------------------------------
 
     def add_request(self, prompt_token_ids: Sequence[int], params: SamplingParams,
-                    request_id: str | None = None, priority: int = 0, cache_salt: str | None = None) -> RequestStream:
-        """Queue a request for the engine thread and return its stream at once."""
+                    request_id: str | None = None, priority: int = 0, cache_salt: str | None = None,
+                    pooling: PoolingParams | None = None) -> RequestStream:
+        """Queue a request for the engine thread and return its stream at once (with `pooling`: an embedding, whose
+        one finished output carries the vector; Engine.add_request)."""
         if self._loop is None or not self.running:
             raise EngineDeadError(f"the engine is not running{f': {self.dead}' if self.dead else ''}")
         rid = request_id or f"req-{next(_ids)}-{time.monotonic_ns():x}"
         stream = RequestStream(rid, params.n, self._loop)
         self._streams[rid] = stream
-        self._submit(("add", (rid, list(prompt_token_ids), params, priority, cache_salt, time.perf_counter())))
+        self._submit(("add", (rid, list(prompt_token_ids), params, priority, cache_salt, time.perf_counter(),
+                              pooling)))
         return stream
 
     def abort(self, request_id: str) -> None:
@@ -325,10 +328,10 @@ class AsyncEngine:
     def _apply(self, kind: str, arg: Any) -> None:
         eng = self.engine
         if kind == "add":
-            rid, prompt, params, priority, salt, arrival = arg
+            rid, prompt, params, priority, salt, arrival, pooling = arg
             try:
                 eng.add_request(prompt, params, request_id=rid, priority=priority, arrival_time=arrival,
-                                cache_salt=salt)
+                                cache_salt=salt, pooling=pooling)
             except Exception as e:  # InvalidRequestError and friends go back to that caller only
                 self._post(self._deliver_error, rid, e)
                 return

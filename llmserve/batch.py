@@ -27,6 +27,9 @@ class ScheduledRequest:
     # the number of output tokens generated so far; with a seed, sampling randomness is a pure
     # function of (seed, this) so batching and preemption cannot change the result
     num_output_tokens: int = 0
+    # an embedding sequence's pooling (llmserve.pooling.POOLING_TYPES): the backend returns the sum of this chunk's
+    # final-norm hidden states over pooling.pooled_rows in ModelOutput.pooled (do_sample is False); None: generation
+    pooling: str | None = None
 
 
 @dataclass(slots=True)
@@ -82,3 +85,6 @@ class ModelOutput:
     # where the backend ran more forwards than one (SchedulerOutput.num_steps): each later forward's tokens, aligned
     # with the requests like sampled_token_ids (the engine ends a sequence at its stop and drops what follows)
     more_token_ids: list[list[int]] | None = None
+    # aligned with the requests, where any has `pooling`: the float sum of its chunk's pooled rows' final-norm hidden
+    # states (None for the others, and for a chunk with no pooled row)
+    pooled: list[list[float] | None] | None = None

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from llmserve.errors import ConfigError
+from llmserve.pooling import POOLING_TYPES
 
 
 @dataclass(slots=True)
@@ -43,6 +44,12 @@ class ModelConfig:
     # auto: the checkpoint's generation_config.json (a GGUF's metadata) gives the sampling defaults of requests
     # that leave fields out, as vLLM does; none: llmserve's own (its EOS ids end generation either way)
     generation_config: str = "auto"
+    # how an embedding pools the final hidden states: last | mean | cls; None: the model's (decoders last, an encoder
+    # its sentence-transformers config's, else cls)
+    pooling: str | None = None
+    # the model was trained so that a prefix of its embedding is an embedding (Matryoshka): /v1/embeddings may cut
+    # vectors short with `dimensions` (other models answer 400 to any dimensions but their own)
+    matryoshka: bool = False
 
 
 @dataclass(slots=True)
@@ -131,6 +138,7 @@ class ServerConfig:
     tool_parser: str = "auto"  # reads tool_choice auto's calls: auto (from the chat template) | none | hermes | …
     reasoning_parser: str = "none"  # none | think (<think>…</think> → reasoning_content)
     ui: bool = True  # GET / (playground and live dashboard) and /stats/stream, from plugin llmserve_ui
+    embeddings: bool = True  # POST /v1/embeddings for the served model (plugin llmserve_embeddings); false: 404
     # where the engine steps: thread (a thread of the server process) | process (its own process, so the
     # event loop and the step loop do not share a GIL) | auto (process on a GPU, thread on a CPU)
     engine_core: str = "auto"
@@ -192,6 +200,8 @@ class EngineConfig:
              "model.device", f"must be cpu, cuda or auto, got {self.model.device!r}")
         need(self.model.generation_config in ("auto", "none"), "model.generation_config",
              f"must be auto or none, got {self.model.generation_config!r}")
+        need(self.model.pooling in (None, *POOLING_TYPES), "model.pooling",
+             f"must be {', '.join(POOLING_TYPES)} or null, got {self.model.pooling!r}")
         need(self.model.max_model_len is None or self.model.max_model_len >= 2, "model.max_model_len",
              f"must be >= 2, got {self.model.max_model_len}")
         need(1 <= self.server.port <= 65535 or self.server.port == 0, "server.port",

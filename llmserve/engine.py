@@ -30,7 +30,8 @@ from llmserve.interfaces import MetricSink, ModelBackend, Scheduler, Tokenizer
 from llmserve.limits import check_prompt
 from llmserve.metrics import MetricsCollector, RequestMetrics, StepMetrics
 from llmserve.plugins import PluginSet, load_plugins
-from llmserve.request import FinishReason, Request, RequestOutput, RequestStatus, SamplingParams
+from llmserve.pooling import POOLING_TYPES, accumulate, finish
+from llmserve.request import FinishReason, PoolingParams, Request, RequestOutput, RequestStatus, SamplingParams
 from llmserve.stats import SchedulerStats
 from llmserve.threads import ThreadOwner
 
@@ -182,6 +183,13 @@ class Engine:
         self.metric_sinks: list[MetricSink] = build_sinks(config, plugins)
         self.max_model_len: int = min(self.backend.max_model_len, num_blocks * cc.block_size,
                                       config.model.max_model_len or self.backend.max_model_len)
+        if not self.backend.causal:  # an encoder's prompt is computed in one step: the step's budget bounds it
+            self.max_model_len = min(self.max_model_len, config.scheduler.max_num_batched_tokens)
+        # embeddings: the pooling requests get (model.pooling, else the model's), the vector's length, and whether
+        # the model generates at all (an encoder does not); pooling None: no embeddings
+        self.pooling = (config.model.pooling or self.backend.pooling) if self.backend.pooling else None
+        self.embedding_size = self.backend.hidden_size
+        self.generates = self.backend.generates
         self.eos_token_id = self.backend.eos_token_id
         if self.eos_token_id is None and self.tokenizer is not None:
             self.eos_token_id = self.tokenizer.eos_token_id
@@ -226,26 +234,40 @@ class Engine:
 
     def add_request(self, prompt_token_ids: Sequence[int], sampling_params: SamplingParams | None = None,
                     request_id: str | None = None, priority: int = 0, arrival_time: float | None = None,
-                    cache_salt: str | None = None) -> str:
-        """Queue a request with validated params; return its id. Bad input raises InvalidRequestError (nothing queued)."""
-        sp = sampling_params or SamplingParams(**self.generation_defaults)
+                    cache_salt: str | None = None, pooling: PoolingParams | None = None) -> str:
+        """Queue a request with validated params; return its id. Bad input raises InvalidRequestError (nothing queued).
+
+        With `pooling` it is an embedding: one sequence, prefilled in the steps generation runs in, ending with
+        RequestOutput.embedding instead of tokens (sampling_params are not used)."""
+        if pooling is not None:
+            pooling = self.check_pooling(pooling)
+            sp = SamplingParams(max_tokens=None)  # nothing is sampled
+        else:
+            sp = sampling_params or SamplingParams(**self.generation_defaults)
+            if not self.generates:
+                raise InvalidRequestError(
+                    f"the model {self.config.served_model_name!r} is an encoder: it generates no text and answers "
+                    "POST /v1/embeddings only", param="model", code="model_not_generative")
         rid = request_id or uuid.uuid4().hex
         if rid in self._groups:
             raise InvalidRequestError(f"request id {rid!r} is already in use", param="request_id")
         prompt = list(prompt_token_ids)
         # SamplingParams.validate ran where the params were made (the server's protocol layer, or
         # the offline caller); what only the engine knows is checked here, by the shared rule
-        check_prompt(prompt, sp, self.backend.vocab_size, self.max_model_len)
+        check_prompt(prompt, sp, self.backend.vocab_size, self.max_model_len, generates=pooling is None)
         self.constraints.check(sp)  # compiled once and cached: the server has usually done it already
         now = time.perf_counter() if arrival_time is None else arrival_time
         max_total = self.max_model_len if sp.max_tokens is None else min(self.max_model_len, len(prompt) + sp.max_tokens)
+        if pooling is not None:
+            max_total = len(prompt)
         ids = [rid] if sp.n == 1 else [f"{rid}#{i}" for i in range(sp.n)]
         seqs = []
         for i, sid in enumerate(ids):
             # n samples from one seed must differ: each sequence draws from its own stream
             p = sp if i == 0 or sp.seed is None else dataclasses.replace(sp, seed=sp.seed + i)
             seqs.append(Request(sid, prompt, p, now, priority=priority, group_id=rid, index=i,
-                                max_total_tokens=max_total, cache_salt=cache_salt))
+                                max_total_tokens=max_total, cache_salt=cache_salt, pooling=pooling,
+                                whole_prompt=pooling is not None and not self.backend.causal))
         for r in seqs[1:]:
             r.arrival_seq = seqs[0].arrival_seq  # one arrival: the policy orders the n together
         self.scheduler.add(seqs[0])  # the policy may refuse it (InvalidRequestError): nothing is held yet
@@ -265,6 +287,28 @@ class Engine:
         for r in seqs:
             self._seqs[r.request_id] = r
         return rid
+
+    def check_pooling(self, p: PoolingParams) -> PoolingParams:
+        """p with its kind resolved to the model's where left out; InvalidRequestError naming the field it cannot
+        take (no pooling here, an unknown kind, dimensions a model not trained for them cannot cut to)."""
+        if self.pooling is None:
+            raise InvalidRequestError(f"the {self.config.backend.name} backend computes no embeddings", param="input",
+                                      code="embeddings_unsupported")
+        kind = p.kind or self.pooling
+        if kind not in POOLING_TYPES:
+            raise InvalidRequestError(f"pooling must be one of {', '.join(POOLING_TYPES)}, got {kind!r}",
+                                      param="pooling")
+        size, dims = self.embedding_size, p.dimensions
+        if dims is not None and dims != size:
+            if not self.config.model.matryoshka:
+                raise InvalidRequestError(
+                    f"the model {self.config.served_model_name!r} makes embeddings of {size} dimensions and was not "
+                    f"trained to be cut shorter (Matryoshka: model.matryoshka): leave dimensions out or set it to "
+                    f"{size}", param="dimensions")
+            if not 1 <= dims <= size:
+                raise InvalidRequestError(f"dimensions must be between 1 and {size} (the model's size), got {dims}",
+                                          param="dimensions")
+        return dataclasses.replace(p, kind=kind)
 
     def _release_held(self) -> None:
         """Admit the held sequences of each group whose first sequence has computed its prompt."""
@@ -359,6 +403,7 @@ class Engine:
             error_param=r.error_param,
             logprobs=r.pending_logprobs or None, num_prompt_tokens=r.num_prompt_tokens,
             num_output_tokens=r.num_output_tokens, num_cached_tokens=r.num_cached_tokens,
+            embedding=r.pooled if r.pooling is not None and r.finish_reason is FinishReason.STOP else None,
         )
         if r.prompt_logprobs is not None and len(r.prompt_logprobs) >= r.num_prompt_tokens:
             o.prompt_logprobs, r.prompt_logprobs = r.prompt_logprobs, None
@@ -435,6 +480,9 @@ class Engine:
             r = self._seqs[sr.request_id]
             if r.first_scheduled_time is None:
                 r.first_scheduled_time = t0
+            if sr.pooling is not None:
+                self._pool(r, sr, mo.pooled[i] if mo.pooled is not None else None, now, outputs)
+                continue
             if plps is not None and plps[i] is not None and r.num_output_tokens == 0:
                 # entry j is the logprob of prompt token s+j+1 (the first has none); placed by position, so a
                 # prefill recomputed after preemption rewrites them, and decode steps (past the prompt) add none
@@ -483,6 +531,19 @@ class Engine:
                 self._finish(r, FinishReason.LENGTH, outputs, text=text)
                 continue
             outputs.append(self._delta(r, text))
+
+    def _pool(self, r: Request, sr, part: list[float] | None, now: float, outputs: list[RequestOutput]) -> None:
+        """Add an embedding sequence's chunk to its pooled sum; after its prompt's last chunk, end it with the vector
+        (its blocks are freed now: it needs no KV beyond its prefill)."""
+        r.pooled = accumulate(r.pooled, sr.num_computed_tokens, part)
+        if sr.num_computed_tokens + sr.num_new_tokens < r.num_prompt_tokens:
+            return
+        if r.pooled is None:
+            self._fail(r, f"the {self.config.backend.name} backend returned no pooled state")
+            return
+        r.pooled = finish(r.pooled, sr.pooling, r.num_prompt_tokens, r.pooling)
+        r.first_token_time = r.last_token_time = now
+        self._finish(r, FinishReason.STOP, outputs)
 
     def _report_step(self, batch, t0: float, backend_s: float, sampled: int, forwards: int) -> StepMetrics | None:
         if not batch.requests and not batch.preempted_request_ids:

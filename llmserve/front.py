@@ -19,7 +19,8 @@ def engine_facts(e: Engine) -> dict[str, Any]:
             "generation_defaults": dict(e.generation_defaults),
             "generation_defaults_source": e.generation_defaults_source, "eos_token_id": e.eos_token_id,
             "tokenizer_path": e.backend.tokenizer_path, "default_tokenizer": e.backend.default_tokenizer,
-            "backend": e.backend.describe()}
+            "backend": e.backend.describe(), "pooling": e.pooling, "embedding_size": e.embedding_size,
+            "generates": e.generates}
 
 
 class RemoteBackend:
@@ -50,6 +51,7 @@ class Front(Engine):
         self.eos_token_id = facts["eos_token_id"]
         self.generation_defaults = dict(facts["generation_defaults"])
         self.generation_defaults_source = facts["generation_defaults_source"]
+        self.pooling, self.embedding_size, self.generates = facts["pooling"], facts["embedding_size"], facts["generates"]
         # Engine's own rules: the same tokenizer the engine built
         self.tokenizer = build_tokenizer(config, plugins, facts["default_tokenizer"], facts["tokenizer_path"])
         self.constraints = build_constraints(config, plugins, self.tokenizer, self.vocab_size)

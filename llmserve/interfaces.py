@@ -133,6 +133,12 @@ class ModelBackend(ABC):
     # tokens (one a sequence; j = 0, 1, ... in order) as soon as they exist, while execute() still runs (from
     # another thread; never after execute() returns); a backend that cannot simply never calls it
     on_forward: Callable[[int, list[int]], None] | None = None
+    # embeddings (llmserve/pooling.py): the pooling a sequence with ScheduledRequest.pooling gets by default (last |
+    # mean | cls); None: this backend cannot pool, and the engine refuses embedding requests
+    pooling: str | None = None
+    hidden_size: int | None = None  # the length of a pooled vector
+    generates: bool = True  # False: an encoder, which answers embedding requests only
+    causal: bool = True  # False: bidirectional attention, so a prompt is computed in one step (never chunked)
 
     @abstractmethod
     def num_kv_blocks(self, block_size: int) -> int:
@@ -144,7 +150,8 @@ class ModelBackend(ABC):
 
     @abstractmethod
     def execute(self, batch: SchedulerOutput) -> ModelOutput:
-        """Run one forward over the batch, write K/V through the block tables, sample."""
+        """Run one forward over the batch, write K/V through the block tables, sample; for the sequences with
+        `pooling`, return their chunk's pooled sum in ModelOutput.pooled instead (llmserve.pooling.pooled_rows)."""
 
     def describe(self) -> dict[str, Any]:
         """Facts worth logging and reporting (model, dtype, device, kernel)."""

@@ -15,12 +15,17 @@ from llmserve.request import SamplingParams
 
 
 def check_prompt(prompt_token_ids: Sequence[int], params: SamplingParams, vocab_size: int, max_model_len: int,
-                 param: str = "prompt") -> None:
-    """Raise InvalidRequestError unless the ids are in the vocabulary and the prompt leaves room to generate."""
+                 param: str = "prompt", generates: bool = True) -> None:
+    """Raise InvalidRequestError unless the ids are in the vocabulary and the prompt leaves room to generate (an
+    input to embed, generates False, may fill the context)."""
     n = len(prompt_token_ids)
     if not n:
         raise InvalidRequestError(f"{param} is empty: it has no tokens", param=param)
-    if n >= max_model_len:
+    if not generates and n > max_model_len:
+        raise InvalidRequestError(
+            f"This model's maximum context length is {max_model_len} tokens. However, {param} has {n} tokens. "
+            "Please reduce the input (or set truncate_prompt_tokens).", param=param, code="context_length_exceeded")
+    if generates and n >= max_model_len:
         raise InvalidRequestError(
             f"This model's maximum context length is {max_model_len} tokens. However, your prompt has {n} tokens, "
             "which leaves no room for the completion. Please reduce the length of the prompt.",

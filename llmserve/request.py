@@ -114,6 +114,15 @@ class SamplingParams:
                     bad("logit_bias", f"logit_bias values must be in [-100, 100], got {b} for token {tok}")
 
 
+@dataclass(frozen=True, slots=True)
+class PoolingParams:
+    """An embedding request: the prompt's final hidden states pooled into one vector instead of a sampled token."""
+
+    kind: str | None = None  # last | mean | cls (llmserve.pooling.POOLING_TYPES); None: the model's own
+    normalize: bool = True  # L2-normalize the vector (after cutting it to `dimensions`)
+    dimensions: int | None = None  # keep the vector's first dimensions (Matryoshka models); None: all of it
+
+
 _seq_counter = itertools.count()
 
 
@@ -141,6 +150,11 @@ class Request:
     cache_salt: str | None = None
     num_preemptions: int = 0
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at first admission
+    # an embedding sequence (its kind resolved to the model's): it ends after its prefill with a pooled vector
+    pooling: PoolingParams | None = None
+    pooled: list[float] | None = None  # the pooled rows of the prefill chunks computed so far (llmserve/pooling.py)
+    # prefill the whole prompt in one step: a bidirectional encoder's attention cannot be split into chunks
+    whole_prompt: bool = False
     arrival_seq: int = field(default_factory=lambda: next(_seq_counter))  # FCFS tie-breaker
     # timing, for metrics (perf_counter seconds)
     first_scheduled_time: float | None = None
@@ -166,6 +180,19 @@ class Request:
     @property
     def num_output_tokens(self) -> int:
         return len(self.token_ids) - len(self.prompt_token_ids)
+
+    @property
+    def reads_prefix_cache(self) -> bool:
+        """Whether its prefill may skip cached prefix blocks: not where every prompt position's output is wanted
+        (prompt logprobs, mean or CLS pooling, an encoder's attention)."""
+        if self.sampling.prompt_logprobs is not None:
+            return False
+        return self.pooling is None or (self.pooling.kind == "last" and not self.whole_prompt)
+
+    @property
+    def extends_prefix_cache(self) -> bool:
+        """Whether its full blocks join the prefix cache: an embedding's do not (see docs/embeddings.md)."""
+        return self.pooling is None
 
 
 @dataclass(slots=True)
@@ -196,6 +223,7 @@ class RequestOutput:
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0  # so far, in total
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    embedding: list[float] | None = None  # an embedding sequence's pooled vector, in its finished output
 
     def extend(self, later: RequestOutput) -> None:
         """Join a later delta of the same sequence onto this one (its tokens, text and logprobs after these; its
@@ -206,5 +234,5 @@ class RequestOutput:
             self.logprobs = (self.logprobs or []) + later.logprobs
         self.prompt_logprobs = self.prompt_logprobs or later.prompt_logprobs
         for f in ("finished", "finish_reason", "stop_reason", "error", "error_param", "num_prompt_tokens",
-                  "num_output_tokens", "num_cached_tokens"):
+                  "num_output_tokens", "num_cached_tokens", "embedding"):
             setattr(self, f, getattr(later, f))

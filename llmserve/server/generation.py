@@ -7,7 +7,7 @@ import copy
 from collections.abc import Sequence
 
 from llmserve.async_engine import AsyncEngine
-from llmserve.request import FinishReason, RequestOutput, SamplingParams
+from llmserve.request import FinishReason, PoolingParams, RequestOutput, SamplingParams
 from llmserve.server.errors import ApiError, bad_request, map_error
 
 
@@ -16,10 +16,12 @@ class ClientGone(Exception):
 
 
 class Generation:
-    """Submits one engine request per prompt and yields their deltas as (prompt index, batch)."""
+    """Submits one engine request per prompt (an embedding each, given `pooling`) and yields their deltas as
+    (prompt index, batch)."""
 
     def __init__(self, aengine: AsyncEngine, prompts: Sequence[list[int]], sp: SamplingParams, priority: int,
-                 timeout: float | None, request_id: str, cache_salt: str | None = None):
+                 timeout: float | None, request_id: str, cache_salt: str | None = None,
+                 pooling: PoolingParams | None = None):
         self.aengine = aengine
         self.streams = []
         self._pending: dict[asyncio.Future, int] = {}  # several prompts: each stream's next read → its index
@@ -28,7 +30,7 @@ class Generation:
             for i, ids in enumerate(prompts):
                 rid = request_id if len(prompts) == 1 else f"{request_id}-{i}"
                 self.streams.append(aengine.add_request(ids, copy.copy(sp), request_id=rid, priority=priority,
-                                                    cache_salt=cache_salt))
+                                                    cache_salt=cache_salt, pooling=pooling))
         except Exception as e:  # the engine stopped after admission: no prompt of this request runs
             self.abort()
             raise map_error(e) from None

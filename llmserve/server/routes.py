@@ -13,7 +13,7 @@ from llmserve.limits import check_request
 from llmserve.request import SamplingParams
 from llmserve.server.answer import ChatAnswer, CompletionAnswer, dumps
 from llmserve.server.errors import ApiError, bad_request
-from llmserve.server.protocol import ChatRequest, CompletionRequest, openapi, parse, sampling_defaults
+from llmserve.server.protocol import ChatRequest, CompletionRequest, openapi, parse, sampling_defaults, validate
 from llmserve.server.state import ServerState
 
 
@@ -31,7 +31,7 @@ async def admit(request: Request, model) -> tuple[ServerState, AsyncEngine, Any,
     req, sp = await _off_loop_if(len(body) > _BIG_BODY, parse, model, body, request.url.path,
                                  st.engine.generation_defaults)
     st.check_model(req.model)
-    _check_fan_out(st, len(req.prompts) if isinstance(req, CompletionRequest) else 1, sp.n)
+    check_fan_out(st, len(req.prompts) if isinstance(req, CompletionRequest) else 1, sp.n)
     if req.bad_words:
         sp.bad_words_token_ids = _bad_words(st.engine.tokenizer, req.bad_words)
     if sp.structured is not None or sp.allowed_token_ids is not None:
@@ -40,12 +40,24 @@ async def admit(request: Request, model) -> tuple[ServerState, AsyncEngine, Any,
     return st, aengine, req, sp
 
 
-def _check_fan_out(st: ServerState, prompts: int, n: int) -> None:
-    """Bounded work per request: prompts and prompts × n within the server's caps, and room in the queue for them."""
+async def admit_body(request: Request, model) -> tuple[ServerState, AsyncEngine, Any]:
+    """The start of an endpoint that generates nothing (a route plugin's embeddings, say): admission, the body
+    validated into `model` (a big one off the event loop), its model name."""
+    st = _state(request)
+    aengine = st.admit()
+    body = await request.body()
+    req = await _off_loop_if(len(body) > _BIG_BODY, validate, model, body, request.url.path)
+    st.check_model(req.model)
+    return st, aengine, req
+
+
+def check_fan_out(st: ServerState, prompts: int, n: int, param: str = "prompt") -> None:
+    """Bounded work per request: prompts (the body's field `param`) and prompts × n within the server's caps, and
+    room in the queue for them."""
     cfg = st.config.server
     if prompts > cfg.max_prompts_per_request:
         raise bad_request(f"{prompts} prompts in one request; the limit is max_prompts_per_request="
-                          f"{cfg.max_prompts_per_request}", "prompt")
+                          f"{cfg.max_prompts_per_request}", param)
     limit = min(cfg.max_sequences_per_request, cfg.max_waiting_requests)  # more could never be admitted
     if prompts * n > limit:
         raise bad_request(f"{prompts} prompts × n={n} is {prompts * n} sequences; the limit is {limit} "

@@ -6,10 +6,11 @@ from llmserve_fake.backend import FakeBackend, next_token
 __all__ = ["FakeBackend", "next_token"]
 
 # eos_token_id may be a list (every one ends a sequence); generation_defaults stands in for a checkpoint's
-# generation_config.json (SamplingParams fields, e.g. {"temperature": 0.0, "max_tokens": 8})
+# generation_config.json (SamplingParams fields, e.g. {"temperature": 0.0, "max_tokens": 8}); hidden_size and
+# pooling shape its stand-in embeddings (pooling null: none); generates false and causal false make it an encoder
 _OPTIONS = {"vocab_size": 257, "eos_token_id": 256, "max_model_len": 4096, "num_blocks": 2048,
             "step_cost_s": 0.0, "token_cost_s": 0.0, "generation_defaults": {}, "max_decode_forwards": 1,
-            "max_decode_forward_rows": None}
+            "max_decode_forward_rows": None, "hidden_size": 64, "pooling": "last", "generates": True, "causal": True}
 
 
 def _build(config) -> FakeBackend:
@@ -27,7 +28,9 @@ def _build(config) -> FakeBackend:
                        generation_defaults=dict(o["generation_defaults"]),
                        max_decode_forwards=int(o["max_decode_forwards"]),
                        max_decode_forward_rows=None if o["max_decode_forward_rows"] is None
-                       else int(o["max_decode_forward_rows"]))
+                       else int(o["max_decode_forward_rows"]),
+                       hidden_size=int(o["hidden_size"]), pooling=o["pooling"], generates=bool(o["generates"]),
+                       causal=bool(o["causal"]))
 
 
 @hookimpl

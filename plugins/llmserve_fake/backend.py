@@ -12,6 +12,7 @@ from typing import Any
 
 from llmserve.batch import ModelOutput, SchedulerOutput
 from llmserve.interfaces import ModelBackend
+from llmserve.pooling import pooled_rows
 from llmserve.request import Logprob
 
 _MASK = (1 << 64) - 1
@@ -25,6 +26,20 @@ def next_token(token_ids: list[int], end: int, vocab_size: int, eos_token_id: in
     h ^= h >> 29
     tok = h % vocab_size
     return tok
+
+
+def hidden_state(token_ids: list[int], pos: int, size: int, context: int = 0) -> list[float]:
+    """A stand-in final hidden state at `pos`: values in [-0.5, 0.5) hashed from the four tokens up to it, the position
+    and `context` (a hash of the whole prompt, for a bidirectional model whose every state sees every token)."""
+    h = 0xCBF29CE484222325 ^ pos ^ context
+    for t in token_ids[max(0, pos - 3) : pos + 1]:
+        h = ((h ^ (t + 1)) * 0x100000001B3) & _MASK
+    out = []
+    for d in range(size):
+        x = ((h ^ (d * 0x9E3779B97F4A7C15)) * 0xBF58476D1CE4E5B9) & _MASK
+        x ^= x >> 31
+        out.append((x >> 11) / 2**53 - 0.5)
+    return out
 
 
 class FakeBackend(ModelBackend):
@@ -43,6 +58,10 @@ class FakeBackend(ModelBackend):
         generation_defaults: dict[str, Any] | None = None,
         max_decode_forwards: int = 1,
         max_decode_forward_rows: int | None = None,
+        hidden_size: int = 64,
+        pooling: str | None = "last",
+        generates: bool = True,
+        causal: bool = True,
     ):
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
@@ -53,6 +72,7 @@ class FakeBackend(ModelBackend):
         self.generation_defaults_source = "backend.options.generation_defaults" if generation_defaults else None
         self.max_decode_forwards = max_decode_forwards
         self.max_decode_forward_rows = max_decode_forward_rows
+        self.hidden_size, self.pooling, self.generates, self.causal = hidden_size, pooling, generates, causal
         self._num_blocks = num_blocks
         self.step_cost_s = step_cost_s
         self.token_cost_s = token_cost_s
@@ -112,13 +132,29 @@ class FakeBackend(ModelBackend):
                     else:
                         entries.append(None)
                 prompt_logprobs.append(entries)
+        pooled = [self._pooled(r) for r in batch.requests] if any(r.pooling for r in batch.requests) else None
         more = self._later_forwards(batch, sampled, logprobs)
         if more is not None and self.on_forward is not None:
             # handed on before execute returns, all but the last (left to the engine's replay, as a real call's
             # last forwards often are: they end as the call returns)
             for j, toks in enumerate([sampled, *more][:-1]):
                 self.on_forward(j, toks)
-        return ModelOutput(sampled, logprobs, prompt_logprobs, more)
+        return ModelOutput(sampled, logprobs, prompt_logprobs, more, pooled)
+
+    def _pooled(self, r) -> list[float] | None:
+        """The sum of the chunk's pooled rows' stand-in states (None: not pooling, or no such row this chunk)."""
+        if r.pooling is None:
+            return None
+        s, total = r.num_computed_tokens, r.num_prompt_tokens
+        rows = pooled_rows(r.pooling, s, r.num_new_tokens, total)
+        if not rows:
+            return None
+        prompt = r.token_ids[:total]
+        context = 0 if self.causal else hash(tuple(prompt)) & _MASK
+        acc = [0.0] * self.hidden_size
+        for row in rows:
+            acc = [a + b for a, b in zip(acc, hidden_state(prompt, s + row, self.hidden_size, context))]
+        return acc
 
     def _next(self, token_ids: list[int], num_output_tokens: int, sp) -> int:
         """The token after token_ids (an end-of-sequence token moves on while ignore_eos or min_tokens holds it)."""
@@ -148,4 +184,5 @@ class FakeBackend(ModelBackend):
 
     def describe(self) -> dict[str, Any]:
         return {"backend": "fake", "vocab_size": self.vocab_size, "max_model_len": self.max_model_len,
+                "hidden_size": self.hidden_size, "pooling": self.pooling,
                 "step_cost_s": self.step_cost_s, "token_cost_s": self.token_cost_s}

@@ -126,9 +126,10 @@ class ContinuousScheduler(Scheduler):
             num_new_tokens=n,
             block_table=self.allocator.block_table(req.request_id),
             sampling=req.sampling,
-            do_sample=start + n == len(req.token_ids),
+            do_sample=start + n == len(req.token_ids) and req.pooling is None,
             num_prompt_tokens=len(req.prompt_token_ids),
             num_output_tokens=len(req.token_ids) - len(req.prompt_token_ids),
+            pooling=req.pooling.kind if req.pooling is not None else None,
         )
 
     def schedule(self) -> SchedulerOutput:
@@ -175,11 +176,13 @@ class ContinuousScheduler(Scheduler):
                 if req.status is not RequestStatus.WAITING or req.request_id not in self._by_id:
                     heapq.heappop(waiting)  # aborted while waiting
                     continue
-                # prompt logprobs need every prompt position computed: no prefix reuse
-                use_cache = req.sampling.prompt_logprobs is None
+                # prompt logprobs, mean or CLS pooling need every prompt position computed: no prefix reuse
+                use_cache = req.reads_prefix_cache
                 cached = alloc.lookup_prefix(req.token_ids, req.cache_salt) if use_cache else 0
                 remaining = len(req.token_ids) - cached
                 n = min(remaining, budget)
+                if n < remaining and req.whole_prompt:
+                    break  # an encoder's prompt goes in one step (the engine keeps it within the budget)
                 if n < remaining and not self.enable_chunked_prefill:
                     # a whole prompt must fit; if it can never fit in one step, chunk it anyway
                     if remaining <= self.max_num_batched_tokens or out:
@@ -235,7 +238,7 @@ class ContinuousScheduler(Scheduler):
             before = req.num_computed_tokens
             after = before + sr.num_new_tokens
             req.num_computed_tokens = after
-            if after // bs > before // bs:
+            if after // bs > before // bs and req.extends_prefix_cache:
                 alloc.cache_full_blocks(req.request_id, req.token_ids, after)
 
     def stats(self) -> SchedulerStats:

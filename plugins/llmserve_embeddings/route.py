@@ -1,0 +1,151 @@
+"""POST /v1/embeddings: its body, its answer and its OpenAPI description."""
+
+from __future__ import annotations
+
+import base64
+import functools
+import struct
+import uuid
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+from starlette.requests import Request
+from starlette.responses import Response
+
+from llmserve.limits import check_prompt
+from llmserve.request import PoolingParams, RequestOutput, SamplingParams
+from llmserve.server.answer import dumps
+from llmserve.server.errors import bad_request, map_error
+from llmserve.server.generation import ClientGone, Generation, guarded
+from llmserve.server.protocol import Int
+from llmserve.server.routes import admit_body, check_fan_out, encode
+
+_NO_SAMPLING = SamplingParams(max_tokens=None)  # an embedding samples nothing (what the limits check reads)
+
+
+class EmbeddingRequest(BaseModel):
+    """An /v1/embeddings body (OpenAI's fields, and vLLM's truncate_prompt_tokens, normalize, add_special_tokens)."""
+
+    model_config = ConfigDict(strict=True, extra="allow", allow_inf_nan=False)
+
+    # tried in this order (as /v1/completions' prompt): a text, texts, token ids, lists of token ids
+    input: Annotated[str | list[str] | list[int] | list[list[int]], Field(union_mode="left_to_right")]
+    model: str | None = None
+    encoding_format: Literal["float", "base64"] | None = None  # None: float
+    dimensions: Int | None = None  # cut each vector to its first `dimensions` (Matryoshka models only)
+    user: str | None = None  # accepted, as OpenAI's; it changes nothing here
+    truncate_prompt_tokens: Int | None = None  # keep each input's last k tokens (-1: as many as the context holds)
+    normalize: bool | None = None  # None: true (unit length)
+    add_special_tokens: bool | None = None  # None: true (the tokenizer's [CLS]/[SEP] or BOS, as the model was trained)
+    priority: Int | None = None
+
+    @property
+    def inputs(self) -> list[str | list[int]]:
+        """One entry per input: a string or a list of token ids."""
+        x = self.input
+        return [x] if isinstance(x, str) or (x and isinstance(x[0], int)) else list(x)
+
+    def pooling(self) -> PoolingParams:
+        """The pooling every input gets (its kind the model's)."""
+        if self.dimensions is not None and self.dimensions < 1:
+            raise bad_request(f"dimensions must be at least 1, got {self.dimensions}", "dimensions")
+        return PoolingParams(normalize=self.normalize is not False, dimensions=self.dimensions)
+
+    def truncated(self, ids: list[int], max_model_len: int) -> list[int]:
+        """An input after truncate_prompt_tokens: its last k ids (-1: the context length)."""
+        k = self.truncate_prompt_tokens
+        if k is None:
+            return ids
+        if k == -1:
+            k = max_model_len
+        if not 1 <= k <= max_model_len:
+            raise bad_request(f"truncate_prompt_tokens must be -1 or between 1 and the context length "
+                              f"({max_model_len}), got {k}", "truncate_prompt_tokens")
+        return ids[-k:]
+
+
+async def _input_ids(st, req: EmbeddingRequest) -> list[list[int]]:
+    """Each input's token ids, truncated as asked and checked against the vocabulary and the context (a 400
+    naming input[i] before anything is submitted)."""
+    tok, eng = st.engine.tokenizer, st.engine
+    inputs = req.inputs
+    if not inputs:
+        raise bad_request("input must not be an empty list", "input")
+    out = []
+    for i, x in enumerate(inputs):
+        param = "input" if len(inputs) == 1 else f"input[{i}]"
+        if isinstance(x, str):
+            if tok is None:
+                raise bad_request("this server has no tokenizer: send the input as token ids", param)
+            if not x:
+                raise bad_request(f"{param} must not be an empty string", param)
+            ids = await encode(tok, x, req.add_special_tokens is not False)
+        else:
+            ids = x
+        ids = req.truncated(ids, eng.max_model_len)
+        check_prompt(ids, _NO_SAMPLING, eng.vocab_size, eng.max_model_len, param, generates=False)
+        out.append(ids)
+    return out
+
+
+def _vector(values: list[float], fmt: str | None) -> list[float] | str:
+    """A vector as OpenAI sends it: float32 values as JSON numbers, or their little-endian bytes in base64."""
+    packed = struct.pack(f"<{len(values)}f", *values)
+    if fmt == "base64":
+        return base64.b64encode(packed).decode()
+    return list(struct.unpack(f"<{len(values)}f", packed))  # the float32 values base64 would carry, exactly
+
+
+async def _collect(gen: Generation, n: int) -> list[RequestOutput]:
+    """Each input's finished output, in input order."""
+    done: list[RequestOutput | None] = [None] * n
+    while (batch := await gen.next()) is not None:
+        i, outs = batch
+        for o in outs:
+            if o.finished:
+                done[i] = o
+    return done
+
+
+async def embeddings(request: Request) -> Response:
+    """POST /v1/embeddings."""
+    st, aengine, req = await admit_body(request, EmbeddingRequest)
+    check_fan_out(st, len(req.inputs), 1, "input")
+    pooling = st.engine.check_pooling(req.pooling())  # (the engine's rule: 400 naming dimensions)
+    prompts = await _input_ids(st, req)
+    rid = f"embd-{uuid.uuid4().hex}"
+    gen = Generation(aengine, prompts, _NO_SAMPLING, req.priority or 0, st.config.server.request_timeout, rid,
+                     pooling=pooling)
+    try:
+        outs = await guarded(request.receive, _collect(gen, len(prompts)), gen.abort)
+    except ClientGone:
+        return Response(status_code=499)
+    except Exception as e:
+        gen.abort()
+        raise map_error(e) from None
+    gen.abort()
+    data = []
+    for i, o in enumerate(outs):
+        if o is None or o.embedding is None:  # ended without a vector (aborted by the server): say so, never 200
+            raise map_error(RuntimeError(f"input {i} ended without an embedding"))
+        data.append({"object": "embedding", "index": i, "embedding": _vector(o.embedding, req.encoding_format)})
+    tokens = sum(map(len, prompts))
+    body = {"object": "list", "data": data, "model": st.model_name,
+            "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
+    return Response(dumps(body), media_type="application/json")
+
+
+@functools.cache
+def openapi() -> dict[str, Any]:
+    """/v1/embeddings' OpenAPI path item and the schemas it refers to (from the body's model)."""
+    schema = EmbeddingRequest.model_json_schema(ref_template="#/components/schemas/{model}")
+    defs = schema.pop("$defs", {})
+    error = {"description": "OpenAI's error body: {\"error\": {\"message\", \"type\", \"param\", \"code\"}}"}
+    answer = {"description": "{object: list, data: [{object: embedding, index, embedding}], model, "
+                             "usage: {prompt_tokens, total_tokens}}"}
+    return {"path": {"post": {
+        "summary": "Create embeddings of texts or token ids",
+        "requestBody": {"required": True, "content": {"application/json": {
+            "schema": {"$ref": "#/components/schemas/EmbeddingRequest"}}}},
+        "responses": {"200": answer, "400": error, "404": error, "429": error, "503": error}}},
+        "schemas": {**defs, "EmbeddingRequest": schema}}
