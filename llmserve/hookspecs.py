@@ -66,8 +66,9 @@ def register_launchers(register):
 
 @hookspec
 def register_routes(register, engine):
-    """Add HTTP routes: ``register(path, endpoint, methods=("GET",), openapi=None)`` with a starlette endpoint;
-    ``openapi={"path": <OpenAPI path item>, "schemas": <component schemas it refers to>}`` lists it in /openapi.json."""
+    """Add HTTP routes: ``register(path, endpoint, methods=("GET",), openapi=None, errors=None)`` with a starlette
+    endpoint; ``openapi={"path": <OpenAPI path item>, "schemas": <component schemas it refers to>}`` lists it in
+    /openapi.json; ``errors(ApiError) -> dict`` writes the error bodies of it and the paths below it."""
 
 
 @hookspec

@@ -41,6 +41,7 @@ DEFAULT_PLUGINS: tuple[str, ...] = (
     "llmserve_tools",
     "llmserve_ui",
     "llmserve_generate",
+    "llmserve_anthropic",
     "llmserve_embeddings",
     "llmserve_ray",
 )

@@ -55,15 +55,17 @@ def create_app(config: EngineConfig, engine=None) -> Starlette:
             return
         taken = {r.path for r in app.router.routes if isinstance(r, Route)}
 
-        def register(path: str, endpoint, methods=("GET",), openapi: dict | None = None) -> None:
+        def register(path: str, endpoint, methods=("GET",), openapi: dict | None = None, errors=None) -> None:
             # the register_routes hook's callback; openapi: {"path": path item, "schemas": components} for
-            # /openapi.json
+            # /openapi.json; errors: ApiError → the error body of the route's API, for it and the paths below it
             if path in taken:
                 log.warning("a plugin route %s clashes with an existing route; skipped", path)
                 return
             app.router.routes.append(Route(path, endpoint, methods=list(methods)))
             if openapi is not None:
                 st.openapi_paths[path] = {"path": openapi["path"], "schemas": openapi.get("schemas", {})}
+            if errors is not None:
+                st.error_bodies[path] = errors
 
         eng.plugins.pm.hook.register_routes(register=register, engine=eng)
         st.engine = eng

@@ -47,10 +47,18 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
     return ApiError(400, message, param=param, code=code)
 
 
-def error_response(err: ApiError) -> Response:
-    """A JSON response for an ApiError, with its headers (e.g. Retry-After)."""
-    return Response(json.dumps(err.body()), status_code=err.status, media_type="application/json",
-                    headers=err.headers)
+def error_response(err: ApiError, scope: dict | None = None) -> Response:
+    """A JSON response for an ApiError, with its headers (e.g. Retry-After), in the error shape of the route the
+    request (its ASGI scope) went to: OpenAI's, or the one a route plugin registered for its API."""
+    shape = _shape(scope) if scope is not None and "app" in scope else None
+    return Response(json.dumps(shape(err) if shape else err.body()), status_code=err.status,
+                    media_type="application/json", headers=err.headers)
+
+
+def _shape(scope: dict):
+    """The error-body function registered for the request's path or a path above it (register_routes' errors=)."""
+    path, shapes = scope["path"], scope["app"].state.llm.error_bodies
+    return next((f for p, f in shapes.items() if path == p or path.startswith(p + "/")), None)
 
 
 def map_error(exc: BaseException) -> ApiError:
@@ -65,7 +73,7 @@ def map_error(exc: BaseException) -> ApiError:
 
 
 async def handle_error(request: Request, exc: ApiError | InvalidRequestError) -> Response:
-    return error_response(map_error(exc))
+    return error_response(map_error(exc), request.scope)
 
 
 async def handle_http_exception(request: Request, exc: HTTPException) -> Response:
@@ -73,15 +81,16 @@ async def handle_http_exception(request: Request, exc: HTTPException) -> Respons
     if exc.status_code == 404 and not st.ready and st.load_error is None:  # plugin routes (/, /metrics) come later
         return error_response(ApiError(503, f"no route {request.method} {request.url.path} yet: the model is loading, "
                                             "and plugins add their routes (such as /) once it is ready",
-                                       code="not_ready", headers={"Retry-After": "5"}))
+                                       code="not_ready", headers={"Retry-After": "5"}), request.scope)
     msg = f"no route {request.method} {request.url.path}" if exc.status_code == 404 else str(exc.detail)
     code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
-    return error_response(ApiError(exc.status_code, msg, code=code, headers=dict(exc.headers or {})))
+    return error_response(ApiError(exc.status_code, msg, code=code, headers=dict(exc.headers or {})), request.scope)
 
 
 async def handle_unexpected(request: Request, exc: Exception) -> Response:
     log.exception("unhandled error on %s %s", request.method, request.url.path, exc_info=exc)
-    return error_response(ApiError(500, f"internal server error: {type(exc).__name__}", code="internal_error"))
+    return error_response(ApiError(500, f"internal server error: {type(exc).__name__}", code="internal_error"),
+                          request.scope)
 
 
 EXCEPTION_HANDLERS = {

@@ -1,4 +1,5 @@
-"""Pure ASGI middleware: API-key auth on /v1/*, the request's size limits (head and body), the per-request log line.
+"""Pure ASGI middleware: API-key auth on /v1/* (Bearer or x-api-key), the request's size limits (head and body),
+the per-request log line.
 
 Pure ASGI (not BaseHTTPMiddleware) so streaming responses and disconnect detection pass
 through untouched.
@@ -16,7 +17,8 @@ from llmserve.server.errors import ApiError, error_response
 
 
 class ApiKeyMiddleware:
-    """Require ``Authorization: Bearer <api_key>`` on /v1/*; /health, /metrics and /stats stay open."""
+    """Require the API key on /v1/*, as ``Authorization: Bearer <key>`` (OpenAI's clients) or ``x-api-key: <key>``
+    (Anthropic's); /health, /metrics and /stats stay open."""
 
     def __init__(self, app, api_key: str):
         self.app = app
@@ -24,14 +26,18 @@ class ApiKeyMiddleware:
 
     async def __call__(self, scope, receive, send):
         if scope["type"] == "http" and scope["path"].startswith("/v1/") and scope["method"] != "OPTIONS":
-            auth = Headers(scope=scope).get("authorization", "").encode("latin-1")
+            headers = Headers(scope=scope)
+            auth = headers.get("authorization", "").encode("latin-1")
             scheme, _, token = auth.partition(b" ")
+            given = [token.strip()] if scheme.lower() == b"bearer" else []
+            if "x-api-key" in headers:
+                given.append(headers["x-api-key"].encode("latin-1").strip())
             # compare_digest: the time taken does not reveal how much of the key matched
-            if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), self._key):
-                msg = ("missing API key: send 'Authorization: Bearer <key>'" if not auth
-                       else "incorrect API key provided")
+            if not any([hmac.compare_digest(k, self._key) for k in given]):
+                msg = ("missing API key: send 'Authorization: Bearer <key>' or 'x-api-key: <key>'"
+                       if not auth and "x-api-key" not in headers else "incorrect API key provided")
                 err = ApiError(401, msg, code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
-                return await error_response(err)(scope, receive, send)
+                return await error_response(err, scope)(scope, receive, send)
         await self.app(scope, receive, send)
 
 
@@ -63,10 +69,10 @@ class SizeLimitMiddleware:
         head = len(scope.get("raw_path", b"")) + len(scope.get("query_string", b"")) + sum(
             len(k) + len(v) + 4 for k, v in scope["headers"])
         if head > self.max_header_bytes:
-            return await error_response(head_too_large(self.max_header_bytes))(scope, receive, send)
+            return await error_response(head_too_large(self.max_header_bytes), scope)(scope, receive, send)
         length = Headers(scope=scope).get("content-length", "")
         if length.isdigit() and int(length) > self.max_bytes:
-            return await error_response(self._error())(scope, receive, send)
+            return await error_response(self._error(), scope)(scope, receive, send)
         seen = 0
 
         async def counting_receive():

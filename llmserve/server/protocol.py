@@ -14,6 +14,7 @@ import functools
 import itertools
 import json
 import logging
+import typing
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
@@ -424,7 +425,7 @@ def validate(model: type[_Model], raw: bytes, endpoint: str) -> Any:
     try:
         req = model.model_validate_json(raw)
     except ValidationError as e:
-        raise _bad_body(e, _FIELDS | model.model_fields.keys()) from None
+        raise _bad_body(e, _FIELDS | _names(model)) from None
     for k, v in req.model_extra.items():
         if k in UNSUPPORTED_FIELDS and v not in UNSUPPORTED_FIELDS[k]:
             raise bad_request(f"{k} is not supported by this server (got {json.dumps(v)[:80]}); "
@@ -433,6 +434,27 @@ def validate(model: type[_Model], raw: bytes, endpoint: str) -> Any:
     if extra:
         log.debug("%s: ignoring unknown field(s) %s", endpoint, ", ".join(sorted(extra)))
     return req
+
+
+@functools.cache
+def _names(model: type[BaseModel]) -> frozenset[str]:
+    """The field names and aliases of model and of every model its fields hold, at any depth (a route plugin's
+    body model too): the parts an error's path is made of."""
+    names: set[str] = set()
+    seen: set[type] = set()
+    todo: list[Any] = [model]
+    while todo:
+        t = todo.pop()
+        if isinstance(t, type) and issubclass(t, BaseModel):
+            if t in seen:
+                continue
+            seen.add(t)
+            for name, f in t.model_fields.items():
+                names.update(n for n in (name, f.alias) if n)
+                todo.append(f.annotation)
+        else:
+            todo.extend(typing.get_args(t))
+    return frozenset(names)
 
 
 def _bad_body(e: ValidationError, fields: set[str]):

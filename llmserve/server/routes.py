@@ -119,6 +119,13 @@ async def completions(request: Request) -> Response:
 async def chat_completions(request: Request) -> Response:
     """POST /v1/chat/completions."""
     st, aengine, req, sp = await admit(request, ChatRequest)
+    ids, prompt = await chat_ids(st, req, sp)
+    return await ChatAnswer(st, req, sp, [ids], prompt).respond(request, aengine)
+
+
+async def chat_ids(st: ServerState, req: ChatRequest, sp: SamplingParams) -> tuple[list[int], str]:
+    """The prompt's token ids and text: the messages rendered, tokenized, truncated and checked against the context
+    (a route plugin's chat body too); a max_tokens left out becomes the model's default, within the room left."""
     prompt = chat_prompt(st, req)
     ids = req.truncated(await encode(st.engine.tokenizer, prompt, req.add_special_tokens), st.engine.max_model_len,
                         sp.max_tokens)
@@ -126,7 +133,7 @@ async def chat_completions(request: Request) -> Response:
     default = st.engine.generation_defaults.get("max_tokens")
     if sp.max_tokens is None and default is not None:  # the model's default, within the room the prompt leaves
         sp.max_tokens = min(default, st.engine.max_model_len - len(ids))
-    return await ChatAnswer(st, req, sp, [ids], prompt).respond(request, aengine)
+    return ids, prompt
 
 
 async def chat_prompt_ids(st: ServerState, req: ChatRequest) -> list[int]:

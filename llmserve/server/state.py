@@ -6,6 +6,7 @@ import asyncio
 import logging
 import operator
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,6 +33,8 @@ class ServerState:
     connections: Connections | None = None  # the transport's table (transport.uvicorn_config); None without one
     # path → {"path": its OpenAPI path item, "schemas": the component schemas it refers to}: route plugins' own
     openapi_paths: dict[str, dict] = field(default_factory=dict)
+    # path → what writes an ApiError as that route's API writes errors (a route plugin's own shape; OpenAI's else)
+    error_bodies: dict[str, Callable[[Any], dict]] = field(default_factory=dict)
     created: int = field(default_factory=lambda: int(time.time()))
     _snapshot: tuple[float, dict] | None = None  # (monotonic time, /stats body): polling never costs a step
     _snapshot_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
