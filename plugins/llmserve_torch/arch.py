@@ -21,6 +21,7 @@ _FAMILIES = {
     "llama": "decoder",
     "mistral": "decoder",
     "qwen3": "decoder",
+    "bert": "bert",
 }
 
 
@@ -41,7 +42,7 @@ class Rope:
 class ArchConfig:
     """The numbers a forward pass needs; the same for every family (unused fields keep defaults)."""
 
-    family: str  # gpt2 | decoder (llama-style: RoPE, RMSNorm, SwiGLU, GQA)
+    family: str  # gpt2 | decoder (llama-style: RoPE, RMSNorm, SwiGLU, GQA) | bert (an encoder: embeddings only)
     model_type: str
     vocab_size: int
     hidden_size: int
@@ -59,12 +60,13 @@ class ArchConfig:
     activation: str = "gelu_new"
     eos_token_id: int | None = None
     torch_dtype: str | None = None  # what the checkpoint says it was saved in
+    type_vocab_size: int = 0  # bert: rows of its token-type (segment) embedding
 
     @property
     def context_bound(self) -> str:
         """Why max_model_len may not exceed max_position_embeddings, or "" where it may."""
-        if self.family == "gpt2":
-            return "GPT-2's learned positions"
+        if self.family in ("gpt2", "bert"):
+            return f"{'GPT-2' if self.family == 'gpt2' else 'BERT'}'s learned positions"
         if self.rope.type == "dynamic":
             # past it transformers recomputes the frequencies from the longest position of each forward call,
             # so a token's rotation would depend on how the engine batched and chunked it
@@ -170,6 +172,8 @@ def arch_from_hf(cfg: Any) -> ArchConfig:
             norm_eps=cfg.layer_norm_epsilon, tie_word_embeddings=True, qkv_bias=True,
             activation=cfg.activation_function, eos_token_id=_first_int(cfg.eos_token_id), torch_dtype=dtype,
         )
+    if family == "bert":
+        return _bert_arch(cfg, dtype)
     act = getattr(cfg, "hidden_act", "silu")
     if act != "silu":
         raise ConfigError(f"model {mt}: hidden_act {act!r} is not supported (supported: silu)")
@@ -184,4 +188,19 @@ def arch_from_hf(cfg: Any) -> ArchConfig:
         tie_word_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
         qkv_bias=mt == "qwen2" or bool(getattr(cfg, "attention_bias", False)), qk_norm=mt == "qwen3",
         activation="silu", eos_token_id=_first_int(cfg.eos_token_id), torch_dtype=dtype,
+    )
+
+
+def _bert_arch(cfg: Any, dtype: str | None) -> ArchConfig:
+    """A BERT config's numbers; position encodings other than learned absolute ones are refused."""
+    kind = getattr(cfg, "position_embedding_type", None) or "absolute"
+    if kind != "absolute":
+        raise ConfigError(f"model bert: position_embedding_type {kind!r} is not supported (supported: absolute)")
+    heads = cfg.num_attention_heads
+    return ArchConfig(
+        family="bert", model_type=cfg.model_type, vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,
+        num_layers=cfg.num_hidden_layers, num_heads=heads, num_kv_heads=heads, head_dim=cfg.hidden_size // heads,
+        intermediate_size=cfg.intermediate_size, max_position_embeddings=cfg.max_position_embeddings,
+        norm_eps=cfg.layer_norm_eps, tie_word_embeddings=False, qkv_bias=True, activation=cfg.hidden_act,
+        torch_dtype=dtype, type_vocab_size=cfg.type_vocab_size,
     )

@@ -12,6 +12,7 @@ from llmserve.batch import ModelOutput, SchedulerOutput
 from llmserve.config import EngineConfig, check_options
 from llmserve.errors import ConfigError
 from llmserve.interfaces import ModelBackend
+from llmserve.pooling import pooled_rows
 from llmserve_torch import kernel_library
 from llmserve_torch.attention import KERNELS, StepMetadata, make_attention
 from llmserve_torch.cuda_graphs import DecodeGraphs, batch_buckets, table_width
@@ -22,6 +23,7 @@ from llmserve_torch.huge_pages import MODES as HUGE_PAGE_MODES
 from llmserve_torch.huge_pages import place_linears, unavailable
 from llmserve_torch.kv_cache import KVCache, budget_bytes, bytes_per_block
 from llmserve_torch.loader import load_model
+from llmserve_torch.models import bert
 from llmserve_torch.quant import QuantLinear
 from llmserve_torch.sampling import Sampler, cpu_argmax, cpu_sample, prompt_logprobs
 
@@ -101,6 +103,12 @@ class TorchBackend(ModelBackend):
         self.footprint = footprint(self.model, self.arch, self.dtype)
         self.huge_pages, self.huge_pages_note = self._place_weights()
         self.vocab_size = self.arch.vocab_size
+        # embeddings pool the final-norm hidden states (llmserve/pooling.py): a decoder's last token by default; an
+        # encoder (bidirectional, whole prompts, no K/V kept) serves nothing else
+        encoder = self.arch.family == "bert"
+        self.hidden_size = self.arch.hidden_size
+        self.pooling = bert.default_pooling(self.loaded.source) if encoder else "last"
+        self.generates = self.causal = not encoder
         limit = self.arch.max_position_embeddings
         if mc.max_model_len is not None:
             if self.arch.context_bound and mc.max_model_len > limit:
@@ -119,6 +127,7 @@ class TorchBackend(ModelBackend):
         self.tokenizer_path = loaded.tokenizer_dir
         self.sampler = Sampler(self.device, seed=mc.seed, eos_token_ids=self.eos_token_ids)
         self.kv: KVCache | None = None
+        self.block_size = 0  # the KV blocks' tokens (init_kv_cache)
         self.attention = None
         self.graphs: DecodeGraphs | None = None
         self.stack: FusedStack | None = None
@@ -148,6 +157,8 @@ class TorchBackend(ModelBackend):
 
     def num_kv_blocks(self, block_size: int) -> int:
         """Blocks the kv_cache_memory budget holds, capped at what max_num_seqs full sequences can use."""
+        if not self.causal:  # an encoder keeps no K/V: the blocks only count each sequence's tokens
+            return -(-self.max_model_len // block_size) * self.config.scheduler.max_num_seqs + 1
         per_block = bytes_per_block(self.arch, block_size, self.dtype)
         budget = budget_bytes(self.config.backend.kv_cache_memory, self.device, self._forward_peak_bytes())
         n = budget // per_block
@@ -211,6 +222,11 @@ class TorchBackend(ModelBackend):
 
     def init_kv_cache(self, num_blocks: int, block_size: int) -> None:
         """Allocate the K/V tensors, pick the attention kernel for them, capture the decode graphs (CUDA)."""
+        self.block_size = block_size
+        if not self.causal:
+            self.attention, self.stack_note = bert.EncoderAttention(self.arch), "an encoder"
+            log.info("no KV cache: an encoder attends within each prompt, computed whole in one step")
+            return
         max_graph_batch = self._graphs_wanted()
         self.kv = KVCache(self.arch, num_blocks, block_size, self.dtype, self.device, scratch=max_graph_batch > 0)
         self.attention = make_attention(self.options["attention"], self.arch, self.kv)
@@ -246,7 +262,7 @@ class TorchBackend(ModelBackend):
     def _metadata(self, batch: SchedulerOutput, lookahead: int = 0):
         """Flatten the batch: token ids, positions, slots, block tables (each `lookahead` tokens past the step's
         context: later forwards of a step), rows to compute logits for."""
-        bs = self.kv.block_size
+        bs = self.block_size
         ids: list[int] = []
         pos: list[int] = []
         slots: list[int] = []
@@ -337,7 +353,7 @@ class TorchBackend(ModelBackend):
         g = self.graphs
         reqs = batch.requests
         if g is None or not g.fits(len(reqs)) or any(r.num_new_tokens != 1 or r.sampling.prompt_logprobs is not None
-                                                      for r in reqs):
+                                                      or r.pooling is not None for r in reqs):
             return None
         bs = self.kv.block_size
         pos = [r.num_computed_tokens for r in reqs]
@@ -356,7 +372,7 @@ class TorchBackend(ModelBackend):
 
     def execute(self, batch: SchedulerOutput) -> ModelOutput:
         """Copy-on-write blocks, run the forward, sample the requests that want a token."""
-        if self.kv is None:
+        if self.attention is None:
             raise RuntimeError("init_kv_cache() must be called before execute()")
         reqs = batch.requests
         if not reqs:
@@ -368,6 +384,8 @@ class TorchBackend(ModelBackend):
             if graphed is None:
                 temps = self.sampler.race_temperatures(sample_reqs, batch.token_bitmask)
                 hidden, logits, tokens, more, meta, sample_rows = self._forward(batch, temps)
+            # (before anything else runs: the fused call's hidden states are its buffers)
+            pooled = self._pooled(batch, hidden, meta) if graphed is None and any(r.pooling for r in reqs) else None
             sampled: list[int | None] = [None] * len(reqs)
             logprobs = None
             if sample_reqs:
@@ -412,7 +430,22 @@ class TorchBackend(ModelBackend):
                     lg = self.model.logits(hidden[qs:qs + n])
                     plp[i] = prompt_logprobs(lg, targets, r.sampling.prompt_logprobs)
         self._steps += 1
-        return ModelOutput(sampled_token_ids=sampled, logprobs=logprobs, prompt_logprobs=plp, more_token_ids=more)
+        return ModelOutput(sampled_token_ids=sampled, logprobs=logprobs, prompt_logprobs=plp, more_token_ids=more,
+                           pooled=pooled)
+
+    def _pooled(self, batch: SchedulerOutput, hidden: torch.Tensor, meta) -> list[list[float] | None]:
+        """Each pooling sequence's sum of its chunk's pooled rows' final-norm hidden states, in float32 (None for
+        the others, and where the chunk has no such row)."""
+        out: list[list[float] | None] = []
+        for i, r in enumerate(batch.requests):
+            rows = pooled_rows(r.pooling, r.num_computed_tokens, r.num_new_tokens, r.num_prompt_tokens) \
+                if r.pooling is not None else range(0)
+            if not rows:
+                out.append(None)
+                continue
+            qs = meta.q_starts[i]
+            out.append(self.model.final_hidden(hidden[qs + rows.start:qs + rows.stop]).float().sum(0).tolist())
+        return out
 
     # --- reporting ------------------------------------------------------------------------------
 

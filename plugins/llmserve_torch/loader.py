@@ -12,7 +12,7 @@ from llmserve.config import ModelConfig
 from llmserve.errors import ConfigError
 from llmserve_torch.arch import ArchConfig
 from llmserve_torch.generation_config import GenerationDefaults
-from llmserve_torch.models import family, gpt2, qwen2
+from llmserve_torch.models import bert, family, gpt2, qwen2
 from llmserve_torch.fused import decoder_ops
 from llmserve_torch.kernel_plan import KernelPlan, plan_kernels
 from llmserve_torch.model_cards import with_card
@@ -98,6 +98,8 @@ def build_model(arch: ArchConfig, sd: dict, make: LinearMaker, max_len: int, ops
             raise ConfigError(f"checkpoint tensor {n} has shape {got}, the config implies {shape}")
     if fam is gpt2:
         return gpt2.GPT2Model(arch, sd, make)
+    if fam is bert:
+        return bert.BertModel(arch, sd, make)
     return qwen2.Qwen2Model(arch, sd, make, max_len, decoder_ops(make.device, make.dtype, ops))
 
 
@@ -143,7 +145,7 @@ def load_model(mc: ModelConfig, linear: str = "auto", batch_hint: int = 64, max_
     src = find_source(mc.model).load(mc)
     arch = src.arch
     dtype, dtype_reason = resolve_dtype(mc.dtype, device)
-    max_len = arch.max_position_embeddings if arch.family == "gpt2" else max(arch.max_position_embeddings,
+    max_len = arch.max_position_embeddings if arch.family != "decoder" else max(arch.max_position_embeddings,
                                                                               mc.max_model_len or 0)
     try:
         pack = choose_packing(linear, device, dtype)

@@ -152,9 +152,9 @@ def test_an_unreachable_hub_fails_within_seconds_with_the_way_out(tmp_path):
 def test_missing_directory_and_unsupported_architecture(tmp_path):
     with pytest.raises(ConfigError, match="no such directory"):
         make_backend(str(tmp_path / "nope") + "/")
-    from transformers import BertConfig
+    from transformers import T5Config  # (BERT is supported since the encoder family: an encoder-decoder is not)
 
-    BertConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=37).save_pretrained(tmp_path)
+    T5Config(d_model=32, num_layers=1, num_heads=2, d_ff=37).save_pretrained(tmp_path)
     with pytest.raises(ConfigError, match="not supported"):
         make_backend(str(tmp_path))
 

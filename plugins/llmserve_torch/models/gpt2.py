@@ -9,7 +9,8 @@ from llmserve_torch.arch import ArchConfig
 from llmserve_torch.models.common import LinearMaker, lm_head
 from llmserve_torch.quant import QuantWeight
 
-_ACTS = {
+# the activations a checkpoint's config may name (BERT's too)
+ACTIVATIONS = {
     "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
     "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
     "gelu_fast": lambda x: F.gelu(x, approximate="tanh"),
@@ -65,9 +66,9 @@ class GPT2Model:
 
     def __init__(self, arch: ArchConfig, sd: dict, make: LinearMaker):
         self.arch = arch
-        self.act = _ACTS.get(arch.activation)
+        self.act = ACTIVATIONS.get(arch.activation)
         if self.act is None:
-            raise ValueError(f"GPT-2 activation {arch.activation!r} is not supported (supported: {', '.join(_ACTS)})")
+            raise ValueError(f"GPT-2 activation {arch.activation!r} is not supported (supported: {', '.join(ACTIVATIONS)})")
 
         def lin(name: str, gelu_tanh: bool = False):
             w = sd[name + ".weight"]
@@ -117,7 +118,10 @@ class GPT2Model:
             x += L["proj"](fc(h) if fc.fused_gelu else self.act(fc(h)))
         return x
 
+    def final_hidden(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The final norm on the selected rows: the states the LM head reads, and embeddings pool."""
+        return F.layer_norm(hidden, (self.arch.hidden_size,), self.lnf_w, self.lnf_b, self.arch.norm_eps)
+
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final norm + LM head on the selected rows, as float32."""
-        h = F.layer_norm(hidden, (self.arch.hidden_size,), self.lnf_w, self.lnf_b, self.arch.norm_eps)
-        return lm_head(h, self.lm_head)
+        return lm_head(self.final_hidden(hidden), self.lm_head)

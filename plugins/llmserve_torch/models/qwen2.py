@@ -122,6 +122,10 @@ class Qwen2Model:
                 x += down
         return x
 
+    def final_hidden(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The final norm on the selected rows: the states the LM head reads, and embeddings pool."""
+        return self.ops.add_rms(hidden, None, self.norm, self.arch.norm_eps)
+
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final norm + LM head on the selected rows, as float32."""
-        return lm_head(self.ops.add_rms(hidden, None, self.norm, self.arch.norm_eps), self.lm_head)
+        return lm_head(self.final_hidden(hidden), self.lm_head)
