@@ -38,7 +38,7 @@ CONFIG_FLAGS: dict[str, tuple[str, type, str]] = {
     "--num-blocks": ("cache.num_blocks", int, "KV blocks (default: from --kv-cache-memory)"),
     "--host": ("server.host", str, "address to bind"),
     "--port": ("server.port", int, "port to bind"),
-    "--api-key": ("server.api_key", str, "require this Bearer token on /v1/*"),
+    "--api-key": ("server.api_key", str, "require this key on /v1/* (Authorization: Bearer KEY or x-api-key: KEY)"),
     "--tool-parser": ("server.tool_parser", str, "how tool calls are read from the output: auto | none | hermes | …"),
     "--replicas": ("distributed.replicas", int, "engine replicas on Ray Serve behind one endpoint (pip install llmserve[ray])"),
     "--router": ("distributed.router", str, "how a request picks its replica: prefix-aware | power-of-two | round-robin"),

@@ -15,8 +15,8 @@ import httpx
 import jsonschema
 import pytest
 
-from tests.server.conftest import start_server
-from tests.server.tool_helpers import TIME, WEATHER, save_byte_tokenizer
+from tests.server.conftest import FAKE, start_server
+from tests.server.tool_helpers import TIME, WEATHER, start_tiny_qwen
 
 KEY = "sesame"
 MODEL = "tiny-qwen"
@@ -32,18 +32,8 @@ T0 = {"extra_body": {"temperature": 0}}
 @pytest.fixture(scope="module")
 def qwen(tmp_path_factory):
     pytest.importorskip("torch")
-    from tests.torch.torch_helpers import make_qwen2
-
-    d = tmp_path_factory.mktemp("qwen")
-    tok = save_byte_tokenizer(d)
-    model = make_qwen2(seed=3, vocab_size=len(tok))
-    model.config.eos_token_id = model.generation_config.eos_token_id = tok.eos_token_id
-    model.config.max_position_embeddings = 2048  # a prompt with tool schemas is ~500 byte tokens
-    model.save_pretrained(d)
-    s = start_server({"model": {"model": str(d), "served_model_name": MODEL},
-                      "backend": {"name": "torch", "kv_cache_memory": "16MiB"}, "cache": {"block_size": 16},
-                      "server": {"tool_parser": "hermes", "reasoning_parser": "think", "api_key": KEY,
-                                 "max_body_bytes": 1 << 20}})
+    s = start_tiny_qwen(tmp_path_factory.mktemp("qwen"), {"tool_parser": "hermes", "reasoning_parser": "think",
+                                                          "api_key": KEY, "max_body_bytes": 1 << 20})
     yield s
     s.stop()
 
@@ -53,11 +43,11 @@ def client(server, **kw) -> anthropic.Anthropic:
     return anthropic.Anthropic(base_url=server.url, **({"api_key": KEY} | kw), max_retries=0, timeout=60)
 
 
-def events(server, body: dict) -> list[tuple[str, dict]]:
+def events(server, body: dict, key: str = KEY) -> list[tuple[str, dict]]:
     """The (event, data) pairs of a streamed /v1/messages, as the server sent them."""
     out, name = [], None
     body = {k: v for k, v in body.items() if k != "extra_body"} | body.get("extra_body", {}) | {"stream": True}
-    with httpx.stream("POST", server.url + "/v1/messages", json=body, headers={"x-api-key": KEY},
+    with httpx.stream("POST", server.url + "/v1/messages", json=body, headers={"x-api-key": key},
                       timeout=60) as r:
         assert r.status_code == 200, r.read()
         for line in r.iter_lines():
@@ -309,3 +299,22 @@ def test_other_errors_in_anthropics_shape(qwen):
     assert {"/v1/messages", "/v1/messages/count_tokens"} <= set(paths)
     # none of it harmed the server: the next message is answered
     assert client(qwen).messages.create(**TEXT).usage.output_tokens > 0
+
+
+def test_a_failure_mid_stream_is_an_error_event():
+    # the fake backend at 20 ms a step runs past a 0.3 s request_timeout after the stream has started
+    s = start_server(FAKE | {"backend": {"name": "fake", "options": {"step_cost_s": 0.02}},
+                             "server": {"request_timeout": 0.3}})
+    try:
+        evs = events(s, {"model": "embedded", "max_tokens": 200, "messages": ASK})
+        names = [n for n, _ in evs]
+        assert names[0] == "message_start" and "content_block_delta" in names and "message_stop" not in names
+        assert evs[-1] == ("error", {"type": "error", "error": {
+            "type": "timeout_error", "message": "the request did not finish within the server's request_timeout "
+                                                "(0.3 s)"}})
+        with pytest.raises(anthropic.APIStatusError) as e:
+            with client(s).messages.stream(model="embedded", max_tokens=200, messages=ASK) as stream:
+                stream.get_final_message()
+        assert e.value.body["error"]["type"] == "timeout_error"
+    finally:
+        s.stop()

@@ -18,7 +18,7 @@ import pytest
 from pydantic import BaseModel
 
 from tests.server.conftest import FAKE, start_server
-from tests.server.tool_helpers import ECHO, TIME, WEATHER, EchoPlugin, save_byte_tokenizer, script
+from tests.server.tool_helpers import ECHO, TIME, WEATHER, EchoPlugin, script, start_tiny_qwen
 
 os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # litellm would fetch its price list at import
 
@@ -65,16 +65,7 @@ def test_litellm_tools(echo):
 @pytest.fixture(scope="module")
 def qwen(tmp_path_factory):
     pytest.importorskip("torch")
-    from tests.torch.torch_helpers import make_qwen2
-
-    d = tmp_path_factory.mktemp("qwen")
-    tok = save_byte_tokenizer(d)
-    model = make_qwen2(seed=3, vocab_size=len(tok))
-    model.config.eos_token_id = model.generation_config.eos_token_id = tok.eos_token_id
-    model.config.max_position_embeddings = 2048  # a prompt with tool schemas is ~700 byte tokens
-    model.save_pretrained(d)
-    s = start_server({"model": {"model": str(d), "served_model_name": "tiny-qwen"},
-                      "backend": {"name": "torch", "kv_cache_memory": "16MiB"}, "cache": {"block_size": 16}})
+    s = start_tiny_qwen(tmp_path_factory.mktemp("qwen"))
     yield s
     s.stop()
 

@@ -129,3 +129,19 @@ def save_byte_tokenizer(path: Path, template: str | None = QWEN_TEMPLATE):
         fast.chat_template = template
     fast.save_pretrained(path)
     return fast
+
+
+def start_tiny_qwen(d: Path, server: dict | None = None):
+    """A server (served as "tiny-qwen", torch backend) on a tiny random Qwen2 saved in d with the byte tokenizer and
+    the Qwen2.5-style tools template; `server` is its server section. Random weights: the grammar makes its calls."""
+    from tests.server.conftest import start_server
+    from tests.torch.torch_helpers import make_qwen2
+
+    tok = save_byte_tokenizer(d)
+    model = make_qwen2(seed=3, vocab_size=len(tok))
+    model.config.eos_token_id = model.generation_config.eos_token_id = tok.eos_token_id
+    model.config.max_position_embeddings = 2048  # a prompt with tool schemas is ~500-700 byte tokens
+    model.save_pretrained(d)
+    return start_server({"model": {"model": str(d), "served_model_name": "tiny-qwen"},
+                         "backend": {"name": "torch", "kv_cache_memory": "16MiB"}, "cache": {"block_size": 16},
+                         "server": server or {}})
