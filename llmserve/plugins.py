@@ -33,6 +33,8 @@ DEFAULT_PLUGINS: tuple[str, ...] = (
     "llmserve_paged_cache",
     "llmserve_fake",
     "llmserve_torch",
+    "llmserve_grpc",
+    "llmserve_onnx",
     "llmserve_tokenizers",
     "llmserve_jsonl",
     "llmserve_prometheus",
