@@ -137,6 +137,10 @@ class ServerConfig:
     log_requests: bool = False  # llmserve's line per request: id, route, status, tokens, latency (never the prompt or key)
     tool_parser: str = "auto"  # reads tool_choice auto's calls: auto (from the chat template) | none | hermes | …
     reasoning_parser: str = "none"  # none | think (<think>…</think> → reasoning_content)
+    # where POST /v1/responses keeps answers sent with store true (for previous_response_id and GET/DELETE
+    # /v1/responses/{id}): memory (capped, least recently used dropped first) | sqlite (a file) | a plugin's store
+    response_store: str = "memory"
+    response_store_options: dict[str, Any] = field(default_factory=dict)  # the store's own (docs/responses.md)
     ui: bool = True  # GET / (playground and live dashboard) and /stats/stream, from plugin llmserve_ui
     embeddings: bool = True  # POST /v1/embeddings for the served model (plugin llmserve_embeddings); false: 404
     # where the engine steps: thread (a thread of the server process) | process (its own process, so the

@@ -82,5 +82,11 @@ def register_reasoning_parsers(register):
 
 
 @hookspec
+def register_response_stores(register):
+    """Register stores of POST /v1/responses' answers: ``register(name, factory)``, ``factory(config, options) ->
+    ResponseStore``."""
+
+
+@hookspec
 def register_commands(subparsers):
     """Add ``llmserve`` subcommands to the argparse ``subparsers``; set ``func=callable(args)`` as default."""

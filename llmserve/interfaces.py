@@ -280,3 +280,20 @@ class Router(ABC):
 
     def routed(self, keys: Sequence[int], replica_id: str) -> None:  # noqa: B027 - optional
         """The request went to replica_id (a router may remember its keys until the replica reports them)."""
+
+
+class ResponseStore(ABC):
+    """Keeps POST /v1/responses' stored answers by id, each a JSON-able record; called from worker threads, so an
+    implementation guards its own state."""
+
+    @abstractmethod
+    def put(self, response_id: str, record: dict[str, Any]) -> None:
+        """Store (or replace) the record of response_id; a store with a cap may drop older records to make room."""
+
+    @abstractmethod
+    def get(self, response_id: str) -> dict[str, Any] | None:
+        """The record of response_id, or None when it was never stored, was deleted or was dropped."""
+
+    @abstractmethod
+    def delete(self, response_id: str) -> bool:
+        """Forget response_id; whether it was there."""

@@ -45,6 +45,8 @@ DEFAULT_PLUGINS: tuple[str, ...] = (
     "llmserve_generate",
     "llmserve_anthropic",
     "llmserve_embeddings",
+    "llmserve_responses",
+    "llmserve_responses_sqlite",
     "llmserve_ray",
 )
 
@@ -60,6 +62,7 @@ COMPONENT_HOOKS: dict[str, str] = {
     "reasoning_parser": "register_reasoning_parsers",
     "router": "register_routers",
     "launcher": "register_launchers",
+    "response_store": "register_response_stores",
 }
 
 
