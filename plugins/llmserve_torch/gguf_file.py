@@ -9,6 +9,7 @@ import sys
 import time
 from collections import Counter
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -17,6 +18,7 @@ import torch
 from llmserve.errors import ConfigError
 from llmserve_torch.arch import FREQ_FACTORS, ArchConfig, arch_from_hf
 from llmserve_torch.gguf_quant import repack
+from llmserve_torch.gguf_reader import GGUFFile
 from llmserve_torch.quant import QuantWeight
 
 log = logging.getLogger("llmserve.torch")
@@ -82,14 +84,12 @@ class GGUFCheckpoint:
     """An open GGUF file: checked for a supported architecture and tensor types as it opens."""
 
     def __init__(self, path: Path):
-        from gguf import GGUFReader
-
         self.path = path
         try:
-            self.reader = GGUFReader(path)
-        except Exception as e:  # a truncated or foreign file: numpy / struct errors of many kinds
+            self.file = GGUFFile(path)
+        except (OSError, ValueError) as e:  # a truncated or foreign file
             raise ConfigError(f"{path}: not a readable GGUF file ({type(e).__name__}: {e})") from None
-        self.tensors = {t.name: t for t in self.reader.tensors}
+        self.tensors = {t.name: t for t in self.file.tensors}
         self.arch_name = self.meta("general.architecture")
         if self.arch_name not in _NAMES:
             raise ConfigError(f"{path}: GGUF architecture {self.arch_name!r} is not supported by the torch backend "
@@ -109,12 +109,12 @@ class GGUFCheckpoint:
 
     def meta(self, key: str, default: Any = _MISSING) -> Any:
         """A metadata value (strings decoded, arrays as lists); a ConfigError names a missing required key."""
-        field = self.reader.get_field(key)
-        if field is None:
+        value = self.file.meta(key, _MISSING)
+        if value is _MISSING:
             if default is _MISSING:
                 raise ConfigError(f"{self.path}: GGUF metadata has no {key!r}")
             return default
-        return field.contents()
+        return value
 
     def type_counts(self) -> Counter:
         """How many tensors of each ggml type the file holds."""
@@ -125,10 +125,8 @@ class GGUFCheckpoint:
         kinds = {t.tensor_type.name for t in self.tensors.values() if len(t.shape) > 1}
         return {frozenset({"F16"}): "float16", frozenset({"BF16"}): "bfloat16"}.get(frozenset(kinds), "float32")
 
-    def hf_config(self):
-        """The transformers config the metadata describes (it is saved as the cached checkpoint's config.json)."""
-        from transformers import AutoConfig
-
+    def hf_fields(self) -> tuple[str, dict[str, Any]]:
+        """The model type and transformers config fields the metadata describes (no transformers import needed)."""
         a = self.arch_name
         k = lambda name, *default: self.meta(f"{a}.{name}", *default)  # noqa: E731
         if "token_embd.weight" not in self.tensors:
@@ -138,8 +136,8 @@ class GGUFCheckpoint:
                       bos_token_id=self.meta("tokenizer.ggml.bos_token_id", None),
                       eos_token_id=self.meta("tokenizer.ggml.eos_token_id", None), torch_dtype=self._dtype_name())
         if a == "gpt2":
-            return AutoConfig.for_model(
-                "gpt2", n_embd=k("embedding_length"), n_layer=k("block_count"), n_head=k("attention.head_count"),
+            return "gpt2", dict(
+                n_embd=k("embedding_length"), n_layer=k("block_count"), n_head=k("attention.head_count"),
                 n_positions=k("context_length"), n_inner=k("feed_forward_length"),
                 layer_norm_epsilon=k("attention.layer_norm_epsilon"), activation_function="gelu_new", **common)
         scaling = k("rope.scaling.type", "none")
@@ -155,12 +153,19 @@ class GGUFCheckpoint:
         if _ROPE_FREQS in self.tensors:
             extra["rope_parameters"] = {"rope_type": FREQ_FACTORS, "rope_theta": theta,
                                         "freq_factors": self._freq_factors(head_dim)}
-        return AutoConfig.for_model(
-            a, hidden_size=hidden, intermediate_size=k("feed_forward_length"), num_hidden_layers=k("block_count"),
+        return a, dict(
+            hidden_size=hidden, intermediate_size=k("feed_forward_length"), num_hidden_layers=k("block_count"),
             num_attention_heads=heads, num_key_value_heads=k("attention.head_count_kv", heads), head_dim=head_dim,
             max_position_embeddings=k("context_length"), rms_norm_eps=k("attention.layer_norm_rms_epsilon"),
             rope_theta=theta, hidden_act="silu",
             tie_word_embeddings="output.weight" not in self.tensors, **extra, **common)
+
+    def hf_config(self):
+        """The transformers config the metadata describes (saved as the dense cache's config.json)."""
+        from transformers import AutoConfig
+
+        model_type, fields = self.hf_fields()
+        return AutoConfig.for_model(model_type, **fields)
 
     def _freq_factors(self, head_dim: int) -> list[float]:
         """rope_freqs: the divisor of each rotary pair's base frequency (how llama.cpp's converter writes Llama 3.1's
@@ -172,8 +177,10 @@ class GGUFCheckpoint:
         return [float(f) for f in factors]  # float32 → float64 → JSON round-trips exactly
 
     def arch(self) -> ArchConfig:
-        """The ArchConfig of the model (through the same translation a config.json goes through)."""
-        return arch_from_hf(self.hf_config())
+        """The ArchConfig of the model (the same translation a config.json goes through, without transformers:
+        importing it costs seconds at every start)."""
+        model_type, fields = self.hf_fields()
+        return arch_from_hf(SimpleNamespace(model_type=model_type, **fields))
 
     def hf_name(self, gguf_name: str) -> str | None:
         """The HF name of a GGUF tensor; None for one the model does not load (GPT-2's tied head, rope_freqs)."""
