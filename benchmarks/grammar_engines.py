@@ -125,10 +125,10 @@ class SyntheticVocab(Tokenizer):
 def real_tokenizer() -> Tokenizer:
     """The default model's tokenizer, from the GGUF `make model` fetched (its converted copy is cached)."""
     from llmserve_tokenizers.hf import HFTokenizer
-    from llmserve_torch.gguf_cache import cached_checkpoint
+    from llmserve_torch.gguf_cache import cached_metadata
     from llmserve_torch.packaged import DEFAULT_MODEL, resolve
 
-    directory, _ = cached_checkpoint(resolve(DEFAULT_MODEL))
+    directory, _ = cached_metadata(resolve(DEFAULT_MODEL))
     return HFTokenizer.load(str(directory))
 
 

@@ -1,5 +1,6 @@
-"""The GGUF conversion cache: one checkpoint directory (config.json, model.safetensors, tokenizer files)
-per GGUF sha256, written once into a temporary directory and renamed into place."""
+"""The GGUF caches, per file sha256, each written once into a temporary directory and renamed into place: the
+tokenizer files and generation config every start reads (transformers takes seconds to build a tokenizer from
+GGUF metadata), and, only for `model.quantization: none`, a dequantized checkpoint (config.json, model.safetensors)."""
 
 from __future__ import annotations
 
@@ -19,8 +20,9 @@ from llmserve_torch.gguf_file import GGUFCheckpoint
 
 log = logging.getLogger("llmserve.torch")
 
-# bump when the conversion changes what it writes: caches of another format are rebuilt
-FORMAT = 1
+# bump when a cache changes what it holds: caches of another format are rebuilt (format 1 held dequantized weights
+# beside the tokenizer; they are replaced, freeing their disk, the next time their file is served)
+FORMAT = 2
 MARKER = "llmserve-gguf.json"  # written last: a directory without it is not a cache
 
 
@@ -62,9 +64,9 @@ def _marker(d: Path) -> dict | None:
     return info if info.get("format") == FORMAT else None
 
 
-def _remove_orphans(root: Path, sha: str) -> None:
-    """Delete temporary directories that killed first loads of this file left behind."""
-    for d in root.glob(f".tmp-{sha}-*"):
+def _remove_orphans(root: Path, name: str) -> None:
+    """Delete temporary directories that killed first loads of this entry left behind."""
+    for d in root.glob(f".tmp-{name}-[0-9]*"):
         pid = d.name.rsplit("-", 1)[-1]
         try:
             os.kill(int(pid), 0)
@@ -89,54 +91,77 @@ def export_tokenizer(path: Path, out: Path) -> bool:
     return True
 
 
-def cached_checkpoint(path: Path) -> tuple[Path, bool]:
-    """The GGUF's converted checkpoint directory (converting on the first call) and whether it holds a tokenizer."""
-    from safetensors.torch import save_file
-
+def _root() -> Path:
     root = cache_root() / "gguf"
     try:
         root.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise ConfigError(f"cannot create the GGUF cache directory {root} ({e}); set LLMSERVE_CACHE to a writable "
                           "directory") from None
-    sha = file_sha256(path, root / "sha256.json")
-    final = root / sha
+    return root
+
+
+def _build(root: Path, name: str, path: Path, what: str, fill) -> dict:
+    """The finished cache entry root/name (fill(tmp) writing it on the first call), as its marker's record."""
+    final = root / name
     info = _marker(final)
     if info is not None:
-        log.info("GGUF %s: reading the converted checkpoint cached in %s", path.name, final)
-        if not (final / FILE).is_file():  # converted before the file was written: add it, once
-            _write_atomic(final / FILE, json.dumps(from_gguf(GGUFCheckpoint(path))))
-        return final, info["tokenizer"]
+        log.info("GGUF %s: reading the %s cached in %s", path.name, what, final)
+        return info
     t0 = time.perf_counter()
-    log.info("GGUF %s: first load: converting it once into %s (later starts read that); reading the file",
-             path.name, final)
-    ckpt = GGUFCheckpoint(path)  # checks architecture and tensor types before any slow work
-    types = ", ".join(f"{n} {t}" for t, n in ckpt.type_counts().most_common())
-    log.info("GGUF %s: dequantizing %d tensors (%s), then building the tokenizer", path.name, len(ckpt.tensors),
-             types)
-    _remove_orphans(root, sha)
-    tmp = root / f".tmp-{sha}-{os.getpid()}"
+    log.info("GGUF %s: first load: writing its %s once into %s (later starts read that)", path.name, what, final)
+    _remove_orphans(root, name)
+    tmp = root / f".tmp-{name}-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
     try:
+        record = {"format": FORMAT, "source": str(path.resolve()), **fill(tmp),
+                  "seconds": round(time.perf_counter() - t0, 2)}
+        (tmp / MARKER).write_text(json.dumps(record, indent=1))
+        _publish(tmp, final)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    log.info("GGUF %s: %s written in %.1fs", path.name, what, time.perf_counter() - t0)
+    return record
+
+
+def cached_metadata(path: Path) -> tuple[Path, bool]:
+    """The directory holding the GGUF's tokenizer files and generation config (written on the first call; no
+    weights: the quantized tensors are repacked from the file itself), and whether it holds a tokenizer."""
+    root = _root()
+    sha = file_sha256(path, root / "sha256.json")
+
+    def fill(tmp: Path) -> dict:
+        (tmp / FILE).write_text(json.dumps(from_gguf(GGUFCheckpoint(path))))  # the EOS ids and sampling defaults
+        return {"sha256": sha, "tokenizer": export_tokenizer(path, tmp)}
+
+    return root / sha, _build(root, sha, path, "tokenizer and metadata", fill)["tokenizer"]
+
+
+def cached_dense(path: Path) -> Path:
+    """A checkpoint directory (config.json, model.safetensors) with every tensor of the GGUF dequantized, for
+    `model.quantization: none` (written on the first call that asks)."""
+    from safetensors.torch import save_file
+
+    root = _root()
+    sha = file_sha256(path, root / "sha256.json")
+
+    def fill(tmp: Path) -> dict:
+        ckpt = GGUFCheckpoint(path)  # checks architecture and tensor types before any slow work
+        types = ", ".join(f"{n} {t}" for t, n in ckpt.type_counts().most_common())
+        log.info("GGUF %s: dequantizing %d tensors (%s)", path.name, len(ckpt.tensors), types)
         ckpt.hf_config().save_pretrained(str(tmp))
-        (tmp / FILE).write_text(json.dumps(from_gguf(ckpt)))  # the EOS ids and sampling defaults
         t1 = time.perf_counter()
         sd = ckpt.state_dict()
         t2 = time.perf_counter()
         save_file(sd, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         del sd
-        log.info("GGUF %s: dequantized in %.1fs, wrote model.safetensors in %.1fs; building the tokenizer",
-                 path.name, t2 - t1, time.perf_counter() - t2)
-        has_tokenizer = export_tokenizer(path, tmp)
-        record = {"format": FORMAT, "sha256": sha, "source": str(path.resolve()), "tokenizer": has_tokenizer,
-                  "tensor_types": dict(ckpt.type_counts()), "seconds": round(time.perf_counter() - t0, 2)}
-        (tmp / MARKER).write_text(json.dumps(record, indent=1))
-        _publish(tmp, final)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    log.info("GGUF %s: converted in %.1fs into %s", path.name, time.perf_counter() - t0, final)
-    return final, has_tokenizer
+        log.info("GGUF %s: dequantized in %.1fs, wrote model.safetensors in %.1fs", path.name, t2 - t1,
+                 time.perf_counter() - t2)
+        return {"sha256": sha, "tensor_types": dict(ckpt.type_counts())}
+
+    _build(root, f"{sha}-dense", path, "dequantized checkpoint", fill)
+    return root / f"{sha}-dense"
 
 
 def _publish(tmp: Path, final: Path) -> None:

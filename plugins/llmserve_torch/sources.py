@@ -95,7 +95,8 @@ class CheckpointSource(ModelSource):
 
 
 class GGUFSource(ModelSource):
-    """A llama.cpp GGUF file, or a directory holding one, converted once into a cached checkpoint."""
+    """A llama.cpp GGUF file, or a directory holding one: its quantized tensors repacked from the file at each start,
+    its tokenizer built once into a cache (a dequantized copy only for `model.quantization: none`)."""
 
     name = "gguf"
 
@@ -107,35 +108,34 @@ class GGUFSource(ModelSource):
         return p.is_dir() and not (p / "config.json").is_file() and any(p.glob("*.gguf"))
 
     def load(self, mc: ModelConfig) -> SourceResult:
-        """Dequantize into the cache on the first load; every load then reads the cached safetensors."""
+        """The architecture from the file's metadata; the weights repacked from the file (or, for quantization none,
+        read from the dequantized cache, written on the first such load); the tokenizer from the metadata cache."""
         from llmserve_torch import gguf_cache, gguf_file  # llama.cpp's gguf package (~0.1 s) only for a GGUF
 
         path = gguf_file.resolve_gguf(mc.model)
-        names = (path.stem,)
+        ckpt = gguf_file.GGUFCheckpoint(path)  # checks architecture and tensor types before any slow work
+        names = (path.stem, ckpt.meta("general.name", ""))
         if mc.load_format == "dummy":
-            arch = gguf_file.GGUFCheckpoint(path).arch()
-            sd, weights = _dummy(arch, mc.seed)
-            return SourceResult(arch, sd, str(path), weights)
+            sd, weights = _dummy(ckpt.arch(), mc.seed)
+            return SourceResult(ckpt.arch(), sd, str(path), weights)
         if mc.load_format != "auto":
             raise ConfigError(f"model.load_format: {mc.load_format!r} does not apply to a GGUF file "
                               "(use auto, or dummy for random weights)")
-        cache_dir, has_tokenizer = gguf_cache.cached_checkpoint(path)
+        meta_dir, has_tokenizer = gguf_cache.cached_metadata(path)
         if mc.quantization == "none":
-            res = CheckpointSource().load(replace(mc, model=str(cache_dir), load_format="safetensors"))
-            res.weights = f"{path.name} via the cache {cache_dir}"
-        else:  # the config and tokenizer from the cache, the weights repacked from the file itself
-            arch = read_arch(cache_dir)
-            normalize = family(arch).normalize_name
-            ckpt = gguf_file.GGUFCheckpoint(path)  # (opening one takes seconds: its name is read while it is open)
+            dense = gguf_cache.cached_dense(path)
+            res = CheckpointSource().load(replace(mc, model=str(dense), load_format="safetensors"))
+            res.weights = f"{path.name} via the dequantized cache {dense}"
+        else:
+            normalize = family(ckpt.arch()).normalize_name
             sd = {normalize(k): v for k, v in ckpt.state_dict(quantized=True).items()}
-            res = SourceResult(arch, {k: v for k, v in sd.items() if k is not None}, str(path),
-                               f"{path.name} (quantized tensors repacked for the CPU kernels)",
-                               generation=read(cache_dir))
-            names += (ckpt.meta("general.name", ""),)
+            res = SourceResult(ckpt.arch(), {k: v for k, v in sd.items() if k is not None}, str(path),
+                               f"{path.name} (quantized tensors repacked for the CPU kernels)")
+        res.generation = read(meta_dir)
         if res.generation.source:  # the cache's generation_config.json holds what the file's metadata says
             res.generation = replace(res.generation, source=f"{path.name}'s metadata (general.sampling.*)")
         res.source, res.names = str(path), names
-        res.tokenizer_dir = str(cache_dir) if has_tokenizer else None
+        res.tokenizer_dir = str(meta_dir) if has_tokenizer else None
         return res
 
 

@@ -23,6 +23,7 @@ from llmserve_torch import cache_paths, gguf_cache, gguf_file, sources
 from llmserve_torch.arch import Rope
 from llmserve_torch.loader import load_model
 from llmserve_torch.models.rope import default_inv_freq, inv_freq
+from llmserve_torch.quant import QuantWeight
 
 ARCHS = ["llama", "qwen2", "qwen3", "gpt2"]
 
@@ -182,15 +183,28 @@ def test_second_load_reads_the_cache_without_dequantizing(llama_gguf, cache, mon
         caplog.clear()
         second = _load(str(path))
     assert len(calls) == len(gguf.GGUFReader(path).tensors)  # nothing more was dequantized
-    assert "reading the converted checkpoint" in caplog.text
+    assert "reading the dequantized checkpoint" in caplog.text and "reading the tokenizer" in caplog.text
     assert "first load" not in caplog.text and "hashing" not in caplog.text  # the sha256 was remembered
     for name, t in first.state_dict.items():
         assert torch.equal(second.state_dict[name], t)
     sha = gguf_cache.file_sha256(path, cache / "gguf" / "sha256.json")
-    entry = cache / "gguf" / sha
-    assert second.tokenizer_dir == str(entry)
-    files = {p.name for p in entry.iterdir()}
-    assert {"config.json", "model.safetensors", "tokenizer.json", gguf_cache.MARKER} <= files
+    meta, dense = cache / "gguf" / sha, cache / "gguf" / f"{sha}-dense"
+    assert second.tokenizer_dir == str(meta)
+    assert {"tokenizer.json", "generation_config.json", gguf_cache.MARKER} <= {p.name for p in meta.iterdir()}
+    assert {"config.json", "model.safetensors", gguf_cache.MARKER} <= {p.name for p in dense.iterdir()}
+
+
+def test_a_quantized_load_writes_no_dequantized_weights(llama_gguf, cache, monkeypatch):
+    """The default (quantization auto) repacks the file's blocks: only the float tensors (norms) are read as floats,
+    and the cache holds the tokenizer, never a dequantized copy."""
+    path, _ = llama_gguf
+    calls = _counting(monkeypatch)
+    res = sources.find_source(str(path)).load(ModelConfig(model=str(path)))
+    types = {t.name: t.tensor_type.name for t in gguf.GGUFReader(path).tensors}
+    assert calls and all(types[n] == "F32" for n in calls)
+    assert any(isinstance(v, QuantWeight) for v in res.state_dict.values())
+    (entry,) = [p for p in (cache / "gguf").iterdir() if p.is_dir()]
+    assert res.tokenizer_dir == str(entry) and not (entry / "model.safetensors").exists()
 
 
 def test_a_directory_holding_one_gguf_loads_it(llama_gguf):
@@ -224,13 +238,14 @@ def test_an_interrupted_first_load_leaves_no_cache(llama_gguf, cache, monkeypatc
     with pytest.raises(KeyboardInterrupt):
         _load(str(path))
     root = cache / "gguf"
-    assert sorted(p.name for p in root.iterdir()) == ["sha256.json"]  # no entry, no temporary directory
     sha = gguf_cache.file_sha256(path, root / "sha256.json")
-    orphan = root / f".tmp-{sha}-{2**22 + 1}"  # left by a process that was killed (pids stay below 2**22)
+    # the tokenizer's entry was finished; the dequantized one left nothing, not even its temporary directory
+    assert sorted(p.name for p in root.iterdir()) == [sha, "sha256.json"]
+    orphan = root / f".tmp-{sha}-dense-{2**22 + 1}"  # left by a process that was killed (pids stay below 2**22)
     orphan.mkdir()
     monkeypatch.setattr(gguf_file, "dequantize", real)
     assert _load(str(path)).state_dict
-    assert sorted(p.name for p in root.iterdir()) == [sha, "sha256.json"]
+    assert sorted(p.name for p in root.iterdir()) == [sha, f"{sha}-dense", "sha256.json"]
 
 
 def test_a_cache_of_another_format_is_rebuilt(llama_gguf, cache, monkeypatch):
