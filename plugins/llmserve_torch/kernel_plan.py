@@ -205,7 +205,7 @@ def plan_kernels(plan: KernelPlan, linears: list, serving: torch.dtype, max_batc
                  "threads": torch.get_num_threads(), "library": kernel_library.library_id()}
         with torch.inference_mode():
             act, act_timed = _pick_act(group, serving, facts, retime)
-            if not all(lin.dense is not None for lin in group):
+            if not all(lin.dense is not None or lin.densify is not None for lin in group):
                 kp = KindPlan(act, NEVER, "no dense copy")
             elif limit not in ("auto", "retime"):
                 kp = KindPlan(act, int(limit), "asked for")
@@ -221,10 +221,12 @@ def plan_kernels(plan: KernelPlan, linears: list, serving: torch.dtype, max_batc
         kp.kernel = group[0].kernel
         kp.bits_read = 8 * sum(lin.nbytes for lin in group) / sum(lin.params for lin in group)
         kp.sources = dict(sorted(Counter(lin.source for lin in group).items()))
+        for lin in group:  # a dense copy exists only where the plan runs it (the timing made some to compare)
+            if kp.max_rows >= max_batch_rows:
+                lin.dense = None
+            else:
+                lin.ensure_dense()
         plan.kinds[kind] = kp
-        if kp.max_rows >= max_batch_rows:
-            for lin in group:
-                lin.dense = None  # never used: free its memory
         log.info("quantized %s linears (%d: %s): %s, %.2f bits a weight read, %s activations, quantized kernel up to "
                  "%s rows (%s)", kind, len(group), ", ".join(f"{n} {s}" for s, n in kp.sources.items()), kp.kernel,
                  kp.bits_read, _dtype_name(act), "all" if kp.max_rows >= max_batch_rows else kp.max_rows,
@@ -287,11 +289,19 @@ def _checked(entry: dict, check) -> tuple[bool, str, str]:
     return agrees, seen, busy
 
 
-def _time_rows(m: Meter, group: list, rows: int, act: torch.dtype, serving: torch.dtype) -> tuple[float, float]:
-    """ms for all of the group's linears at rows: the quantized kernel, then the dense copies."""
+def _time_quantized(m: Meter, group: list, rows: int, act: torch.dtype, serving: torch.dtype) -> float:
+    """ms for all of the group's linears at rows in the quantized kernel."""
     x = {n: torch.randn(rows, n).to(serving) for n in {lin.in_features for lin in group}}
-    return (m.time(lambda: [lin.quantized(x[lin.in_features], act) for lin in group]),
-            m.time(lambda: [lin.dense(x[lin.in_features]) for lin in group]))
+    return m.time(lambda: [lin.quantized(x[lin.in_features], act) for lin in group])
+
+
+def _time_rows(m: Meter, group: list, rows: int, act: torch.dtype, serving: torch.dtype) -> tuple[float, float]:
+    """ms for all of the group's linears at rows: the quantized kernel, then the dense copies (made now if missing)."""
+    for lin in group:
+        lin.ensure_dense()
+    x = {n: torch.randn(rows, n).to(serving) for n in {lin.in_features for lin in group}}
+    return (_time_quantized(m, group, rows, act, serving), m.time(lambda: [lin.dense(x[lin.in_features])
+                                                                          for lin in group]))
 
 
 def _measure_crossover(m: Meter, group: list, act: torch.dtype, serving: torch.dtype, max_batch_rows: int) -> dict:
@@ -316,8 +326,17 @@ def _measure_crossover(m: Meter, group: list, act: torch.dtype, serving: torch.d
 
 
 def _check_crossover(m: Meter, group: list, act: torch.dtype, serving: torch.dtype, entry: dict) -> tuple[bool, str]:
-    """The remembered limit's decisive rows timed again: the last the quantized kernel won, the first it lost."""
+    """The remembered limit's decisive rows timed again: the last the quantized kernel won, the first it lost.
+
+    Where the quantized kernel won at every row count timed, only it is timed (no dense copy is made for a check):
+    at the most rows, it must still beat what the dense copies took there when the plan was made."""
     limit, timed = int(entry["max_rows"]), sorted(int(r) for r in entry["timings"])
+    if limit >= NEVER and timed:
+        rows = timed[-1]
+        q = _time_quantized(m, group, rows, act, serving)
+        then = entry["timings"].get(str(rows)) or entry["timings"][rows]  # (JSON's keys are strings)
+        d = float(then["dense_ms"])
+        return q <= d * (1 + MARGIN), f"{rows} rows: quantized {q:.2f} ms, dense {d:.2f} ms when timed"
     agrees, seen = True, []
     for rows in [r for r in timed if r <= limit][-1:] + [r for r in timed if r > limit][:1]:
         q, d = _time_rows(m, group, rows, act, serving)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -242,13 +243,16 @@ def _bit_planes(q: torch.Tensor, bits: int) -> torch.Tensor:
     4-byte plane whose byte j's bit c is value 4c + j's and bit 4 + c value 16 + 4c + j's."""
     if bits == 8:
         return q
-    out = [(q[..., :16] & 15) | ((q[..., 16:] & 15) << 4)]
-    for p in range(bits - 4):
-        b = ((q >> (4 + p)) & 1).view(*q.shape[:-1], 2, 4, 4)  # [.., half, c, j]
-        weights = torch.tensor([1, 2, 4, 8], dtype=torch.uint8).view(1, 1, 4, 1)
-        lo, hi = ((b[..., h, :, :] * weights).sum(-2) for h in (0, 1))
-        out.append((lo | (hi << 4)).to(torch.uint8))
-    return torch.cat(out, dim=-1)
+    a = q.numpy()
+    out = [(a[..., :16] & 15) | ((a[..., 16:] & 15) << 4)]
+    if bits > 4:
+        # the bits above the fourth as [.., j, half, c], so byte j's eight bits are adjacent: numpy packs them in C
+        # (torch's uint8 arithmetic took 14 s of a 0.5B model's start)
+        hi = np.ascontiguousarray(np.moveaxis((a >> 4).reshape(*a.shape[:-1], 2, 4, 4), -1, -3))
+        for p in range(bits - 4):
+            planes = ((hi >> p) & 1).reshape(*a.shape[:-1], 4, 8)
+            out.append(np.packbits(planes, axis=-1, bitorder="little")[..., 0])
+    return torch.from_numpy(np.concatenate(out, axis=-1))
 
 
 def pack_own(qw: QuantWeight) -> torch.Tensor:
@@ -303,12 +307,12 @@ def pack_own(qw: QuantWeight) -> torch.Tensor:
 class QuantLinear:
     """y = x @ w.T (+ bias) through a weight-only quantized kernel, or a dense copy above plan's row limit."""
 
-    __slots__ = ("kind", "source", "out_features", "in_features", "bias", "plan", "dense", "_w", "_scale", "_zero",
-                 "_scales", "_fmt", "bits_read")
+    __slots__ = ("kind", "source", "out_features", "in_features", "bias", "plan", "dense", "densify", "_w", "_scale",
+                 "_zero", "_scales", "_fmt", "bits_read")
 
     fused_gelu = False  # no post-op fusion in these kernels: the model applies its activation itself
 
-    def __init__(self, qw: QuantWeight, bias: torch.Tensor | None, plan, dense=None):
+    def __init__(self, qw: QuantWeight, bias: torch.Tensor | None, plan, dense=None, densify=None):
         qw = kernel_form(qw)
         self._fmt = weight_format(qw) if qw.kind in GROUP_BITS else None
         if qw.kind in GROUP_BITS and self._fmt is None and not (qw.kind == "int4" and _own_kernels() is None):
@@ -319,6 +323,8 @@ class QuantLinear:
         self.bias = bias
         self.plan = plan  # kernel_plan.KernelPlan: activation dtype and dense row limit per kind
         self.dense = dense  # a common.Linear over the dequantized weight, or None
+        # float [out, in] weight → its dense Linear: how ensure_dense() makes one when the plan wants it (None: never)
+        self.densify = densify
         if qw.kind == "int8":
             self._w = qw.q.contiguous()
         self._scale, self._zero = qw.scale, None
@@ -370,6 +376,15 @@ class QuantLinear:
         """The most rows a call runs in the quantized kernel (more go to the dense copy, where there is one)."""
         return self.plan.choice(self.kind)[1] if self.dense is not None else NEVER
 
+    def ensure_dense(self) -> None:
+        """Make the dense copy if there is none: the weight read back through the quantized kernel (x = I gives w.T),
+        so no float copy exists until a plan asks for one."""
+        if self.dense is not None or self.densify is None:
+            return
+        with torch.inference_mode():
+            w = self.quantized(torch.eye(self.in_features), torch.float32).float().t()
+            self.dense = self.densify(w)
+
     def kernel_tensors(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         """What our kernels read: int8 values and their float32 scales, or (a group kind) pack_own's tensor and None."""
         return self._w, self._scale
@@ -418,8 +433,9 @@ class QuantLinear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         act, limit = self.plan.choice(self.kind)
-        if self.dense is not None and x.shape[0] > limit:
-            return self.dense(x)
+        dense = self.dense  # (read once: a plan may drop it meanwhile)
+        if dense is not None and x.shape[0] > limit:
+            return dense(x)
         y = self.quantized(x, act)
         if y.dtype != x.dtype:
             y = y.to(x.dtype)

@@ -45,6 +45,7 @@ class Machine:
     def __init__(self, monkeypatch, rows: dict | None = None, acts: dict | None = None):
         self.rows, self.acts, self.noise, self.timed = rows or {}, acts or {}, QUIET, []
         monkeypatch.setattr(kernel_plan, "_time_rows", lambda m, group, rows, act, serving: self._row(rows))
+        monkeypatch.setattr(kernel_plan, "_time_quantized", lambda m, group, rows, act, serving: self._row(rows)[0])
         monkeypatch.setattr(kernel_plan, "_time_acts", lambda m, few, serving: dict(self.acts))
         monkeypatch.setattr(kernel_plan.Meter, "noise", lambda m: self.noise)
 
@@ -134,6 +135,23 @@ def test_a_start_whose_check_disagrees_times_the_plan_again(monkeypatch, plans):
     assert kp.timed.check.startswith("re-timed: the check at start disagreed (4 rows: quantized 4.50 ms")
     (entry,) = json.loads(plans.read_text()).values()
     assert entry["max_rows"] == 2
+
+
+def test_a_plan_where_the_quantized_kernel_always_wins_is_checked_without_a_dense_copy(monkeypatch, plans):
+    always = {r: (1.0, 3.0) for r in (1, 2, 4, 8, 16, 32, 64)}
+    m = Machine(monkeypatch, always)
+    assert m.start().max_rows >= 64
+    plan = KernelPlan()
+    lins = [QuantLinear(quantize_int4(torch.randn(64, 128)), None, plan, densify=lambda w: pytest.fail("made"))
+            for _ in range(2)]  # the linears the first start timed (a plan is remembered for their shapes)
+    m.timed = []
+    plan_kernels(plan, lins, torch.bfloat16, max_batch_rows=64, limit="auto", model="tiny")
+    # the quantized kernel at the most rows only, against what the dense copies took there when it was timed
+    assert m.timed == [64] and plan.kinds["int4"].timed.recalled and all(lin.dense is None for lin in lins)
+    assert plan.kinds["int4"].timed.check.startswith("agreed (64 rows: quantized 1.00 ms, dense 3.00 ms when timed")
+    m.rows = {**always, 64: (4.0, 3.0)}  # now slower than the dense copies were: timed afresh (dense copies made)
+    kp = m.start()
+    assert not kp.timed.recalled and kp.timed.check.startswith("re-timed: the check at start disagreed")
 
 
 def test_a_check_within_the_margin_or_on_a_busy_machine_keeps_the_remembered_plan(monkeypatch, plans):

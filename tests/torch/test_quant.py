@@ -297,6 +297,25 @@ def test_the_plan_measures_a_crossover_or_drops_unused_dense_copies():
     assert fixed.kinds["int4"].max_rows == 2 and fixed.kinds["int4"].how == "asked for" and other.dense is not None
 
 
+
+def test_a_dense_copy_is_made_only_when_the_plan_runs_one():
+    """No float copy of a quantized weight at load: the plan makes one (read back through the quantized kernel, equal
+    to the dequantized weight) only for a kind whose limit a step can pass."""
+    w = torch.from_numpy(_weights(64, 128))
+    made = []
+    densify = lambda weight: made.append(weight) or Linear(weight, None, pack=False)  # noqa: E731
+    qw = quantize_int4(w)
+    never = QuantLinear(qw, None, None, densify=densify)
+    plan_kernels(KernelPlan(), [never], torch.float32, max_batch_rows=16, limit=NEVER)
+    assert never.dense is None and not made
+    plan = KernelPlan()
+    used = QuantLinear(qw, None, plan, densify=densify)
+    plan_kernels(plan, [used], torch.float32, max_batch_rows=16, limit=2)
+    assert used.dense is not None and len(made) == 1
+    assert torch.allclose(made[0], qw.dequantize(), atol=1e-5 * qw.dequantize().abs().max().item())
+    x = torch.randn(8, 128)  # past the limit: the dense copy answers, as the quantized kernel does
+    assert torch.allclose(used(x), used.quantized(x, torch.float32), atol=1e-3, rtol=1e-3)
+
 # --- whole models ---------------------------------------------------------------------------------------
 
 IDS = [5, 17, 99, 140, 33, 60, 7, 150, 3, 41]  # below every tiny vocabulary

@@ -114,8 +114,10 @@ class LinearMaker:
         if self.device.type != "cpu":
             raise ValueError(f"quantized weights run on CPU only; this model is on {self.device}: use "
                              "model.quantization none")
-        dense = Linear(self.tensor(w), b, self.pack, self.batch_hint) if self.dense_copy else None
-        return QuantLinear(w, b, self.plan, dense)
+        # a dense copy only when the kernel plan uses one (made then, from the packed weight): none at load
+        densify = (lambda weight: Linear(weight.to(self.dtype).contiguous(), b, self.pack, self.batch_hint)) \
+            if self.dense_copy else None
+        return QuantLinear(w, b, self.plan, densify=densify)
 
 
 def choose_packing(kind: str, device: torch.device, dtype: torch.dtype) -> bool:
