@@ -62,6 +62,15 @@ def test_completions_chat_and_streams_through_the_child(served):
     assert chat.choices[0].message.role == "assistant" and chat.usage.completion_tokens <= 5
 
 
+def test_embeddings_cross_the_pipe_and_their_rules_are_checked_here(served):
+    _, url = served
+    r = sdk(url).embeddings.create(model="fake", input=["hello", "world", "hello"])
+    vecs = [d.embedding for d in r.data]
+    assert [len(v) for v in vecs] == [64] * 3 and vecs[0] == vecs[2] != vecs[1]
+    bad = httpx.post(url + "/v1/embeddings", json={"input": "x", "dimensions": 8}, timeout=30)  # not Matryoshka
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "dimensions"
+
+
 def test_structured_output_is_checked_here_and_enforced_in_the_child(served):
     _, url = served
     schema = {"type": "object", "properties": {"n": {"type": "integer"}, "ok": {"type": "boolean"}},
