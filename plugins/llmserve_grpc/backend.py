@@ -85,8 +85,8 @@ class GrpcBackend(ModelBackend):
                 why = f"the llmserve worker at {self.address} is unreachable ({details})"
             elif code == grpc.StatusCode.DEADLINE_EXCEEDED:
                 why = f"the llmserve worker at {self.address} did not answer within {timeout:g} s"
-            else:
-                why = f"the llmserve worker at {self.address} answered {code.name}: {details}"
+            else:  # it answered: the engine logs the failed sequences with this message
+                raise WorkerError(f"the llmserve worker at {self.address} answered {code.name}: {details}") from None
             if not self._down:  # once per outage: every sequence of a failed step reports it too
                 log.error("%s; requests fail until it answers again", why)
                 self._down = True

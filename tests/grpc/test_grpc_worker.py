@@ -130,3 +130,15 @@ def test_a_worker_that_dies_mid_run_fails_its_requests_with_an_engine_error(capl
     finally:
         server.stop()
         proc.kill()
+
+
+def test_constraints_reach_the_worker_as_its_mask(torch_worker):
+    server, _ = torch_worker
+    client = server.client(api_key="x")
+    for choices in (["yes", "no"], ["blue", "green", "red"]):
+        r = client.completions.create(model=server.state.config.served_model_name, prompt="Pick one:", max_tokens=8,
+                                      temperature=0, extra_body={"structured_outputs": {"choice": choices}})
+        assert r.choices[0].text in choices
+    r = client.completions.create(model=server.state.config.served_model_name, prompt="Digits:", max_tokens=6,
+                                  temperature=1.0, seed=5, extra_body={"structured_outputs": {"regex": "[0-9]{6}"}})
+    assert len(r.choices[0].text) == 6 and r.choices[0].text.isdigit()
