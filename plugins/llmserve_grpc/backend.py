@@ -9,7 +9,7 @@ from typing import Any
 import grpc
 
 from llmserve.batch import ModelOutput, SchedulerOutput
-from llmserve.config import EngineConfig, check_options
+from llmserve.config import EngineConfig, ModelConfig, check_options
 from llmserve.errors import ConfigError, LLMServeError
 from llmserve.interfaces import ModelBackend
 from llmserve_grpc import worker_pb2 as pb
@@ -63,6 +63,10 @@ class GrpcBackend(ModelBackend):
             raise WorkerError(f"the worker at {self.address} speaks contract version {info.protocol}, this server "
                               f"{PROTOCOL}: run the same llmserve version on both")
         self.info = info
+        if config.model.model == ModelConfig().model and info.model:
+            # no --model: the worker's model names the served model and, for the tokenizer, where its files are (the
+            # server reads the same config); what a server on another machine must then name itself
+            config.model.model = info.model
         self.vocab_size = info.vocab_size
         self.max_model_len = info.max_model_len
         self.eos_token_id = info.eos_token_id if info.HasField("eos_token_id") else None
@@ -72,6 +76,9 @@ class GrpcBackend(ModelBackend):
         self.default_tokenizer = info.default_tokenizer or None
         # the worker's tokenizer files are of use only where this server can read the same path
         self.tokenizer_path = info.tokenizer_path or None
+        self.pooling = info.pooling or None  # embeddings: what the worker's backend pools, if anything
+        self.hidden_size = info.hidden_size or None
+        self.generates, self.causal = not info.encoder_only, not info.bidirectional
         log.info("connected to the llmserve worker at %s: %s backend, model %s", self.address, info.backend,
                  info.model)
 

@@ -32,7 +32,9 @@ def model_info(backend: ModelBackend, name: str, model: str, worker_id: str) -> 
                         eos_token_ids=sorted(backend.eos_token_ids),
                         generation_defaults_json=json.dumps(backend.generation_defaults or {}),
                         generation_defaults_source=backend.generation_defaults_source or "",
-                        default_tokenizer=backend.default_tokenizer or "", tokenizer_path=backend.tokenizer_path or "")
+                        default_tokenizer=backend.default_tokenizer or "", tokenizer_path=backend.tokenizer_path or "",
+                        pooling=backend.pooling or "", hidden_size=backend.hidden_size or 0,
+                        encoder_only=not backend.generates, bidirectional=not backend.causal)
     if backend.eos_token_id is not None:
         info.eos_token_id = backend.eos_token_id
     return info
@@ -72,7 +74,7 @@ def batch_to_proto(batch: SchedulerOutput, session: str, held: dict[str, int]) -
             request_id=r.request_id, start=start, new_token_ids=r.token_ids[start:],
             num_computed_tokens=r.num_computed_tokens, num_new_tokens=r.num_new_tokens, block_table=r.block_table,
             sampling=sampling_to_proto(r.sampling), do_sample=r.do_sample, num_prompt_tokens=r.num_prompt_tokens,
-            num_output_tokens=r.num_output_tokens))
+            num_output_tokens=r.num_output_tokens, pooling=r.pooling or ""))
     if batch.token_bitmask is not None:
         msg.token_bitmask = np.ascontiguousarray(batch.token_bitmask.numpy(), dtype="<i4").tobytes()
     return msg
@@ -113,7 +115,7 @@ def batch_from_proto(msg: pb.Batch, tokens: SequenceTokens, vocab_size: int) -> 
             request_id=s.request_id, token_ids=ids, num_computed_tokens=s.num_computed_tokens,
             num_new_tokens=s.num_new_tokens, block_table=list(s.block_table),
             sampling=sampling_from_proto(s.sampling), do_sample=s.do_sample, num_prompt_tokens=s.num_prompt_tokens,
-            num_output_tokens=s.num_output_tokens))
+            num_output_tokens=s.num_output_tokens, pooling=s.pooling or None))
     bitmask = None
     if msg.bitmask_rows:
         import torch  # the backends read the mask as a torch tensor (llmserve/constraints.py)
@@ -159,6 +161,9 @@ def output_to_proto(out: ModelOutput, n: int) -> pb.StepResult:
                 entry = res.prompt_logprobs.add()
                 if lp is not None:
                     entry.value.CopyFrom(_logprob_to_proto(lp))
+        if out.pooled is not None and out.pooled[i] is not None:
+            res.has_pooled = True
+            res.pooled.extend(out.pooled[i])
     return msg
 
 
@@ -170,6 +175,8 @@ def output_from_proto(msg: pb.StepResult, n: int) -> ModelOutput:
     logprobs = [_logprob_from_proto(r.logprob) if r.HasField("logprob") else None for r in res]
     plps = [[_logprob_from_proto(p.value) if p.HasField("value") else None for p in r.prompt_logprobs]
             if r.has_prompt_logprobs else None for r in res]
+    pooled = [list(r.pooled) if r.has_pooled else None for r in res]
     return ModelOutput(sampled_token_ids=[r.token_id if r.HasField("token_id") else None for r in res],
                        logprobs=logprobs if any(lp is not None for lp in logprobs) else None,
-                       prompt_logprobs=plps if any(p is not None for p in plps) else None)
+                       prompt_logprobs=plps if any(p is not None for p in plps) else None,
+                       pooled=pooled if any(p is not None for p in pooled) else None)

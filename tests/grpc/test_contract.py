@@ -48,7 +48,7 @@ def test_every_sampling_field_travels_or_is_the_servers():
 
 def _batch(held_ids: list[int]) -> SchedulerOutput:
     sp = SamplingParams(temperature=0.0, logprobs=1)
-    reqs = [ScheduledRequest("a", held_ids, 0, len(held_ids), [0, 1], sp, True, len(held_ids)),
+    reqs = [ScheduledRequest("a", held_ids, 0, len(held_ids), [0, 1], sp, False, len(held_ids), pooling="mean"),
             ScheduledRequest("b", [5, 6, 7], 2, 1, [2], sp, True, 2, num_output_tokens=1)]
     mask = torch.tensor([[-1] * 9], dtype=torch.int32)
     return SchedulerOutput(requests=reqs, num_prefill_tokens=len(held_ids), num_decode_tokens=1, block_size=4,
@@ -61,7 +61,7 @@ def test_a_batch_and_its_answer_survive_the_round_trip():
     batch = _batch([1, 2, 3, 4, 5])
     back = contract.batch_from_proto(contract.batch_to_proto(batch, "s", {}), tokens, vocab_size=257)
     assert "gone" not in tokens.tokens
-    assert [dataclasses.astuple(r)[:-2] for r in back.requests] == [dataclasses.astuple(r)[:-2] for r in batch.requests]
+    assert back.requests == batch.requests  # (the server-only sampling fields are at their defaults here)
     assert torch.equal(back.token_bitmask, batch.token_bitmask) and back.bitmask_rows == [1]
     # the next step sends only what the worker lacks
     batch.requests[1].token_ids.append(8)
@@ -69,7 +69,7 @@ def test_a_batch_and_its_answer_survive_the_round_trip():
     assert [list(s.new_token_ids) for s in msg.requests] == [[], [8]]
     assert contract.batch_from_proto(msg, tokens, 257).requests[1].token_ids == [5, 6, 7, 8]
     out = ModelOutput([4, None], [Logprob(4, -0.25, 1, [(4, -0.25), (2, -3.0)]), None],
-                      [None, [Logprob(6, -1.5, 2, []), None]])
+                      [None, [Logprob(6, -1.5, 2, []), None]], pooled=[None, [0.5, -1.25, 3.0]])
     assert contract.output_from_proto(contract.output_to_proto(out, 2), 2) == out
 
 

@@ -105,14 +105,23 @@ def test_a_worker_down_at_start_is_named_in_the_error():
     assert time.monotonic() - t0 < 10
 
 
-def test_a_worker_that_dies_mid_run_fails_its_requests_with_an_engine_error(caplog):
+def test_a_fake_worker_embeds_then_dies_mid_run_and_its_requests_fail_with_an_engine_error(caplog):
     proc, address = start_worker("--backend", "fake", "--set", "backend.options.step_cost_s=0.05")
     server = start_server({"backend": {"name": "grpc", "options": {"address": address, "timeout_s": 20}},
                            "tokenizer": {"name": "byte"}})
     try:
         client = server.client(api_key="x", max_retries=0, timeout=30)
         model = server.state.config.served_model_name
+        assert model == "fake"  # no --model: the worker's model names it
         assert client.completions.create(model=model, prompt="hi", max_tokens=3).usage.completion_tokens == 3
+        # embeddings cross the contract too: the worker pools, as the fake backend in process does
+        local = start_server({"backend": {"name": "fake"}, "tokenizer": {"name": "byte"}})
+        try:
+            want = local.client(api_key="x").embeddings.create(model="fake", input=["hello", "a longer input"])
+        finally:
+            local.stop()
+        got = client.embeddings.create(model=model, input=["hello", "a longer input"])
+        assert [e.embedding for e in got.data] == [e.embedding for e in want.data] and len(got.data[0].embedding) > 8
         stream = client.completions.create(model=model, prompt="hello", max_tokens=400, stream=True)
         first = next(iter(stream))
         assert first.choices
