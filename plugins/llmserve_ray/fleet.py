@@ -81,17 +81,19 @@ class FleetEngine(AsyncEngine):
         """None: the replicas step in processes of their own (each replica's /stats names its own)."""
         return None
 
-    def add_request(self, prompt_token_ids, params, request_id=None, priority=0, cache_salt=None) -> RequestStream:
+    def add_request(self, prompt_token_ids, params, request_id=None, priority=0, cache_salt=None,
+                    pooling=None) -> RequestStream:
         if self._stop or self._loop is None:
             raise EngineDeadError("the server is shutting down")
         rid = request_id or f"req-{next(_ids)}-{time.monotonic_ns():x}"
         stream = RequestStream(rid, params.n, self._loop)
         self._streams[rid] = stream
-        self._tasks[rid] = self._loop.create_task(self._pump(rid, list(prompt_token_ids), params, priority, cache_salt))
+        self._tasks[rid] = self._loop.create_task(self._pump(rid, list(prompt_token_ids), params, priority, cache_salt,
+                                                             pooling))
         return stream
 
-    async def _pump(self, rid: str, ids: list[int], params, priority: int, salt: str | None) -> None:
-        gen = self.handle.options(stream=True).generate.remote(ids, params, rid, priority, salt)
+    async def _pump(self, rid: str, ids: list[int], params, priority: int, salt: str | None, pooling) -> None:
+        gen = self.handle.options(stream=True).generate.remote(ids, params, rid, priority, salt, pooling)
         waiting = params.n
         self._waiting += waiting
         try:

@@ -17,7 +17,7 @@ from llmserve.config import config_from_dict
 from llmserve.engine import Engine
 from llmserve.front import engine_facts
 from llmserve.plugins import Registration, load_plugins
-from llmserve.request import SamplingParams
+from llmserve.request import PoolingParams, SamplingParams
 from llmserve_ray.routers import short_key
 
 log = logging.getLogger("llmserve.ray")
@@ -62,11 +62,12 @@ class EngineReplica:
         self.aengine.start(asyncio.get_running_loop())
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams, request_id: str, priority: int = 0,
-                       cache_salt: str | None = None):
-        """The request's RequestOutput deltas, one list per engine step that produced some."""
+                       cache_salt: str | None = None, pooling: PoolingParams | None = None):
+        """The request's RequestOutput deltas, one list per engine step that produced some (an embedding's one, with
+        `pooling`)."""
         self._bind()
         stream = self.aengine.add_request(prompt_ids, params, request_id=request_id, priority=priority,
-                                          cache_salt=cache_salt)
+                                          cache_salt=cache_salt, pooling=pooling)
         try:
             while batch := await stream.next_batch():
                 yield batch

@@ -49,7 +49,7 @@ class LLMRequestRouter(RequestRouter):
         if pending_request.metadata.call_method != "generate":
             return [candidate_replicas]
         t0 = time.perf_counter()
-        ids, _params, _rid, _priority, salt = pending_request.args
+        ids, salt = pending_request.args[0], pending_request.args[4]  # (ReplicaDeployment.generate's arguments)
         keys = request_keys(ids, self.block_size, salt)
         ranks = self.policy.rank(keys, [self._load(r) for r in candidate_replicas])
         if len(self._keys_of) > 10_000:  # requests cancelled before they were routed leave theirs behind

@@ -115,6 +115,10 @@ def test_openai_sdk_through_the_ingress(fleet):
     bad = httpx.post(fleet.url + "/v1/completions", json={"model": "embedded", "prompt": "x", "max_tokens": -1})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "max_tokens"
     assert httpx.get(fleet.url + "/health").json() == {"status": "ok"}
+    # an embedding crosses to a replica and back as a generation does (one input a request: a request of several
+    # prompts, completions' too, waits forever at the ingress, a fault older than embeddings)
+    e = [c.embeddings.create(model="embedded", input=x).data[0].embedding for x in ("a b", "c", "a b")]
+    assert e[0] == e[2] != e[1] and len(e[0]) == 64
 
 
 def test_fleet_stats_and_metrics_per_replica(fleet):
