@@ -30,7 +30,7 @@ class ModelConfig:
     tokenizer: str | None = None  # defaults to the model's
     served_model_name: str | None = None  # the name clients send; defaults to `model`
     chat_template: str | None = None  # a Jinja file (or the template's text) that replaces the tokenizer's
-    dtype: str | None = None  # float32 | bfloat16 | float16 | auto; None: float32 on a CPU, auto (bf16) on a GPU
+    dtype: str | None = "auto"  # float32 | bfloat16 | float16 | auto (bf16 where the CPU or GPU computes it natively)
     # weight-only quantized linears: auto (a GGUF's quantized tensors stay quantized, float weights
     # stay float) | none (everything dequantized to dtype) | int8 | int4 (round-to-nearest at load)
     quantization: str = "auto"
@@ -55,8 +55,9 @@ class ModelConfig:
 @dataclass(slots=True)
 class BackendConfig:
     name: str = "torch"
-    # bytes ("512MiB", 536870912) or a fraction of free memory (0.2) for the KV tensors
-    kv_cache_memory: str | float | int = 0.1
+    # the KV tensors: room for a number of tokens ("32768 tokens", as llama-server's -c), bytes ("512MiB",
+    # 536870912) or a fraction of free memory (0.2)
+    kv_cache_memory: str | float | int = "32768 tokens"
     options: dict[str, Any] = field(default_factory=dict)
 
 

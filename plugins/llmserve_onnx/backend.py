@@ -20,7 +20,7 @@ from llmserve.config import EngineConfig, check_options
 from llmserve.errors import ConfigError
 from llmserve.interfaces import ModelBackend
 from llmserve_onnx.export import exported
-from llmserve_torch.kv_cache import budget_bytes
+from llmserve_torch.kv_cache import budget_blocks
 from llmserve_torch.sampling import Sampler, prompt_logprobs
 
 log = logging.getLogger("llmserve.onnx")
@@ -83,7 +83,7 @@ class OnnxBackend(ModelBackend):
     def num_kv_blocks(self, block_size: int) -> int:
         """Blocks the kv_cache_memory budget holds, capped at what max_num_seqs full sequences can use."""
         per_block = self._bytes_per_block(block_size)
-        n = budget_bytes(self.config.backend.kv_cache_memory, torch.device("cpu")) // per_block
+        n = budget_blocks(self.config.backend.kv_cache_memory, block_size, per_block, torch.device("cpu"))
         if self.options["cap_kv_blocks"]:
             n = min(n, -(-self.max_model_len // block_size) * self.config.scheduler.max_num_seqs + 1)
         if n < 1:

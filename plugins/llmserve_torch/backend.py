@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any
 
 import numpy as np
@@ -16,14 +17,15 @@ from llmserve.pooling import pooled_rows
 from llmserve_torch import kernel_library
 from llmserve_torch.attention import KERNELS, StepMetadata, make_attention
 from llmserve_torch.cuda_graphs import DecodeGraphs, batch_buckets, table_width
-from llmserve_torch.footprint import footprint
+from llmserve_torch.footprint import footprint, memory_by_part
 from llmserve_torch.fused import DECODER_OPS
 from llmserve_torch.fused_stack import FUSE_LAYERS, FusedStack, Race, build_stack
 from llmserve_torch.huge_pages import MODES as HUGE_PAGE_MODES
 from llmserve_torch.huge_pages import place_linears, unavailable
-from llmserve_torch.kv_cache import KVCache, budget_bytes, bytes_per_block
+from llmserve_torch.kv_cache import KVCache, budget_blocks, bytes_per_block, parse_tokens
 from llmserve_torch.loader import load_model
 from llmserve_torch.models import bert
+from llmserve_torch.plan_tuner import PlanTuner
 from llmserve_torch.quant import QuantLinear
 from llmserve_torch.sampling import Sampler, cpu_argmax, cpu_sample, prompt_logprobs
 
@@ -132,6 +134,8 @@ class TorchBackend(ModelBackend):
         self.graphs: DecodeGraphs | None = None
         self.stack: FusedStack | None = None
         self.stack_note = "no KV cache yet"
+        self._last_step = time.monotonic()  # the plan tuner times deferred kernel plans once steps pause
+        self.tuner: PlanTuner | None = None
         self._kv_peak = {"reserved_slots": 0, "used_slots": 0}
         self._steps = 0
 
@@ -157,16 +161,17 @@ class TorchBackend(ModelBackend):
 
     def num_kv_blocks(self, block_size: int) -> int:
         """Blocks the kv_cache_memory budget holds, capped at what max_num_seqs full sequences can use."""
+        per_block = bytes_per_block(self.arch, block_size, self.dtype)
         if not self.causal:  # an encoder keeps no K/V: the blocks only count each sequence's tokens
             return -(-self.max_model_len // block_size) * self.config.scheduler.max_num_seqs + 1
-        per_block = bytes_per_block(self.arch, block_size, self.dtype)
-        budget = budget_bytes(self.config.backend.kv_cache_memory, self.device, self._forward_peak_bytes())
-        n = budget // per_block
+        value = self.config.backend.kv_cache_memory
+        reserve = 0 if parse_tokens(value) is not None else self._forward_peak_bytes()
+        n = budget_blocks(value, block_size, per_block, self.device, reserve)
         if self.options["cap_kv_blocks"]:
             per_seq = -(-self.max_model_len // block_size)
             n = min(n, per_seq * self.config.scheduler.max_num_seqs + 1)
         if n < 1:
-            raise ConfigError(f"backend.kv_cache_memory: {budget} bytes hold no KV block "
+            raise ConfigError(f"backend.kv_cache_memory: {value!r} holds no KV block "
                               f"(one block of {block_size} tokens takes {per_block} bytes)")
         return int(n)
 
@@ -239,14 +244,23 @@ class TorchBackend(ModelBackend):
             if self.stack is not None:  # greedy tokens fed back inside the one call
                 self.max_decode_forwards = self.stack.max_forwards
                 self.max_decode_forward_rows = self.stack.head_rows  # (decode_ahead's rows)
+            plan = self.loaded.kernels
+            if plan is not None and plan.pending and self.tuner is None:
+                self._last_step = time.monotonic()  # (the engine's warm-up step comes first)
+                self.tuner = PlanTuner(plan, lambda: time.monotonic() - self._last_step)
+                self.tuner.start()
         else:
             self.stack, self.stack_note = None, "it runs with the cpu attention kernel"
         if self.attention.name == "triton":  # Triton runs here: sample in one pass over the logits too
             from llmserve_torch.triton_kernels import race_argmax
 
             self.sampler.fast_race = race_argmax
-        log.info("KV cache: %d blocks of %d tokens (%.1f MiB), attention kernel %s", num_blocks, block_size,
-                 self.kv.nbytes / 2**20, self.attention.name)
+        m = memory_by_part(self.model, self.kv)
+        log.info("KV cache: %d blocks of %d tokens (%.1f MiB, kv_cache_memory %s), attention kernel %s; memory: "
+                 "quantized weights %.0f MiB, dense copies %.0f MiB, dense linears %.0f MiB, embedding %.0f MiB, "
+                 "resident now %.0f MiB", num_blocks, block_size, self.kv.nbytes / 2**20,
+                 self.config.backend.kv_cache_memory, self.attention.name, m["quantized_weights"] / 2**20,
+                 m["dense_copies"] / 2**20, m["dense_linears"] / 2**20, m["embedding"] / 2**20, (m["rss"] or 0) / 2**20)
         if max_graph_batch:
             if self.attention.name != "triton":  # the graphs read every step input from device buffers
                 if self.options["cuda_graphs"] != "auto":
@@ -377,6 +391,7 @@ class TorchBackend(ModelBackend):
         reqs = batch.requests
         if not reqs:
             return ModelOutput(sampled_token_ids=[])
+        self._last_step = time.monotonic()
         with torch.inference_mode():
             graphed = self._graph_step(batch)
             sample_reqs = [r for r in reqs if r.do_sample]
@@ -481,6 +496,10 @@ class TorchBackend(ModelBackend):
             "torch": torch.__version__,
             **self.footprint,
         }
+        d["memory"] = memory_by_part(self.model, self.kv)
+        if self.kv is not None:
+            d["kv_cache"] = {"setting": self.config.backend.kv_cache_memory, "tokens": self.kv.num_blocks *
+                             self.kv.block_size, "bytes": self.kv.nbytes}
         if self.kv is not None:
             d["cuda_graphs"] = self.graphs.buckets if self.graphs is not None else "off"
             d["fused_layers"] = self.stack_note
@@ -509,6 +528,8 @@ class TorchBackend(ModelBackend):
 
     def shutdown(self) -> None:
         """Drop the weights and the KV tensors."""
+        if self.tuner is not None:
+            self.tuner.stop()
         self.kv = None
         self.attention = None
         self.graphs = None

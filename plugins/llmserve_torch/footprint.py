@@ -1,4 +1,5 @@
-"""What one decode step reads and computes, for the limit `llmserve bench offline` prints (llmserve_bench/bound.py).
+"""What one decode step reads and computes, for the limit `llmserve bench offline` prints (llmserve_bench/bound.py),
+and what the model holds in memory, by part (/stats).
 
 A step reads every linear's weight once (the LM head included) whatever the batch, and every
 sequence's K and V once per layer. The embedding table is not counted: a lookup reads one row per
@@ -17,6 +18,7 @@ import torch
 
 from llmserve_torch.arch import ArchConfig
 from llmserve_torch.kv_cache import bytes_per_block
+from llmserve_torch.quant import QuantLinear
 
 
 def footprint(model: Any, arch: ArchConfig, kv_dtype: torch.dtype) -> dict[str, int]:
@@ -26,4 +28,35 @@ def footprint(model: Any, arch: ArchConfig, kv_dtype: torch.dtype) -> dict[str, 
         "weight_bytes": sum(x.nbytes for x in lin),
         "matmul_params": sum(x.params for x in lin),
         "kv_bytes_per_token": bytes_per_block(arch, 1, kv_dtype),
+    }
+
+
+def _status_kib(field: str) -> int | None:
+    """A VmRSS-style line of /proc/self/status in bytes (None off Linux)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def memory_by_part(model: Any, kv: Any) -> dict[str, int | None]:
+    """Bytes by part, for /stats and the start-up log: quantized weights as their kernels hold them, dense float
+    copies of quantized weights (only where the kernel plan runs them), dense linears, the embedding table (floats for
+    the lookup), the KV tensors (reserved: their pages are backed as tokens are written), and the process's resident
+    set now and at its peak."""
+    lin = model.linears()
+    quant = [x for x in lin if isinstance(x, QuantLinear)]
+    embed = getattr(model, "embed", None)
+    return {
+        "quantized_weights": sum(x.nbytes for x in quant),
+        "dense_copies": sum(x.dense.nbytes for x in quant if x.dense is not None),
+        "dense_linears": sum(x.nbytes for x in lin if not isinstance(x, QuantLinear)),
+        "embedding": embed.nbytes if isinstance(embed, torch.Tensor) else 0,
+        "kv_reserved": kv.nbytes if kv is not None else 0,
+        "rss": _status_kib("VmRSS"),
+        "peak_rss": _status_kib("VmHWM"),
     }

@@ -1,8 +1,9 @@
-"""The backend-owned paged K/V tensors and the memory budget that sizes them."""
+"""The backend-owned paged K/V tensors and the budget that sizes them (tokens, bytes or a fraction of free memory)."""
 
 from __future__ import annotations
 
 import os
+import re
 
 import torch
 
@@ -67,6 +68,29 @@ def budget_bytes(value: str | float | int, device: torch.device, reserve: int = 
     if n <= 0:
         raise ConfigError(f"{key}: must be positive, got {value!r}")
     return n
+
+
+DEFAULT_TOKENS = 32768  # the default KV cache: room for this many tokens (as `llama-server -c 32768`), any machine
+
+
+def parse_tokens(value: str | float | int) -> int | None:
+    """'32768 tokens' → 32768; None for a size in bytes or a fraction of free memory."""
+    m = re.fullmatch(r"\s*(\d+)\s*tokens?\s*", value) if isinstance(value, str) else None
+    if m is None:
+        return None
+    if int(m[1]) < 1:
+        raise ConfigError(f"backend.kv_cache_memory: room for at least one token, got {value!r}")
+    return int(m[1])
+
+
+def budget_blocks(value: str | float | int, block_size: int, per_block: int, device: torch.device,
+                  reserve: int = 0) -> int:
+    """kv_cache_memory → KV blocks: 'N tokens' is room for N tokens whatever they take (a fixed context, as llama.cpp
+    sizes its cache); bytes or a fraction of free memory hold as many blocks of per_block bytes as fit."""
+    tokens = parse_tokens(value)
+    if tokens is not None:
+        return -(-tokens // block_size)
+    return budget_bytes(value, device, reserve) // per_block
 
 
 def bytes_per_block(arch: ArchConfig, block_size: int, dtype: torch.dtype) -> int:

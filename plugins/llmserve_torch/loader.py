@@ -53,14 +53,9 @@ def resolve_device(name: str) -> torch.device:
 
 
 def resolve_dtype(name: str | None, device: torch.device) -> tuple[torch.dtype, str]:
-    """float32 | bfloat16 | float16 | auto (what the hardware runs fast) | None (float32 on a CPU, where results
-    stay comparable with HF's defaults; auto on a GPU, where float32 would waste its matrix units), and why."""
-    if name is None:
-        if device.type != "cuda":
-            return torch.float32, "the default on a CPU"
-        name, why = auto_dtype(device)
-        return _DTYPES[name], f"the default on a GPU: {why}"
-    if name == "auto":
+    """float32 | bfloat16 | float16 | auto (what the hardware runs fast; also None, the default) → the dtype, and
+    why."""
+    if name is None or name == "auto":
         name, why = auto_dtype(device)
         return _DTYPES[name], f"auto: {why}"
     if name not in _DTYPES:
@@ -160,7 +155,7 @@ def load_model(mc: ModelConfig, linear: str = "auto", batch_hint: int = 64, max_
     del sd
     quant = [lin for lin in model.linears() if isinstance(lin, QuantLinear)]
     if quant:
-        plan_kernels(make.plan, quant, dtype, max_batch_rows, quant_rows, model=src.source)
+        plan_kernels(make.plan, quant, dtype, max_batch_rows, quant_rows, model=src.source, defer=quant_rows == "auto")
     log.info("loaded %s (%s) %s (%s) on %s: %s", src.source, arch.model_type, str(dtype).replace("torch.", ""),
              dtype_reason, device, src.weights)
     return LoadedModel(model=model, arch=arch, dtype=dtype, dtype_reason=dtype_reason, device=device,

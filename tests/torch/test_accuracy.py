@@ -72,7 +72,8 @@ def one_thread():
 def test_perplexity_through_the_engine_is_exp_of_the_mean_nll_of_every_token(one_thread):
     text = (ROOT / "tests" / "data" / "perplexity.txt").read_text(encoding="utf-8")[:200]
     # a per-step budget below the window length: windows are prefilled in chunks, several per step
-    eng = Engine.from_config({"model": {"model": "embedded"}, "backend": {"kv_cache_memory": "16MiB"},
+    eng = Engine.from_config({"model": {"model": "embedded", "dtype": "float32"},
+                              "backend": {"kv_cache_memory": "16MiB"},
                               "scheduler": {"max_num_batched_tokens": 40, "max_num_seqs": 8}})
     try:
         ids = eng.tokenizer.encode(text)

@@ -85,7 +85,7 @@ def test_unset_dtype_is_bf16_on_the_gpu(qwen2_dir):
         "model": {"model": str(path), "device": "cuda"}, "tokenizer": {"name": "none"},
         "backend": {"name": "torch", "kv_cache_memory": "64MiB"}}))
     d = engine.backend.describe()
-    assert d["dtype"] == "bfloat16" and d["dtype_reason"].startswith("the default on a GPU"), d
+    assert d["dtype"] == "bfloat16" and d["dtype_reason"].startswith("auto: the GPU computes bf16"), d
 
 
 def test_kv_budget_is_a_fraction_of_memory_left_after_the_profiled_forward(qwen2_dir):

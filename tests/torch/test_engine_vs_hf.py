@@ -25,7 +25,7 @@ def hf_greedy(hf, prompt: list[int], n: int = NEW) -> list[int]:
 
 def engine_for(path, **sections) -> Engine:
     cfg = {
-        "model": {"model": str(path)},
+        "model": {"model": str(path), "dtype": "float32"},  # compared with transformers' float32
         "backend": {"name": "torch", "kv_cache_memory": "8MiB"},
         "tokenizer": {"name": "none"},
         "cache": {"block_size": 4, **sections.pop("cache", {})},

@@ -86,11 +86,17 @@ def test_dtypes(qwen2_dir, dtype, want):
     assert (got - ref).abs().max() < tol * max(1.0, ref.abs().max().item())
 
 
-def test_unset_dtype_is_float32_on_a_cpu_whatever_the_cpu_has(monkeypatch):
+def test_the_default_dtype_is_auto_on_every_device(monkeypatch):
+    """One default everywhere (issue 35.4): the CLI, the config and `make serve` all serve what the CPU runs fast."""
+    from llmserve.config import ModelConfig
     from llmserve_torch.loader import resolve_dtype
 
-    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: True)
-    assert resolve_dtype(None, torch.device("cpu")) == (torch.float32, "the default on a CPU")
+    assert ModelConfig().dtype == "auto"
+    for bf16 in (True, False):
+        monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda bf16=bf16: bf16)
+        monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
+        assert resolve_dtype(None, torch.device("cpu")) == resolve_dtype("auto", torch.device("cpu"))
+        assert resolve_dtype(None, torch.device("cpu"))[0] == (torch.bfloat16 if bf16 else torch.float32)
 
 
 @pytest.mark.parametrize("bf16, amx, want, words", [
