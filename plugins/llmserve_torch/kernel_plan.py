@@ -155,6 +155,7 @@ class KindPlan:
     sources: dict = field(default_factory=dict)  # GGUF type (or rtn) → linears of the kind made from it
     timed: Timed | None = None  # the crossover's timing (None: not timed)
     act_timed: Timed | None = None  # the activation dtype's timing (None: bf16 serving, nothing to pick)
+    deferred: bool = False  # the safe plan of a start that found nothing remembered: timed later (tune_deferred)
 
 
 class KernelPlan:
@@ -162,6 +163,7 @@ class KernelPlan:
 
     def __init__(self):
         self.kinds: dict[str, KindPlan] = {}
+        self.pending: dict[str, tuple] = {}  # deferred kind → what tune_deferred times it with (group, facts, ...)
 
     def choice(self, kind: str) -> tuple[torch.dtype, int]:
         """(activation dtype, row limit) for a kind."""
@@ -174,7 +176,8 @@ class KernelPlan:
         for k, p in self.kinds.items():
             d = {"kernel": p.kernel, "bits_read": round(p.bits_read, 3), "sources": p.sources,
                  "activations": _dtype_name(p.act), "quantized_up_to_rows": None if p.max_rows >= NEVER else p.max_rows,
-                 "how": p.how, "timings_ms": p.timings, "timed": p.timed.describe() if p.timed else None}
+                 "how": p.how, "timings_ms": p.timings, "timed": p.timed.describe() if p.timed else None,
+                 "deferred": p.deferred}
             if p.act_timed is not None:
                 d["activations_timed"] = p.act_timed.describe()
             out[k] = d
@@ -190,12 +193,14 @@ _ACTS = {_dtype_name(dt): dt for dt in (torch.bfloat16, torch.float32, torch.flo
 
 
 def plan_kernels(plan: KernelPlan, linears: list, serving: torch.dtype, max_batch_rows: int,
-                 limit: int | str = "auto", model: str = "") -> None:
+                 limit: int | str = "auto", model: str = "", defer: bool = False) -> None:
     """Fill plan: each kind's activation dtype and dense-copy crossover, timed (or taken: limit a number).
 
     limit: auto (a remembered plan checked, else timed), retime (timed afresh), or the row limit itself.
     max_batch_rows: the most rows a step can hand a linear; when the quantized kernel still wins there, the
     dense copies are dropped (they would never run). model: what the plans file names the plan after.
+    defer: serve first, tune later: a kind that nothing remembered and that our kernels run at any row count starts
+    on that safe plan (no dense copy) and is timed by tune_deferred once the server is up.
     """
     retime = limit == "retime"
     for kind in sorted({lin.kind for lin in linears}):
@@ -213,24 +218,65 @@ def plan_kernels(plan: KernelPlan, linears: list, serving: torch.dtype, max_batc
                 key = _key(group, serving, _dtype_name(act), max_batch_rows)
                 facts.update(what="crossover", linears=len(group), activations=_dtype_name(act),
                              max_batch_rows=max_batch_rows)
-                entry, timed = _timed(key, facts, lambda m: _measure_crossover(m, group, act, serving, max_batch_rows),
-                                      lambda m, e: _check_crossover(m, group, act, serving, e), retime)
-                kp = KindPlan(act, int(entry["max_rows"]), "measured earlier on this machine" if timed.recalled
-                              else "measured", {int(r): t for r, t in entry["timings"].items()}, timed=timed)
+                measure = lambda m: _measure_crossover(m, group, act, serving, max_batch_rows)  # noqa: E731
+                check = lambda m, e: _check_crossover(m, group, act, serving, e)  # noqa: E731
+                if defer and not retime and plan_store.recall(key) is None and all(lin.fmt is not None
+                                                                                  for lin in group):
+                    kp = KindPlan(act, NEVER, "not timed yet: the quantized kernel at every row count until a "
+                                  "timing in the background says otherwise", deferred=True)
+                    plan.pending[kind] = (key, facts, measure, check, group, max_batch_rows)
+                else:
+                    entry, timed = _timed(key, facts, measure, check, retime)
+                    kp = KindPlan(act, int(entry["max_rows"]), "measured earlier on this machine" if timed.recalled
+                                  else "measured", {int(r): t for r, t in entry["timings"].items()}, timed=timed)
         kp.act_timed = act_timed
         kp.kernel = group[0].kernel
         kp.bits_read = 8 * sum(lin.nbytes for lin in group) / sum(lin.params for lin in group)
         kp.sources = dict(sorted(Counter(lin.source for lin in group).items()))
-        for lin in group:  # a dense copy exists only where the plan runs it (the timing made some to compare)
-            if kp.max_rows >= max_batch_rows:
-                lin.dense = None
-            else:
-                lin.ensure_dense()
+        _apply(kp, group, max_batch_rows)
         plan.kinds[kind] = kp
         log.info("quantized %s linears (%d: %s): %s, %.2f bits a weight read, %s activations, quantized kernel up to "
                  "%s rows (%s)", kind, len(group), ", ".join(f"{n} {s}" for s, n in kp.sources.items()), kp.kernel,
                  kp.bits_read, _dtype_name(act), "all" if kp.max_rows >= max_batch_rows else kp.max_rows,
                  _how(kp))
+
+
+def _apply(kp: KindPlan, group: list, max_batch_rows: int) -> None:
+    """A dense copy exists only where the plan runs it (a timing made some to compare)."""
+    for lin in group:
+        if kp.max_rows >= max_batch_rows:
+            lin.dense = None
+        else:
+            lin.ensure_dense()
+
+
+def tune_deferred(plan: KernelPlan) -> list[str]:
+    """Time the kinds a start deferred (plan_kernels(defer=True)), judged and remembered as at a start; what each
+    found, in words. A kind whose timing confirms the safe plan keeps running it; one where the dense copies win
+    from some row count keeps the safe plan for this run (a running fused stack was sized by it) and the next start
+    reads the remembered crossover. A timing on a busy machine is dropped and the kind stays pending."""
+    said = []
+    for kind, (key, facts, measure, check, group, max_batch_rows) in list(plan.pending.items()):
+        kp = plan.kinds[kind]
+        with torch.inference_mode():
+            entry, timed = _timed(key, facts, measure, check, retime=False)
+        for lin in group:  # the timing's dense copies: the safe plan never runs them
+            lin.dense = None
+        busy = timed.noise.busy()
+        if busy:
+            said.append(f"{kind}: timed on a busy machine ({busy}); not kept, timed again later")
+            continue
+        del plan.pending[kind]
+        rows = int(entry["max_rows"])
+        if rows >= max_batch_rows:
+            plan.kinds[kind] = KindPlan(kp.act, NEVER, "measured", {int(r): t for r, t in entry["timings"].items()},
+                                        kp.kernel, kp.bits_read, kp.sources, timed, kp.act_timed)
+            said.append(f"{kind}: the quantized kernel wins at every row count timed; remembered")
+        else:
+            kp.how = f"the safe plan for this run; timed later: dense copies win past {rows} rows (the next start uses that)"
+            kp.timings, kp.timed, kp.deferred = {int(r): t for r, t in entry["timings"].items()}, timed, False
+            said.append(f"{kind}: dense copies win past {rows} rows; remembered for the next start")
+    return said
 
 
 def _how(kp: KindPlan) -> str:

@@ -19,6 +19,7 @@ from llmserve.cli import main
 from llmserve_torch import kernel_library, kernel_plan, plan_store
 from llmserve_torch.kernel_plan import KernelPlan, Noise, plan_kernels
 from llmserve_torch.models.common import Linear
+from llmserve_torch.plan_tuner import PlanTuner
 from llmserve_torch.quant import QuantLinear, quantize_int4
 
 QUIET, BUSY = Noise(0.02, 0.01, 0.3), Noise(1.5, 0.5, 2.0)
@@ -104,6 +105,44 @@ def test_a_plan_timed_beside_busy_cores_is_not_kept_and_a_quiet_start_times_it_a
         # (other programs share this machine: where they were busy meanwhile this start is not kept either)
         assert timed.remembered == (not timed.noise.busy())
     assert plans.exists() == (kp.timed.remembered or kp.act_timed.remembered)
+
+
+def _deferred_start(m, plan=None):
+    """A start that serves first (defer=True): bf16, the int4 linears."""
+    plan = plan or KernelPlan()
+    m.timed = []
+    plan_kernels(plan, _lins(torch.bfloat16), torch.bfloat16, max_batch_rows=64, model="tiny", defer=True)
+    return plan
+
+
+def test_a_start_with_nothing_remembered_serves_the_safe_plan_and_tunes_when_idle(monkeypatch, plans):
+    m = Machine(monkeypatch, {r: (1.0, 3.0) for r in (1, 2, 4, 8, 16, 32, 64)})
+    plan = _deferred_start(m)
+    kp = plan.kinds["int4"]
+    assert m.timed == [] and kp.deferred and kp.max_rows >= 64 and "int4" in plan.pending  # nothing timed at start
+    assert plan.describe()["int4"]["deferred"] and not plans.exists()
+    m.noise = BUSY  # the first idle moment was not quiet: nothing kept, still pending
+    assert kernel_plan.tune_deferred(plan)[0].startswith("int4: timed on a busy machine")
+    assert "int4" in plan.pending and not plans.exists()
+    m.noise = QUIET
+    tuner = PlanTuner(plan, idle=lambda: 60.0)
+    tuner.start()
+    tuner._thread.join(10)
+    assert not plan.pending and plan.kinds["int4"].how == "measured" and plan.kinds["int4"].timed.remembered
+    assert _deferred_start(m).kinds["int4"].how == "measured earlier on this machine"  # the next start recalls it
+
+
+def test_a_deferred_timing_where_dense_copies_win_keeps_the_safe_plan_until_the_next_start(monkeypatch, plans):
+    m = Machine(monkeypatch, UP_TO_4)
+    plan = _deferred_start(m)
+    (said,) = kernel_plan.tune_deferred(plan)
+    kp = plan.kinds["int4"]
+    assert said == "int4: dense copies win past 4 rows; remembered for the next start"
+    assert kp.max_rows >= 64 and "next start" in kp.how and not plan.pending  # this run keeps the safe plan
+    lins = _lins(torch.bfloat16)
+    later = KernelPlan()
+    plan_kernels(later, lins, torch.bfloat16, max_batch_rows=64, model="tiny", defer=True)
+    assert later.kinds["int4"].max_rows == 4 and all(lin.dense is not None for lin in lins)
 
 
 def test_a_quiet_plan_is_remembered_and_the_next_start_checks_only_its_decisive_rows(monkeypatch, plans):
