@@ -16,6 +16,28 @@ from llmserve.errors import ConfigError, InvalidRequestError
 from llmserve.interfaces import Tokenizer
 
 
+# tokenizer classes that are the tokenizers library's tokenizer.json itself, with nothing model-specific
+_GENERIC = ("TokenizersBackend", "PreTrainedTokenizerFast")
+
+
+def _loader(directory: str | None):
+    """AutoTokenizer, or, for a directory whose tokenizer_config.json names the generic fast class (a GGUF's cached
+    tokenizer), that class: the same tokenizer, without the ~2 s AutoTokenizer spends importing its model registry."""
+    if directory is not None:
+        try:
+            with open(os.path.join(directory, "tokenizer_config.json")) as f:
+                named = json.load(f).get("tokenizer_class")
+        except (OSError, ValueError, AttributeError):
+            named = None
+        if named in _GENERIC:
+            from transformers import PreTrainedTokenizerFast
+
+            return PreTrainedTokenizerFast
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer
+
+
 class HFTokenizer(Tokenizer):
     """Wraps a transformers tokenizer; the chat template is the checkpoint's own."""
 
@@ -47,9 +69,8 @@ class HFTokenizer(Tokenizer):
     def load(cls, name: str, revision: str | None = None, trust_remote_code: bool = False,
              chat_template: str | None = None) -> HFTokenizer:
         """Load from a local directory, or from the hub cache / the hub for an id; chat_template replaces its own."""
-        from transformers import AutoTokenizer
-
         local = os.path.isdir(name)
+        AutoTokenizer = _loader(name if local else None)  # noqa: N806 (a class)
         try:
             # try the local files first: without internet a hub lookup only fails slowly
             tok = AutoTokenizer.from_pretrained(name, revision=revision, trust_remote_code=trust_remote_code,
