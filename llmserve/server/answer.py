@@ -20,7 +20,7 @@ from starlette.responses import Response
 from llmserve.async_engine import AsyncEngine
 from llmserve.request import RequestOutput, SamplingParams
 from llmserve.server.errors import map_error
-from llmserve.server.generation import ClientGone, Generation, guarded
+from llmserve.server.generation import GONE, Generation, until_answered
 from llmserve.server.logprobs import CompletionLogprobs, TokenText, chat_logprobs, prompt_logprobs
 from llmserve.server.state import ServerState
 from llmserve.server.tools import choice_parsers
@@ -71,18 +71,14 @@ class Answer:
         request.state.answer = self  # its id and usage for the request log (RequestLogMiddleware)
         gen = Generation(aengine, self.prompts, self.sp, self.req.priority, self.st.config.server.request_timeout,
                          self.id, self.req.cache_salt)
-        try:
-            # the first batch is awaited here, so an immediate failure still gets its own status code
-            batch = await guarded(request.receive, gen.next(), gen.abort)
-            if self.req.stream:
-                return _EventStream(self._frames(gen, batch), sep="\n", ping=15, headers={"Cache-Control": "no-cache"})
-            await guarded(request.receive, self._fold_all(gen, batch), gen.abort)
-        except ClientGone:
+        # the first batch is awaited here, so an immediate failure still gets its own status code
+        batch = await until_answered(request.receive, gen, gen.next(), keep=True)  # (the rest reads on)
+        if batch is GONE:
             return Response(status_code=499)
-        except Exception as e:
-            gen.abort()
-            raise map_error(e) from None
-        gen.abort()
+        if self.req.stream:
+            return _EventStream(self._frames(gen, batch), sep="\n", ping=15, headers={"Cache-Control": "no-cache"})
+        if await until_answered(request.receive, gen, self._fold_all(gen, batch)) is GONE:
+            return Response(status_code=499)
         return Response(dumps(self.body()), media_type="application/json")
 
     def body(self) -> dict[str, Any]:

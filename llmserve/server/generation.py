@@ -90,6 +90,24 @@ async def wait_disconnect(receive) -> None:
             return
 
 
+GONE = object()  # until_answered's result when the client left first
+
+
+async def until_answered(receive, gen: Generation, coro, keep: bool = False):
+    """coro's result while the client stays, or GONE when it left first (gen aborted); a failure is raised as the
+    client's ApiError (gen aborted). gen is aborted once coro is done too, unless `keep` (a stream reads on)."""
+    try:
+        result = await guarded(receive, coro, gen.abort)
+    except ClientGone:
+        return GONE
+    except Exception as e:
+        gen.abort()
+        raise map_error(e) from None
+    if not keep:
+        gen.abort()
+    return result
+
+
 async def guarded(receive, coro, on_gone):
     """Run coro; if the client disconnects first, call on_gone() and raise ClientGone."""
     work = asyncio.ensure_future(coro)

@@ -499,3 +499,17 @@ def openapi() -> dict[str, Any]:
             "paths": {"/v1/completions": post(CompletionRequest, "Create a completion"),
                       "/v1/chat/completions": post(ChatRequest, "Create a chat completion")},
             "components": {"schemas": schemas.get("$defs", {})}}
+
+
+def plugin_openapi(model: type[BaseModel], summary: str, answer: str) -> dict[str, Any]:
+    """What a route plugin passes as register(..., openapi=) for a POST whose JSON body is `model`: its path item
+    (`answer` describes the 200) and the component schemas it refers to."""
+    schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
+    defs = schema.pop("$defs", {})
+    error = {"description": "OpenAI's error body: {\"error\": {\"message\", \"type\", \"param\", \"code\"}}"}
+    return {"path": {"post": {
+        "summary": summary,
+        "requestBody": {"required": True, "content": {"application/json": {
+            "schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}},
+        "responses": {"200": {"description": answer}, "400": error, "404": error, "429": error, "503": error}}},
+        "schemas": {**defs, model.__name__: schema}}

@@ -16,8 +16,8 @@ from llmserve.limits import check_prompt
 from llmserve.request import PoolingParams, RequestOutput, SamplingParams
 from llmserve.server.answer import dumps
 from llmserve.server.errors import bad_request, map_error
-from llmserve.server.generation import ClientGone, Generation, guarded
-from llmserve.server.protocol import Int
+from llmserve.server.generation import GONE, Generation, until_answered
+from llmserve.server.protocol import Int, plugin_openapi
 from llmserve.server.routes import admit_body, check_fan_out, encode
 
 _NO_SAMPLING = SamplingParams(max_tokens=None)  # an embedding samples nothing (what the limits check reads)
@@ -116,14 +116,9 @@ async def embeddings(request: Request) -> Response:
     rid = f"embd-{uuid.uuid4().hex}"
     gen = Generation(aengine, prompts, _NO_SAMPLING, req.priority or 0, st.config.server.request_timeout, rid,
                      pooling=pooling)
-    try:
-        outs = await guarded(request.receive, _collect(gen, len(prompts)), gen.abort)
-    except ClientGone:
+    outs = await until_answered(request.receive, gen, _collect(gen, len(prompts)))
+    if outs is GONE:
         return Response(status_code=499)
-    except Exception as e:
-        gen.abort()
-        raise map_error(e) from None
-    gen.abort()
     data = []
     for i, o in enumerate(outs):
         if o is None or o.embedding is None:  # ended without a vector (aborted by the server): say so, never 200
@@ -138,14 +133,6 @@ async def embeddings(request: Request) -> Response:
 @functools.cache
 def openapi() -> dict[str, Any]:
     """/v1/embeddings' OpenAPI path item and the schemas it refers to (from the body's model)."""
-    schema = EmbeddingRequest.model_json_schema(ref_template="#/components/schemas/{model}")
-    defs = schema.pop("$defs", {})
-    error = {"description": "OpenAI's error body: {\"error\": {\"message\", \"type\", \"param\", \"code\"}}"}
-    answer = {"description": "{object: list, data: [{object: embedding, index, embedding}], model, "
-                             "usage: {prompt_tokens, total_tokens}}"}
-    return {"path": {"post": {
-        "summary": "Create embeddings of texts or token ids",
-        "requestBody": {"required": True, "content": {"application/json": {
-            "schema": {"$ref": "#/components/schemas/EmbeddingRequest"}}}},
-        "responses": {"200": answer, "400": error, "404": error, "429": error, "503": error}}},
-        "schemas": {**defs, "EmbeddingRequest": schema}}
+    return plugin_openapi(EmbeddingRequest, "Create embeddings of texts or token ids",
+                          "{object: list, data: [{object: embedding, index, embedding}], model, "
+                          "usage: {prompt_tokens, total_tokens}}")

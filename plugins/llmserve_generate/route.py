@@ -14,7 +14,7 @@ from llmserve.limits import check_request
 from llmserve.request import SamplingParams
 from llmserve.server.answer import Answer
 from llmserve.server.errors import bad_request
-from llmserve.server.protocol import GenerationRequest, Int
+from llmserve.server.protocol import GenerationRequest, Int, plugin_openapi
 from llmserve.server.routes import admit, encode
 from llmserve.server.state import ServerState
 
@@ -97,14 +97,6 @@ async def generate(request: Request) -> Response:
 @functools.cache
 def openapi() -> dict[str, Any]:
     """/v1/generate's OpenAPI path item and the schemas it refers to (from the body's model)."""
-    schema = GenerateRequest.model_json_schema(ref_template="#/components/schemas/{model}")
-    defs = schema.pop("$defs", {})
-    error = {"description": "OpenAI's error body: {\"error\": {\"message\", \"type\", \"param\", \"code\"}}"}
-    answer = {"description": "text, token_ids, finish_reason, stop_reason, prompt_tokens, generated_tokens, "
-                             "cached_prompt_tokens, timings {total_s, first_token_s, decode_tokens_per_s}"}
-    return {"path": {"post": {
-        "summary": "Generate text from one prompt (a plain JSON body, no SDK needed)",
-        "requestBody": {"required": True, "content": {"application/json": {
-            "schema": {"$ref": "#/components/schemas/GenerateRequest"}}}},
-        "responses": {"200": answer, "400": error, "404": error, "429": error, "503": error}}},
-        "schemas": {**defs, "GenerateRequest": schema}}
+    return plugin_openapi(GenerateRequest, "Generate text from one prompt (a plain JSON body, no SDK needed)",
+                          "text, token_ids, finish_reason, stop_reason, prompt_tokens, generated_tokens, "
+                          "cached_prompt_tokens, timings {total_s, first_token_s, decode_tokens_per_s}")

@@ -43,10 +43,14 @@ def refused(r: httpx.Response, status: int = 400, param: str | None = None) -> s
 @pytest.fixture(scope="module")
 def qwen(tmp_path_factory):
     pytest.importorskip("torch")
-    from tests.server.tool_helpers import start_tiny_qwen
+    from tests.server.tool_helpers import save_byte_tokenizer
+    from tests.torch.torch_helpers import make_qwen2
 
     d = tmp_path_factory.mktemp("qwen")
-    s = start_tiny_qwen(d)
+    tok = save_byte_tokenizer(d)  # (tool_helpers' tiny Qwen2, in float32 to compare with transformers')
+    make_qwen2(seed=3, vocab_size=len(tok)).save_pretrained(d)
+    s = start_server({"model": {"model": str(d), "served_model_name": "tiny-qwen", "dtype": "float32"},
+                      "backend": {"name": "torch", "kv_cache_memory": "16MiB"}})
     s.dir = d
     yield s
     s.stop()
@@ -136,7 +140,7 @@ def bert(tmp_path_factory):
 
     d = tmp_path_factory.mktemp("bert")
     hf = save_tiny_bert(d, seed=2, pooling="mean")
-    s = start_server({"model": {"model": str(d), "served_model_name": "tiny-bert"},
+    s = start_server({"model": {"model": str(d), "served_model_name": "tiny-bert", "dtype": "float32"},
                       "backend": {"name": "torch", "kv_cache_memory": "16MiB"}})
     s.hf = hf
     yield s

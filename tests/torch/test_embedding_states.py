@@ -14,7 +14,7 @@ from llmserve.request import PoolingParams, SamplingParams
 
 
 def _engine(model: str, tokens: int = 512, **model_kw) -> Engine:
-    return Engine.from_config({"model": {"model": model, **model_kw},
+    return Engine.from_config({"model": {"model": model, "dtype": "float32", **model_kw},
                                "backend": {"name": "torch", "kv_cache_memory": "16MiB"},
                                "cache": {"block_size": 4},
                                "scheduler": {"max_num_batched_tokens": tokens, "max_num_seqs": 8}})
@@ -94,7 +94,7 @@ def test_the_fused_cpu_layers_pool_what_the_python_path_pools(qwen2_dir):
     fused = _engine(str(path), quantization="int8")
     if fused.backend.stack is None:
         pytest.skip(f"no fused layers here: {fused.backend.stack_note}")
-    plain = Engine.from_config({"model": {"model": str(path), "quantization": "int8"},
+    plain = Engine.from_config({"model": {"model": str(path), "quantization": "int8", "dtype": "float32"},
                                 "backend": {"name": "torch", "kv_cache_memory": "16MiB",
                                             "options": {"fuse_layers": "off"}},
                                 "cache": {"block_size": 4}})
