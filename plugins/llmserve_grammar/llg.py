@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
+import threading
 from typing import Any
 
 import llguidance
@@ -81,9 +83,23 @@ class LLGuidanceEngine(GrammarEngine):
     """Compiles constraints to llguidance matchers over one tokenizer (built once: ~1 s for a 150k vocabulary)."""
 
     def __init__(self, tokenizer: Tokenizer, vocab_size: int, whitespace_flexible: bool = False):
-        vocab = _Vocab(tokenizer, vocab_size)
-        self.tokenizer = llguidance.LLTokenizer(llguidance.TokenizerWrapper(vocab), n_vocab=vocab_size)
+        # built in a thread: it took 1.3 s of every start and only a constrained request needs it (compile() waits)
+        self._tokenizer = concurrent.futures.Future()
+        threading.Thread(target=self._build, args=(tokenizer, vocab_size), name="llmserve-llguidance-vocab",
+                         daemon=True).start()
         self.whitespace_flexible = whitespace_flexible
+
+    def _build(self, tokenizer: Tokenizer, vocab_size: int) -> None:
+        try:
+            vocab = _Vocab(tokenizer, vocab_size)
+            self._tokenizer.set_result(llguidance.LLTokenizer(llguidance.TokenizerWrapper(vocab), n_vocab=vocab_size))
+        except BaseException as e:  # told to the first request that needs it
+            self._tokenizer.set_exception(e)
+
+    @property
+    def tokenizer(self) -> llguidance.LLTokenizer:
+        """llguidance's view of the vocabulary (waits for the thread that builds it)."""
+        return self._tokenizer.result()
 
     def compile(self, spec: StructuredOutput) -> llguidance.LLMatcher:
         """A validated matcher at the grammar's start, kept as the prototype that matcher() copies."""
