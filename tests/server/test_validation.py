@@ -81,7 +81,7 @@ def test_an_engine_that_stopped_after_admission_is_a_503_and_runs_nothing():
         def __init__(self):
             self.added, self.aborted = [], []
 
-        def add_request(self, ids, sp, request_id, priority, cache_salt=None):
+        def add_request(self, ids, sp, request_id, priority, cache_salt=None, pooling=None):
             if self.added:
                 raise EngineDeadError("the engine is not running")
             self.added.append(request_id)
