@@ -14,8 +14,8 @@
 // packing) or kInt8Rows (int8 per row, float32 out, rounded to the activations' dtype as torch's .to() does). The token ids' embedding rows are copied in first
 // (Step::ids); where the caller asks, the final norm and a quantized LM head follow in the same region (Step::logits),
 // then each row's greedy token (Step::tokens): the Python path's logits with QuantLinear's and lm_head's roundings,
-// then the argmax of the sampler's fast path. At one sequence the torch calls and Python around those were ~0.1 ms
-// of a ~1.6 ms step.
+// then the argmax of the sampler's fast path: at one sequence the torch calls and Python around those were a
+// noticeable share of the step (docs/benchmarks.md, "A decode step against its bound").
 
 #include <algorithm>
 #include <chrono>
@@ -37,9 +37,9 @@ using Model = llmserve_model;
 using Scratch = llmserve_scratch;
 using Step = llmserve_step;
 
-// How two members share the weights' matmuls out. Where the VM's two CPUs sit far apart, one of them streams
-// its half 10-25 % slower than the other for minutes at a time (each member's own time in the matmuls, timed
-// inside them: 940 against 740 us a step), and the other waits at every barrier; so the first member's share
+// How two members share the weights' matmuls out. Where a VM's two CPUs sit far apart, one of them can stream
+// its half markedly slower than the other for minutes at a time (each member's own time in the matmuls, timed
+// inside them), and the other waits at every barrier; so the first member's share
 // follows the two measured rates, a step behind. Every output is made by one member the same way whoever makes
 // it: only who waits changes. Each member's time is on a cache line of its own.
 struct alignas(64) MemberTime {
@@ -141,8 +141,8 @@ void linear(const Team& tm, const QLinear& L, const void* x, int rows, void* y, 
 }
 
 // The first bytes of this member's share of L's weights (at most m.wait_ahead), asked for while it waits at the
-// barriers before L (WaitAhead). A wait at a barrier is the other member's lag plus the handoff: 25-65 ns where the
-// VM's two CPUs sit near, 200-650 where they sit far apart, where this pays most
+// barriers before L (WaitAhead). A wait at a barrier is the other member's lag plus the handoff, which is several
+// times longer where the VM's two CPUs sit far apart: there this pays most
 void wait_ahead_for(const Team& mt, const Model& m, const QLinear& L) {
   WaitAhead& a = wait_ahead();
   if (m.wait_ahead == 0 || L.kind == 0) {
@@ -169,9 +169,8 @@ constexpr int kOwnRows = 2;
 // (own_rope_and_kv) and (one token's keys shared out) the attention merge's whole outputs itself: the same arithmetic
 // on the same values, so the same results, and the next matmul reads this member's copy. A barrier a stage goes (five
 // a layer are left at one sequence, six with q|k|v biases), and the wait while one member did a row alone. That
-// pays where the VM's two CPUs are far apart (a barrier then takes 200-650 ns against 25-65): builds alternated in
-// one process, SmolLM2's fused layers at ~90 GB/s (the far placement) 0.956-0.968 of the time at one sequence,
-// 0.960 at two; at ~55 GB/s 1.000-1.005 and 0.978-0.998; at four sequences the repeated work lost (1.031 at ~55).
+// pays where the VM's two CPUs are far apart (each barrier is then several times dearer) and costs nothing where
+// they are near; at four rows the repeated work loses, hence kOwnRows (docs/backend-torch.md, "Quantized weights").
 template <typename T>
 struct Flow {
   Team ew;        // the team the elementwise stages run on: tm, or this member alone
@@ -277,9 +276,8 @@ void head(const Team& tm, const Team& mt, const Model& m, const Flow<T>& f, cons
 // row's q|k heads itself, in its own copy (the same arithmetic on the same values, so the same results), and stores
 // the K and V of the rows whose newest key its own share of the attention reads, so the members meet neither before
 // the store nor before the attention: two barriers a layer fewer. (Not where the rows are two tokens of one
-// sequence, a prompt's chunk: the second reads the first's key too, so the members meet after the store there.) In
-// one engine (switched every four steps), 2-core Zen 5 EPYC: where the VM's CPUs sat far apart the call took
-// 0.979-0.992 of its time at one sequence, 0.980-0.987 at two; where they sat near, 0.994-1.002.
+// sequence, a prompt's chunk: the second reads the first's key too, so the members meet after the store there.)
+// It pays where the VM's CPUs sit far apart (docs/backend-torch.md, "Quantized weights").
 template <typename T>
 void own_rope_and_kv(const Team& tm, const Model& m, const Layer& L, const Step& st, const void* qkv, T* qk) {
   const int R = st.rows, q = m.heads * m.head_dim, kv = m.kv_heads * m.head_dim;

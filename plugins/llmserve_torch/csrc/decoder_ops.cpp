@@ -80,17 +80,14 @@ void silu_mul(const Team& tm, const T* gu, int64_t gs, T* out, int64_t os, int r
 }
 
 // y[r, n] = scale[n] * sum_k x[r, k] * w[n, k] for a few rows: each int8 weight row is read once from
-// memory for all of them (torch's _weight_int8pack_mm streamed SmolLM2's 28 MB LM head at ~8 GB/s).
+// memory for all of them (torch's _weight_int8pack_mm streams the weights far below the memory's bandwidth).
 constexpr int kMaxRows = LLMSERVE_INT8_MAX_ROWS;
 constexpr int kMaxK = LLMSERVE_INT8_MAX_K;
 constexpr int kBlock = 64;  // activations are rounded to int16 with one scale per 64
 
 #if defined(__AVX2__)
-// Asks for the weight row prefetch_distance(rows, 12 KiB) past this one's K bytes. SmolLM2's 28 MB LM head, from
-// memory (in huge pages), 2 threads of a Zen 5 EPYC: at one row 0.58 ms on the hardware prefetcher alone, 0.50-0.55
-// with 4 KiB (in 4 KiB pages); in an engine, step after step alternated with 4 KiB, where the VM read ~90 GB/s 12 KiB
-// took 0.74-0.83 of the time at one row (0.37-0.42 -> 0.28-0.35 ms), 0.84 at two, 0.97 at four, 1.00 at eight;
-// where it read ~55, 1.01 at one row
+// Asks for the weight row prefetch_distance(rows, 12 KiB) past this one's K bytes: the hardware prefetcher alone
+// does not keep enough of a streamed LM head in flight at a few rows (docs/benchmarks.md, "Prefetch distances")
 inline void prefetch_ahead(const int8_t* wn, int K, int rows) {
   const int ahead = prefetch_distance(rows, 12288);
   for (int b = 0; b < K; b += 64) _mm_prefetch(reinterpret_cast<const char*>(wn) + ahead + b, _MM_HINT_T0);
@@ -98,10 +95,9 @@ inline void prefetch_ahead(const int8_t* wn, int K, int rows) {
 
 // The activations rounded to int16 per block of 64 and multiplied with the widened int8 weights by vpmaddwd
 // (vpdpwssd with AVX512-VNNI). Not int8, as llama.cpp's Q8_0 x Q8_0: that lost SmolLM2's small activations beside
-// its outliers (see quant_matmul.cpp), and on an AVX512-VNNI EPYC its vpdpbusd path was no faster than this one up
-// to 4 rows (SmolLM2's 121 int8 linears at 1 / 2 / 4 / 8 rows: 3.1 / 3.8 / 5.0 / 9.6 ms here, float activations
-// 3.5 / 4.9 / 8.6 / 18.2) at 1% of a row's largest output off, against 0.005% here. The float loop below ran
-// SmolLM2's 120 int8 linears at 27 ms for 4 rows on an AVX2-only EPYC.
+// its outliers (see quant_matmul.cpp: ~1% of a row's largest output off, against 0.005% here), and its vpdpbusd
+// path was no faster than this one up to 4 rows. The float loop of int8_matmul is the fallback (no AVX2, or K not a
+// multiple of 64): several times slower (docs/benchmarks.md, "The kernels' choices").
 inline __m256i dot16(const int16_t* x, const int8_t* w) {  // 16 products, as 8 int32 pair sums
   const __m256i wi = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w)));
   return _mm256_madd_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x)), wi);
@@ -109,7 +105,7 @@ inline __m256i dot16(const int16_t* x, const int8_t* w) {  // 16 products, as 8 
 
 #if defined(__AVX512BW__)
 // Outputs [n0, n1) for RB rows of x: each block of 64 weights widened to int16 once for all of them (per row of x it
-// was: at 8 rows the widening was a third of the work; SmolLM2's LM head at 8 rows 1.69 -> 1.47 ms)
+// was, and at 8 rows the widening was a third of the work)
 template <int RB>
 void int8_rows(const int8_t* w, const float* scale, const int16_t (*xq)[kMaxK], const float (*xs)[kMaxK / kBlock],
                float* y, int64_t ys, int n0, int n1, int K) {

@@ -12,8 +12,8 @@
 // How far ahead (bytes) a matmul's thread asks for its weights (each thread's are contiguous). The bytes in flight
 // must cover a memory latency at the rate the kernel reads them, so with a few rows of activations (a kernel then
 // reads fastest) it asks `few_rows` bytes ahead, each kernel its own distance (quant_matmul.cpp, decoder_ops.cpp);
-// with more rows 4 KiB. Where the VM reads ~55 GB/s the farther distances were no faster nor slower; where it reads
-// ~90 they are what reaches it (with the weights in huge pages: no TLB miss at each 4 KiB page).
+// with more rows 4 KiB. The farther distances pay where the memory is fast, and cost nothing where it is slow
+// (with the weights in huge pages: no TLB miss at each 4 KiB page; docs/benchmarks.md, "Prefetch distances").
 inline int prefetch_distance(int rows, int few_rows) { return rows <= 4 ? few_rows : 4096; }
 
 // Index of the first largest of x[0..n) (n > 0): the greedy token of a row of logits (llmserve_argmax_f32, and

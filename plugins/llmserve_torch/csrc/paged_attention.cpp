@@ -35,7 +35,7 @@ constexpr int kMaxHeads = LLMSERVE_ATTN_MAX_HEADS;
 constexpr int kMaxBlock = LLMSERVE_ATTN_MAX_BLOCK;
 constexpr int kChunk = 256;  // a multiple of every supported block size
 // The most K/V bytes of a chunk streamed in before its loops: more would not stay in a core's L2 until they are
-// read again (GPT-2 float32's 6 KB rows, 1.5 MB a chunk, read twice from memory: 64 sequences 4% slower)
+// read again, and a chunk read twice from memory costs more than the stream-in saves (GPT-2 float32's 6 KB rows)
 constexpr int64_t kStreamInBytes = 256 << 10;
 
 // Every key of a chunk of blocks [b0, b1): fn(pointer to the key's row at `base` elements in, index in the chunk).
@@ -86,10 +86,8 @@ struct Item {
 // lines at a time from inside this item's score and value loops. Once an item's chunk is streamed in, those loops
 // run from cache and the memory idles; a burst of prefetches instead stalls the core on its miss buffers. A chunk
 // too large to stream in is read from memory by its loops, which these prefetches would only compete with (GPT-2's
-// float32 heads at 64 sequences: 1-6% slower). SmolLM2 in bf16, 2 threads of a Zen 5 EPYC: 64 decode tokens at
-// 150 keys, K/V evicted first, 210 -> 167 us a layer (best of five); the fused layers at 8 sequences 8-10% faster
-// (benchmarks/ab_layers.py); 64 sequences 1387-1396 -> 1422-1423 tok/s (bench offline). A one-token step, with no
-// next item, runs its loops without the steps (with_ahead).
+// float32 heads). What it gains: docs/benchmarks.md, "The kernels' choices". A one-token step, with no next item,
+// runs its loops without the steps (with_ahead).
 struct Ahead {
   const char* cache[2];  // K, then V
   const int32_t* bt = nullptr;  // null: nothing to ask for
@@ -191,9 +189,7 @@ inline void values_bf16_d64(int G, const uint16_t* vc, const int32_t* bt, int b0
 // whole rows, block after block, not a KV head's slice of each row. And each chunk is streamed in first: the
 // score and value loops spend ~40 instructions on each 128-byte slice, so a core's reorder window held too few
 // loads to keep the memory busy, while a plain load loop over contiguous rows lets the L2's stream prefetcher run
-// ahead (software prefetches did not: on this AMD they fill the same miss buffers as the loads). SmolLM2 at one
-// token, the layer's K/V evicted first as a step's weights evict it, 2 threads of a Zen 5 EPYC: 7.8-10.0 -> 5.3 us
-// a layer at 161 keys, 27-31 -> 15.7 at 600.
+// ahead (software prefetches did not: on the AMD EPYC measured they fill the same miss buffers as the loads).
 //
 // Items go round-robin to the team's members (neighbouring query tokens of a prompt chunk have similar contexts;
 // newest_key_member in kernels.h follows this).

@@ -13,7 +13,7 @@
 namespace quant {
 
 // The per-group helpers of the SIMD paths, inlined whatever the compiler's size heuristics say: with a dozen formats
-// instantiated, g++ called the AVX2 path's out of line and a row at a time ran ~30 % slower
+// instantiated, g++ called the AVX2 path's out of line, and a row at a time ran markedly slower
 #define HOT_INLINE inline __attribute__((always_inline))
 
 constexpr int kG = 32;  // a group: 32 inputs, llama.cpp's Q4_0 ... Q8_0 block and the K-quants' sub-block
@@ -56,7 +56,7 @@ inline float to_float(int8_t v) { return static_cast<float>(v); }
 
 // Tile t of pack_own's layout. In tiles of 16 rows, group after group: the group's values as chunks of 64 bytes,
 // dword r of chunk c holding row r's 4-byte chunk c (so a tile's group is read in one sequential stream: values,
-// scales and offsets in three regions of a tile ran 24 % slower at one row), then its scales [parts][16], then its
+// scales and offsets in three regions of a tile were three streams, and slower), then its scales [parts][16], then its
 // offsets [parts][16]; with Sup each super-block of 8 groups starts with its factors d [16], then dneg [16]. Rows in
 // order (kTile 1): a row's groups' values, then its scales [parts][groups], then its offsets [parts][groups] (the
 // AVX2 path reads eight groups' scales at once), then with Sup its factors d [groups / 8], then dneg.

@@ -1,12 +1,12 @@
-// Weight-only matmuls on group-quantized weights: y[r, n] = sum_k x[r, k] * w[n, k], each quantized weight row
-// read once from memory for all rows (torch's _weight_int4pack_mm_for_cpu read ~16 GB/s with bf16 activations, and
-// took a slow path with float32 ones). A group format (Fmt) holds values of 4, 5, 6 or 8 bits in groups of 32 inputs
-// with float16 scales (and offsets): a GGUF file's Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K and Q8_0 blocks each map
-// onto one of them at the file's own bits (gguf_quant.py), so no value is rounded twice. Activations are quantized to
-// int16 per group of 32, so the inner products run on integer SIMD: with AVX-512, weight rows in tiles of 16 meet
-// each int16's two bytes in vpdpbusd (vpmaddubsw without VNNI); with AVX2, one row at a time through vpmaddwd; on
-// ARM64 the same rows through NEON (vdotq_s32 on the two bytes with the dot product); a scalar loop without any
-// (-march=native picks; pack_own in quant.py lays the weights out for the build's path).
+// Weight-only matmuls on group-quantized weights: y[r, n] = sum_k x[r, k] * w[n, k], each quantized weight row read
+// once from memory for all rows (torch's _weight_int4pack_mm_for_cpu reads far below the memory's bandwidth with bf16
+// activations, and takes a slow path with float32 ones). A group format (Fmt) holds values of 4, 5, 6 or 8 bits in
+// groups of 32 inputs with float16 scales (and offsets): a GGUF file's Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K and
+// Q8_0 blocks each map onto one of them at the file's own bits (gguf_quant.py), so no value is rounded twice.
+// Activations are quantized to int16 per group of 32, so the inner products run on integer SIMD: with AVX-512, weight
+// rows in tiles of 16 meet each int16's two bytes in vpdpbusd (vpmaddubsw without VNNI); with AVX2, one row at a time
+// through vpmaddwd; on ARM64 the same rows through NEON (vdotq_s32 on the two bytes with the dot product); a scalar
+// loop without any (-march=native picks; pack_own in quant.py lays the weights out for the build's path).
 // Not int8 as llama.cpp's Q8_1: SmolLM2's activations have outliers, a group's small values then round to zero, and
 // greedy answers changed with a prefix-cache hit (the last prompt rows taking this kernel instead of the dense copy).
 //

@@ -117,10 +117,9 @@ template <typename F, typename T, typename U>
 void group_matmul(const Team& tm, const T* x, int64_t xs, int rows, const uint8_t* w, U* y, int64_t ys, int N, int K) {
   const int ng = K / kG;
   const Acts& a = quantize_rows(x, xs, rows, K);
-  // Each thread asks for its rows 4 KiB ahead at one row of x. More rows redo the unpacking for each, so arithmetic
-  // binds this path (8 GB/s at four rows) and prefetches only cost instructions. 48 int4 matrices of 3072 x 576 from
-  // memory, the x86-64-v3 build on a Zen 5 EPYC, against no prefetch: 0.82-0.95 at one row (8 KiB no better);
-  // asked at every row count, 0.99-1.05 at two to eight rows (this test's noise: ~3 %)
+  // Each thread asks for its rows 4 KiB ahead at one row of x, where this path reads fastest. More rows redo the
+  // unpacking for each, so arithmetic binds the path and prefetches only cost instructions (docs/benchmarks.md,
+  // "Prefetch distances")
   const bool ask = rows == 1;
   const int n0 = tm.share_begin(N), n1 = tm.share_end(N);
   for (int n = n0; n < n1; ++n) {

@@ -3,8 +3,8 @@
 //
 // Every kernel of this library has a team form (each member does its share, no parallel region of its own), so
 // the fused decode step (decode_layers.cpp) runs all its layers in one parallel region: a libgomp fork/join costs
-// ~1.1 us on 2 threads of a Zen 5 EPYC and a step made ~150 of them, this barrier ~0.2 us. The C entry points
-// run the same team forms on a region of their own (on_team).
+// several times this barrier, and a step made ~150 of them (docs/benchmarks.md, "The kernels' choices"). The C
+// entry points run the same team forms on a region of their own (on_team).
 #pragma once
 
 // Without OpenMP (Apple clang has none) on_team runs every call on the calling thread: a team of one member
@@ -41,14 +41,13 @@ class SpinBarrier {
       return;
     }
     // spin, then yield: a member the OS took off its core must not be starved by the one waiting for it. With more
-    // members than CPUs someone is always off its core: yield at once (4 threads on 2 cores spun at 25 tok/s where
-    // libgomp's regions ran 93)
-    // (1024 pauses: ~15 us on a Zen 5, where 4096 ran no faster at 1 or 8 rows and held a core from other threads
-    // of the process, the server's event loop among them, four times as long)
+    // members than CPUs someone is always off its core: yield at once (spinning there ran several times slower than
+    // libgomp's own regions). 1024 pauses are a few microseconds: more ran no faster and held a core longer from the
+    // process's other threads, the server's event loop among them
     const int spin = members > cpus() ? 0 : 1024;
     WaitAhead& ahead = wait_ahead();
     for (int spins = 0; phase_.load(std::memory_order_acquire) == phase; ++spins) {
-      if (ahead.at < ahead.end) {  // four lines a turn (one a turn read 0.99-1.02 where four read 0.98-1.00)
+      if (ahead.at < ahead.end) {  // four lines a turn: one a turn fetched too little while the other member lagged
         for (int i = 0; i < 4 * 64; i += 64) __builtin_prefetch(ahead.at + i, 0, 3);  // prefetcht0, built on ARM too
         ahead.at += 4 * 64;
       } else if (spins < spin) {
@@ -92,7 +91,7 @@ struct Team {
   // This member's share of a matmul's n outputs (the weights it streams): begin/end's, or in a team shared() out,
   // the first of two members takes lead_share of them. The matmuls read these once, into locals: a bound with a
   // branch in a loop's condition (every stage's, when begin/end carried it) is not hoisted past the loop's stores,
-  // and the fused call ran 7-13 % slower
+  // which slowed the fused call measurably
   int share_begin(int n) const { return lead_share > 0.f ? (id == 0 ? 0 : lead_cut(n)) : begin(n); }
   int share_end(int n) const { return lead_share > 0.f ? (id == 0 ? lead_cut(n) : n) : end(n); }
   // This team with the first of two members taking `share` of a matmul's outputs (more members: equal shares)

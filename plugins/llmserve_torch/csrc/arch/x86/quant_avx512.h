@@ -12,8 +12,7 @@ namespace quant {
 
 // A 4-byte piece of the activations, broadcast, meets all 16 rows in one vpdpbusd: no horizontal sums, no per-row
 // tails (576 inputs are 18 groups: a per-row layout had 2 left over after blocks of four), one scale vector per
-// group. 120 SmolLM2-shaped int4 matrices at one row, from memory, 2 threads of a Zen 5 EPYC: 1.80 ms in the per-row
-// layout (44 GB/s), 1.30 ms in tiles (61 GB/s).
+// group. A per-row layout was bound by its own arithmetic, not by memory (docs/benchmarks.md, "The kernels' choices").
 constexpr int kRowBlock = 4;  // rows of x that share one unpacking of a tile's group
 
 // Rows of activations, per group of 32: x ≈ d * q with q in -kQMax..kQMax, each q as two signed bytes q = 256 * h +
@@ -183,9 +182,8 @@ template <typename F, typename T, typename U>
 void group_matmul(const Team& tm, const T* x, int64_t xs, int rows, const uint8_t* w, U* y, int64_t ys, int N, int K) {
   const int tiles = quant_tiles(N);
   const Split& a = split_rows<F::kHalf>(x, xs, rows, K);
-  // SmolLM2's fused layers, builds alternated in one process (2 threads of a Zen 5 EPYC, weights in huge pages), 8
-  // KiB against 4 KiB where the VM read ~90 GB/s: 0.91-0.94 at one sequence, 0.95 at two, 0.98 at three and four,
-  // 1.02 at eight (so more rows keep 4 KiB); where it read ~55: 0.97-1.01 at one to four (docs/benchmarks.md)
+  // 8 KiB ahead with up to four rows of x (a kernel reading few rows reads fastest, so it needs more bytes in
+  // flight), 4 KiB with more, where the farther distance no longer paid (docs/benchmarks.md, "Prefetch distances")
   const int ahead = prefetch_distance(rows, 8192);
   const int t0 = tm.share_begin(tiles), t1 = tm.share_end(tiles);
   for (int t = t0; t < t1; ++t) {
