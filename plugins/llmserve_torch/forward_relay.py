@@ -1,6 +1,6 @@
 """Each forward's tokens handed on while the C call that runs several forwards is still making the next ones.
 
-A call of eight forwards at one sequence takes ~12 ms; handing its tokens on only when it returns made them reach a
+A call of eight forwards takes eight forwards' time; handing its tokens on only when it returns made them reach a
 stream in bursts of eight. The call (csrc/decode_layers.cpp, Step::progress) stores how many forwards are done after
 each one and writes a byte to a pipe; the relay's thread, asleep in a read of that pipe until then, hands the new
 forwards' tokens to the listener (the engine's replay of a forward: its outputs go to their streams at once). ctypes

@@ -2,9 +2,8 @@
 
 A decode step of a few sequences streams every weight once: the default model's ~95 MB in 4 KiB pages is ~23,000
 pages, each a TLB miss and a page the hardware prefetcher does not cross. Copied into one anonymous mapping that asks
-for huge pages (madvise), the same bytes sit in ~46 pages, laid out in the order the layers read them. A decode step
-of the default model at one sequence, two engines stepping in turn in one process (2-core Zen 5 EPYC): 3-7 % faster
-(2.435 → 2.353, 2.467 → 2.392, 2.138 → 1.992 ms; the same engine twice read 0.994), 2 % at 8 sequences. torch's own
+for huge pages (madvise), the same bytes sit in ~46 pages, laid out in the order the layers read them, and a decode
+step of a few sequences gets faster (docs/backend-torch.md, "Weights in huge pages", has the figures). torch's own
 allocations are not asked for huge pages (THP is `madvise` on most distributions), and the per-matrix tensors are
 mostly under 2 MiB, so they would not get them anyway.
 """
@@ -63,7 +62,7 @@ class Arena:
 
     def granted_bytes(self) -> int:
         """Of the mapping, the bytes the kernel backs with huge pages now (/proc/self/smaps' AnonHugePages; reading
-        it takes ~25 ms in a process that has loaded torch: not for a hot path)."""
+        it takes tens of milliseconds in a process that has loaded torch: not for a hot path)."""
         end, total, inside = self.start + len(self._map), 0, False
         try:
             with open("/proc/self/smaps") as f:

@@ -3,11 +3,11 @@
 torch's weight-only kernels read 1/2 (int8) or 1/4 (int4) of bf16's bytes, so they win at a few rows;
 they run each row almost as a separate pass, so a dense GEMM wins at many rows. Where the crossover
 lies depends on the CPU (AVX512_BF16, AMX, cache sizes) and on the activation dtype (with float32
-activations both kernels took a slow path, 7-50x slower, on an AMD EPYC with AVX512_BF16): both are
+activations both kernels took a slow path, many times slower, on an AMD EPYC with AVX512_BF16): both are
 measured over the model's own linears, so the weights come from memory as in serving.
 
-A plan timed beside a compiler is noise ("2 rows: quantized 919 ms, dense 964 ms"), and one remembered would steer
-every later start. So each figure is the best of several repeats, and the timing is judged: repeats that spread, or
+A plan timed beside a compiler is noise (docs/backend-torch.md, "Plans that cannot go stale"), and one remembered
+would steer every later start. So each figure is the best of several repeats, and the timing is judged: repeats that spread, or
 threads that waited for a CPU while it ran (another program had it), make it noisy. A noisy plan serves the start
 that timed it and is never remembered (plan_store.py); a remembered one is checked at each start by timing its
 decisive row counts again, and timed afresh where they now disagree.
@@ -37,8 +37,8 @@ _PROBE_ROWS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 REPEATS = 5  # samples a timing takes: the best is the figure, the median against the best its spread
 CHECK_REPEATS = 3  # the check at start: fewer
 SAMPLE_S = 0.005  # a sample calls the timed function as often as fills this (tiny shapes stay above the clock's noise)
-# a timing whose median repeat is this much above its best was disturbed (quiet, the default model's timings spread up
-# to ~50 %, its LM head alone; beside a compiler, 10x): a gross check, where waiting for a CPU is the fine one
+# a timing whose median repeat is this much above its best was disturbed (quiet timings spread well under this, beside
+# a compiler several times over: docs/backend-torch.md): a gross check, where waiting for a CPU is the fine one
 MAX_SPREAD = 1.0
 MAX_WAITED = 0.2  # the share of our threads' runnable time spent waiting for a CPU, above which another program had it
 MARGIN = 0.2  # a difference within this is no difference: a remembered pick disagrees only when it loses by more
@@ -397,8 +397,8 @@ def _pick_act(group: list, serving: torch.dtype, facts: dict, retime: bool) -> t
     if serving == torch.bfloat16:
         return serving, None
     few = group[:4]
-    # remembered like the crossovers: timed at each load, two calls 31.98 vs 31.96 ms apart flipped the pick under
-    # CPU contention, and two loads of one model on one machine ran different kernels
+    # remembered like the crossovers: timed at each load, two near-equal timings flipped the pick under CPU
+    # contention, and two loads of one model on one machine ran different kernels
     entry, timed = _timed(_key(few, serving, "activations"), {**facts, "what": "activations", "linears": len(few)},
                           lambda m: _measure_act(m, few, serving), lambda m, e: _check_act(m, few, serving, e), retime)
     return _ACTS[entry["act"]], timed

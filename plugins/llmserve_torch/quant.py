@@ -180,9 +180,8 @@ def cat_rows(parts: list[QuantWeight]) -> QuantWeight:
                        "+".join(sources), factors)
 
 
-# csrc/decoder_ops.cpp's int8 matmul (activations rounded to int16 per 64), SmolLM2's 49152 x 576 int8 LM head, AMD
-# EPYC with AVX512-VNNI, 2 threads, ms at 1/2/4/8 rows: 0.20/0.36/0.73/1.59, float activations 0.38/0.72/1.45/3.07;
-# aten._weight_int8pack_mm took 2.81/3.55/3.96/6.53 on an earlier such machine.
+# csrc/decoder_ops.cpp's int8 matmul (activations rounded to int16 per 64) takes up to this many rows and K inputs;
+# it beats aten._weight_int8pack_mm at every row count it takes (docs/benchmarks.md, "The kernels' choices").
 OWN_INT8_MAX_ROWS = kernel_library.api().limits["INT8_MAX_ROWS"]
 OWN_INT8_MAX_K = kernel_library.api().limits["INT8_MAX_K"]
 OWN_DTYPES = (torch.float32, torch.bfloat16)  # what our kernels read (they tell them apart by element size)
@@ -247,7 +246,7 @@ def _bit_planes(q: torch.Tensor, bits: int) -> torch.Tensor:
     out = [(a[..., :16] & 15) | ((a[..., 16:] & 15) << 4)]
     if bits > 4:
         # the bits above the fourth as [.., j, half, c], so byte j's eight bits are adjacent: numpy packs them in C
-        # (torch's uint8 arithmetic took 14 s of a 0.5B model's start)
+        # (torch's uint8 arithmetic took seconds of a 0.5B model's start)
         hi = np.ascontiguousarray(np.moveaxis((a >> 4).reshape(*a.shape[:-1], 2, 4, 4), -1, -3))
         for p in range(bits - 4):
             planes = ((hi >> p) & 1).reshape(*a.shape[:-1], 4, 8)

@@ -7,10 +7,10 @@ The token is argmax(probs / E) with E ~ Exp(1) per vocabulary entry (the exponen
 sampling from probs), so sorting for top-k/top-p never changes which random number a token gets.
 
 On CPU, where the kernel library builds, top-k/top-p/min-p and the race run there (csrc/race.cpp):
-the filters without sorting the row (torch's sort of a 49152-entry row took 2.9 ms), the race in log
-form, argmax(x / t - log E), E's uniform draws a hash of a 64-bit key and the vocabulary index: a
-seeded row's key comes from (seed, num_output_tokens), the others' from the backend's generator,
-one draw a row instead of one a vocabulary entry (49152 of them took ~0.1 ms a row).
+the filters without sorting the row (torch's sort of a whole row took longer than the model's decode
+step), the race in log form, argmax(x / t - log E), E's uniform draws a hash of a 64-bit key and the
+vocabulary index: a seeded row's key comes from (seed, num_output_tokens), the others' from the
+backend's generator, one draw a row instead of one a vocabulary entry (docs/backend-torch.md, "Sampling").
 """
 
 from __future__ import annotations
@@ -118,8 +118,8 @@ def filter_logits(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min
 
 
 def _sort_descending(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each row in descending order, and where each entry came from. On CPU by numpy (~0.5 ms a 49152-entry row on
-    a Zen 5 EPYC, where torch's sort took 2.9 ms on two threads: longer than the model's decode step)."""
+    """Each row in descending order, and where each entry came from. On CPU by numpy: several times faster than
+    torch's sort there, which took longer than the model's decode step (docs/backend-torch.md, "Sampling")."""
     if x.device.type != "cpu":
         return x.sort(dim=-1, descending=True)
     order = torch.from_numpy(np.argsort(-x.numpy(), axis=-1))

@@ -33,7 +33,7 @@ def _pow2(n: int) -> int:
 
 
 # the block-table width changes from step to step: specializing on it (== 1, divisible by 16) would compile the
-# kernel again in the middle of serving, about a second each time (seen on an H200 as 600 ms steps)
+# kernel again in the middle of serving, stalling the step it happens in for about a second each time
 @triton.jit(do_not_specialize=["bt_stride"])
 def _paged_attention_kernel(
         q_ptr, q_stride, k_ptr, v_ptr, kv_stride, out_ptr, out_stride,
