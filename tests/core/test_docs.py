@@ -44,6 +44,35 @@ def test_links_stay_inside_the_repository_and_resolve(page):
             assert (page.parent / path).exists(), f"{_name(page)}: {target} does not exist"
 
 
+def _anchors(page: Path) -> set[str]:
+    """The fragments a link may name on a page: GitHub's slug of each heading outside code blocks (lower case,
+    punctuation dropped, spaces as hyphens, a repeated slug suffixed -1, -2, …) and every explicit id="…"."""
+    text, slugs, seen, in_code = page.read_text(), set(), {}, False
+    for line in text.splitlines():
+        if line.lstrip().startswith("```"):
+            in_code = not in_code
+            continue
+        m = None if in_code else re.match(r"#{1,6}\s+(.*?)\s*#*\s*$", line)
+        if m:
+            slug = re.sub(r"[^\w\- ]", "", m.group(1).strip().lower()).replace(" ", "-")
+            n = seen.get(slug, 0)
+            seen[slug] = n + 1
+            slugs.add(slug if n == 0 else f"{slug}-{n}")
+    return slugs | set(re.findall(r'\bid="([^"]+)"', text))
+
+
+@pytest.mark.parametrize("page", PAGES, ids=_name)
+def test_link_anchors_name_a_heading_of_their_page(page):
+    for m in LINK.finditer(page.read_text()):
+        target = m.group(1)
+        if not target or "#" not in target or re.match(r"[a-z][a-z0-9+.-]*:", target):
+            continue
+        path, fragment = target.split("#", 1)
+        linked = (page.parent / path) if path else page
+        if linked.suffix == ".md":
+            assert fragment in _anchors(linked), f"{_name(page)}: {target} names no heading of {linked.name}"
+
+
 @pytest.mark.parametrize("page", PAGES, ids=_name)
 def test_installed_commands_are_called_one_way(page):
     """`source .venv/bin/activate` once (the README says so), then `llmserve`, `python`, `pip`: never .venv/bin/…"""
