@@ -17,7 +17,7 @@ import torch
 from llmserve_torch import kernel_library
 from llmserve_torch.forward_relay import ForwardRelay, Listener
 from llmserve_torch.fused import CpuOps
-from llmserve_torch.models.qwen2 import Qwen2Model
+from llmserve_torch.models.decoder import Qwen2Model
 from llmserve_torch.quant import OWN_INT8_MAX_ROWS, QuantLinear
 
 FUSE_LAYERS = ("auto", "off")

@@ -12,7 +12,7 @@ from llmserve.config import ModelConfig
 from llmserve.errors import ConfigError
 from llmserve_torch.arch import ArchConfig
 from llmserve_torch.generation_config import GenerationDefaults
-from llmserve_torch.models import bert, family, gpt2, qwen2
+from llmserve_torch.models import bert, decoder, family, gpt2
 from llmserve_torch.fused import decoder_ops
 from llmserve_torch.kernel_plan import KernelPlan, plan_kernels
 from llmserve_torch.model_cards import with_card
@@ -95,7 +95,7 @@ def build_model(arch: ArchConfig, sd: dict, make: LinearMaker, max_len: int, ops
         return gpt2.GPT2Model(arch, sd, make)
     if fam is bert:
         return bert.BertModel(arch, sd, make)
-    return qwen2.Qwen2Model(arch, sd, make, max_len, decoder_ops(make.device, make.dtype, ops))
+    return decoder.Qwen2Model(arch, sd, make, max_len, decoder_ops(make.device, make.dtype, ops))
 
 
 def apply_quantization(sd: dict, mode: str, arch: ArchConfig) -> dict:
