@@ -184,10 +184,10 @@ def hf_model(model_dir: Path, arch, dtype: torch.dtype, seed: int):
     """The HF model with exactly the weights our loader invents for (config, seed)."""
     import transformers
     from llmserve_torch.checkpoint import dummy_state_dict
-    from llmserve_torch.models import family
+    from llmserve_torch.models.family import family_of
 
     cfg = transformers.AutoConfig.from_pretrained(str(model_dir))
-    sd = dummy_state_dict(family(arch).hf_shapes(arch), seed)
+    sd = dummy_state_dict(family_of(arch).hf_shapes(arch), seed)
     if arch.family == "gpt2":
         sd = {f"transformer.{k}": v for k, v in sd.items()}
     with torch.device("meta"):

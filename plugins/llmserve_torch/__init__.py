@@ -1,4 +1,5 @@
-"""The torch backend plugin: GPT-2 and Qwen2-family models on a paged KV cache.
+"""The torch backend plugin: the registered model families (Llama-style decoders, GPT-2, Gemma, BERT encoders) on a
+paged KV cache.
 
 torch and transformers are imported inside the factory, so `llmserve --help` stays fast.
 """

@@ -1,4 +1,5 @@
-"""A small, normalized description of a supported model architecture (from an HF config or the embedded one)."""
+"""A small, normalized description of a model architecture, the same for every family (each family's module in
+models/ fills it in from an HF config), and the RoPE settings they share."""
 
 from __future__ import annotations
 
@@ -13,16 +14,6 @@ ROPE_TYPES = ("default", "linear", "llama3", "dynamic")
 # not a transformers type: the one a converted GGUF's config.json gets for llama.cpp's explicit per-frequency
 # divisors (its rope_freqs tensor), stored as rope_parameters["freq_factors"]
 FREQ_FACTORS = "freq_factors"
-
-# HF model_type → our model family
-_FAMILIES = {
-    "gpt2": "gpt2",
-    "qwen2": "decoder",
-    "llama": "decoder",
-    "mistral": "decoder",
-    "qwen3": "decoder",
-    "bert": "bert",
-}
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,7 +33,7 @@ class Rope:
 class ArchConfig:
     """The numbers a forward pass needs; the same for every family (unused fields keep defaults)."""
 
-    family: str  # gpt2 | decoder (llama-style: RoPE, RMSNorm, SwiGLU, GQA) | bert (an encoder: embeddings only)
+    family: str  # the registered model family's name (models/family.py): decoder, gpt2, bert, gemma, ...
     model_type: str
     vocab_size: int
     hidden_size: int
@@ -61,12 +52,14 @@ class ArchConfig:
     eos_token_id: int | None = None
     torch_dtype: str | None = None  # what the checkpoint says it was saved in
     type_vocab_size: int = 0  # bert: rows of its token-type (segment) embedding
+    # why the context may not pass max_position_embeddings (e.g. "GPT-2's learned positions"); "" where it may
+    position_limit: str = ""
 
     @property
     def context_bound(self) -> str:
         """Why max_model_len may not exceed max_position_embeddings, or "" where it may."""
-        if self.family in ("gpt2", "bert"):
-            return f"{'GPT-2' if self.family == 'gpt2' else 'BERT'}'s learned positions"
+        if self.position_limit:
+            return self.position_limit
         if self.rope.type == "dynamic":
             # past it transformers recomputes the frequencies from the longest position of each forward call,
             # so a token's rotation would depend on how the engine batched and chunked it
@@ -82,7 +75,7 @@ class ArchConfig:
         return self.num_kv_heads * self.head_dim
 
 
-def _first_int(v: Any) -> int | None:
+def first_int(v: Any) -> int | None:
     """HF configs give eos_token_id as an int or a list; take the first."""
     if isinstance(v, (list, tuple)):
         return int(v[0]) if v else None
@@ -150,57 +143,9 @@ def _freq_factors_rope(params: dict, cfg: Any) -> Rope:
     return Rope(theta=theta, type=FREQ_FACTORS, freq_factors=tuple(float(f) for f in factors))
 
 
-def arch_from_hf(cfg: Any) -> ArchConfig:
-    """Translate a transformers PretrainedConfig into an ArchConfig, or say which types are supported."""
-    mt = getattr(cfg, "model_type", None)
-    family = _FAMILIES.get(mt)
-    if family is None:
-        raise ConfigError(f"model type {mt!r} is not supported by the torch backend "
-                          f"(supported: {', '.join(sorted(_FAMILIES))})")
+def config_dtype(cfg: Any) -> str | None:
+    """The dtype a config says the checkpoint was saved in (float32, bfloat16, ...), or None."""
     # read the instance dict: transformers 5 warns on the deprecated `torch_dtype` property,
     # while 4.x stores only `torch_dtype`
     dtype = vars(cfg).get("dtype") or vars(cfg).get("torch_dtype")
-    dtype = str(dtype).replace("torch.", "") if dtype is not None else None
-    if family == "gpt2":
-        if getattr(cfg, "scale_attn_by_inverse_layer_idx", False) or getattr(cfg, "reorder_and_upcast_attn", False):
-            raise ConfigError("GPT-2 variants with scale_attn_by_inverse_layer_idx/reorder_and_upcast_attn are not supported")
-        n_embd, n_head = cfg.n_embd, cfg.n_head
-        return ArchConfig(
-            family="gpt2", model_type=mt, vocab_size=cfg.vocab_size, hidden_size=n_embd,
-            num_layers=cfg.n_layer, num_heads=n_head, num_kv_heads=n_head, head_dim=n_embd // n_head,
-            intermediate_size=cfg.n_inner or 4 * n_embd, max_position_embeddings=cfg.n_positions,
-            norm_eps=cfg.layer_norm_epsilon, tie_word_embeddings=True, qkv_bias=True,
-            activation=cfg.activation_function, eos_token_id=_first_int(cfg.eos_token_id), torch_dtype=dtype,
-        )
-    if family == "bert":
-        return _bert_arch(cfg, dtype)
-    act = getattr(cfg, "hidden_act", "silu")
-    if act != "silu":
-        raise ConfigError(f"model {mt}: hidden_act {act!r} is not supported (supported: silu)")
-    heads = cfg.num_attention_heads
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
-    return ArchConfig(
-        family="decoder", model_type=mt, vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,
-        num_layers=cfg.num_hidden_layers, num_heads=heads,
-        num_kv_heads=getattr(cfg, "num_key_value_heads", None) or heads, head_dim=head_dim,
-        intermediate_size=cfg.intermediate_size, max_position_embeddings=cfg.max_position_embeddings,
-        norm_eps=cfg.rms_norm_eps, rope=rope_from_hf(cfg),
-        tie_word_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
-        qkv_bias=mt == "qwen2" or bool(getattr(cfg, "attention_bias", False)), qk_norm=mt == "qwen3",
-        activation="silu", eos_token_id=_first_int(cfg.eos_token_id), torch_dtype=dtype,
-    )
-
-
-def _bert_arch(cfg: Any, dtype: str | None) -> ArchConfig:
-    """A BERT config's numbers; position encodings other than learned absolute ones are refused."""
-    kind = getattr(cfg, "position_embedding_type", None) or "absolute"
-    if kind != "absolute":
-        raise ConfigError(f"model bert: position_embedding_type {kind!r} is not supported (supported: absolute)")
-    heads = cfg.num_attention_heads
-    return ArchConfig(
-        family="bert", model_type=cfg.model_type, vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,
-        num_layers=cfg.num_hidden_layers, num_heads=heads, num_kv_heads=heads, head_dim=cfg.hidden_size // heads,
-        intermediate_size=cfg.intermediate_size, max_position_embeddings=cfg.max_position_embeddings,
-        norm_eps=cfg.layer_norm_eps, tie_word_embeddings=False, qkv_bias=True, activation=cfg.hidden_act,
-        torch_dtype=dtype, type_vocab_size=cfg.type_vocab_size,
-    )
+    return str(dtype).replace("torch.", "") if dtype is not None else None

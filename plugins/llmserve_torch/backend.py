@@ -24,7 +24,7 @@ from llmserve_torch.huge_pages import MODES as HUGE_PAGE_MODES
 from llmserve_torch.huge_pages import place_linears, unavailable
 from llmserve_torch.kv_cache import KVCache, budget_blocks, bytes_per_block, parse_tokens
 from llmserve_torch.loader import load_model
-from llmserve_torch.models import bert
+from llmserve_torch.models.family import family_of
 from llmserve_torch.plan_tuner import PlanTuner
 from llmserve_torch.quant import QuantLinear
 from llmserve_torch.sampling import Sampler, cpu_argmax, cpu_sample, prompt_logprobs
@@ -64,7 +64,7 @@ def _table(r, tokens: int, block_size: int) -> list[int]:
 
 
 class TorchBackend(ModelBackend):
-    """GPT-2 / Qwen2-family models in plain PyTorch on a backend-owned paged KV cache."""
+    """The registered model families (models/family.py) in plain PyTorch on a backend-owned paged KV cache."""
 
     def __init__(self, config: EngineConfig):
         self.config = config
@@ -105,12 +105,12 @@ class TorchBackend(ModelBackend):
         self.footprint = footprint(self.model, self.arch, self.dtype)
         self.huge_pages, self.huge_pages_note = self._place_weights()
         self.vocab_size = self.arch.vocab_size
-        # embeddings pool the final-norm hidden states (llmserve/pooling.py): a decoder's last token by default; an
-        # encoder (bidirectional, whole prompts, no K/V kept) serves nothing else
-        encoder = self.arch.family == "bert"
+        # embeddings pool the final-norm hidden states (llmserve/pooling.py): as the family says (a decoder's last
+        # token); an encoder (bidirectional, whole prompts, no K/V kept) serves nothing else
+        self.family = family_of(self.arch)
         self.hidden_size = self.arch.hidden_size
-        self.pooling = bert.default_pooling(self.loaded.source) if encoder else "last"
-        self.generates = self.causal = not encoder
+        self.pooling = self.family.default_pooling(self.loaded.source)
+        self.generates, self.causal = self.family.generates, self.family.causal
         limit = self.arch.max_position_embeddings
         if mc.max_model_len is not None:
             if self.arch.context_bound and mc.max_model_len > limit:
@@ -229,7 +229,7 @@ class TorchBackend(ModelBackend):
         """Allocate the K/V tensors, pick the attention kernel for them, capture the decode graphs (CUDA)."""
         self.block_size = block_size
         if not self.causal:
-            self.attention, self.stack_note = bert.EncoderAttention(self.arch), "an encoder"
+            self.attention, self.stack_note = self.family.own_attention(self.arch), "an encoder"
             log.info("no KV cache: an encoder attends within each prompt, computed whole in one step")
             return
         max_graph_batch = self._graphs_wanted()

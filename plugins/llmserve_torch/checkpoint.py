@@ -12,7 +12,8 @@ import torch
 
 from llmserve.config import ModelConfig
 from llmserve.errors import ConfigError
-from llmserve_torch.arch import ArchConfig, arch_from_hf
+from llmserve_torch.arch import ArchConfig
+from llmserve_torch.models.family import arch_from_hf
 
 
 def resolve_model_dir(mc: ModelConfig) -> Path:

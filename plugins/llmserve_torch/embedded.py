@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 from llmserve_torch.arch import ArchConfig
+from llmserve_torch.models.family import arch_from_hf
 
 CONFIG_PATH = Path(__file__).with_name("embedded.json")
 EOS_TOKEN_ID = 256
@@ -22,13 +24,5 @@ def config_dict() -> dict:
 
 
 def arch() -> ArchConfig:
-    """The embedded model as an ArchConfig (built without importing transformers)."""
-    c = config_dict()
-    n_embd, n_head = c["n_embd"], c["n_head"]
-    return ArchConfig(
-        family="gpt2", model_type="gpt2", vocab_size=c["vocab_size"], hidden_size=n_embd,
-        num_layers=c["n_layer"], num_heads=n_head, num_kv_heads=n_head, head_dim=n_embd // n_head,
-        intermediate_size=c["n_inner"], max_position_embeddings=c["n_positions"],
-        norm_eps=c["layer_norm_epsilon"], activation=c["activation_function"], eos_token_id=c["eos_token_id"],
-        torch_dtype="float32",
-    )
+    """The embedded model as an ArchConfig, through the GPT-2 family (without importing transformers)."""
+    return arch_from_hf(SimpleNamespace(**config_dict(), torch_dtype="float32"))

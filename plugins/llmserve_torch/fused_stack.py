@@ -1,4 +1,5 @@
-"""All layers of a quantized Llama-style model in one C call for steps of a few rows (csrc/decode_layers.cpp).
+"""All layers of a quantized Llama-style model (models/decoder.py) in one C call for steps of a few rows
+(csrc/decode_layers.cpp).
 
 At one sequence a decode step of the default model is ~400 short kernel calls, and the Python, ctypes and
 allocation around each cost about as much as the kernel. The C side runs the same kernels in the same order on
@@ -17,7 +18,7 @@ import torch
 from llmserve_torch import kernel_library
 from llmserve_torch.forward_relay import ForwardRelay, Listener
 from llmserve_torch.fused import CpuOps
-from llmserve_torch.models.decoder import Qwen2Model
+from llmserve_torch.models.family import family_of
 from llmserve_torch.quant import OWN_INT8_MAX_ROWS, QuantLinear
 
 FUSE_LAYERS = ("auto", "off")
@@ -45,8 +46,9 @@ def _why_not(model, attention, lib) -> str | None:
     """Why the fused stack cannot run this model on this cache (None when it can)."""
     if lib is None:
         return "the kernel library did not build"
-    if not isinstance(model, Qwen2Model) or model.arch.qk_norm:
-        return "it runs Llama-style layers without per-head q/k norms"
+    why = family_of(model.arch).fused_stack(model.arch)  # (a family that runs here builds a DecoderModel)
+    if why is not None:
+        return why
     if not isinstance(model.ops, CpuOps) or attention.name != "cpu":
         return "it needs the cpu decoder ops and the cpu attention kernel"
     if model.dtype not in (torch.float32, torch.bfloat16):
@@ -160,8 +162,8 @@ class FusedStack:
 
     def forward(self, input_ids: torch.Tensor, meta, logits: bool = False, argmax: bool = False,
                 race: Race | None = None) -> tuple[torch.Tensor, torch.Tensor | None, list[int] | None]:
-        """Hidden states before the final norm, [T, hidden], as Qwen2Model.forward returns them; with `logits`
-        (covers_head) every row's float32 logits as Qwen2Model.logits makes them, with `argmax` too each row's
+        """Hidden states before the final norm, [T, hidden], as DecoderModel.forward returns them; with `logits`
+        (covers_head) every row's float32 logits as DecoderModel.logits makes them, with `argmax` too each row's
         token: its first largest logit (the sampler's greedy token), or where `race` gives the row a temperature,
         the token the sampler's keyed race draws with its key; else None for each. Hidden states and logits are
         this stack's buffers: valid until its next call."""

@@ -12,11 +12,10 @@ from llmserve.config import ModelConfig
 from llmserve.errors import ConfigError
 from llmserve_torch.arch import ArchConfig
 from llmserve_torch.generation_config import GenerationDefaults
-from llmserve_torch.models import bert, decoder, family, gpt2
-from llmserve_torch.fused import decoder_ops
 from llmserve_torch.kernel_plan import KernelPlan, plan_kernels
 from llmserve_torch.model_cards import with_card
 from llmserve_torch.models.common import LinearMaker, choose_packing
+from llmserve_torch.models.family import family_of
 from llmserve_torch.quant import GROUP, MODES, QuantLinear, QuantWeight, to_kind
 from llmserve_torch.sources import find_source
 
@@ -29,7 +28,7 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 class LoadedModel:
     """A built model and the facts the backend reports about it."""
 
-    model: Any  # GPT2Model | Qwen2Model
+    model: Any  # what the family's build() made: DecoderModel, GPT2Model, BertModel, ...
     arch: ArchConfig
     dtype: torch.dtype
     dtype_reason: str  # "asked for", or why dtype auto chose it
@@ -79,7 +78,7 @@ def auto_dtype(device: torch.device) -> tuple[str, str]:
 
 def build_model(arch: ArchConfig, sd: dict, make: LinearMaker, max_len: int, ops: str = "auto"):
     """Instantiate the family's model, checking that every tensor it needs is present with the right shape."""
-    fam = family(arch)
+    fam = family_of(arch)
     expected = fam.hf_shapes(arch)
     missing = [n for n in expected if n not in sd]
     if missing:
@@ -91,11 +90,7 @@ def build_model(arch: ArchConfig, sd: dict, make: LinearMaker, max_len: int, ops
             got = got[::-1]  # a QuantWeight is [out, in] whatever the checkpoint's layout
         if got != shape:
             raise ConfigError(f"checkpoint tensor {n} has shape {got}, the config implies {shape}")
-    if fam is gpt2:
-        return gpt2.GPT2Model(arch, sd, make)
-    if fam is bert:
-        return bert.BertModel(arch, sd, make)
-    return decoder.Qwen2Model(arch, sd, make, max_len, decoder_ops(make.device, make.dtype, ops))
+    return fam.build(arch, sd, make, max_len, ops)
 
 
 def apply_quantization(sd: dict, mode: str, arch: ArchConfig) -> dict:
@@ -107,7 +102,7 @@ def apply_quantization(sd: dict, mode: str, arch: ArchConfig) -> dict:
     """
     if mode not in MODES:
         raise ConfigError(f"model.quantization: must be one of {', '.join(MODES)}, got {mode!r}")
-    fam = family(arch)
+    fam = family_of(arch)
     linears, head = fam.linear_weights(arch), fam.head_weight(arch)
     out = {}
     for name, t in sd.items():
@@ -140,8 +135,8 @@ def load_model(mc: ModelConfig, linear: str = "auto", batch_hint: int = 64, max_
     src = find_source(mc.model).load(mc)
     arch = src.arch
     dtype, dtype_reason = resolve_dtype(mc.dtype, device)
-    max_len = arch.max_position_embeddings if arch.family != "decoder" else max(arch.max_position_embeddings,
-                                                                              mc.max_model_len or 0)
+    # the longest context the model is built for (RoPE tables; where positions are learned, the backend refuses more)
+    max_len = max(arch.max_position_embeddings, mc.max_model_len or 0)
     try:
         pack = choose_packing(linear, device, dtype)
     except ValueError as e:

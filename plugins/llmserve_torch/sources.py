@@ -19,7 +19,7 @@ from llmserve_torch import embedded
 from llmserve_torch.arch import ArchConfig
 from llmserve_torch.checkpoint import dummy_state_dict, read_arch, read_state_dict, resolve_model_dir, weight_files
 from llmserve_torch.generation_config import GenerationDefaults, read
-from llmserve_torch.models import family
+from llmserve_torch.models.family import family_of
 from llmserve_torch.packaged import PACKAGED, resolve
 
 
@@ -52,7 +52,7 @@ class ModelSource(ABC):
 
 
 def _dummy(arch: ArchConfig, seed: int) -> tuple[dict[str, torch.Tensor], str]:
-    return dummy_state_dict(family(arch).hf_shapes(arch), seed), f"dummy (seeded random, seed {seed})"
+    return dummy_state_dict(family_of(arch).hf_shapes(arch), seed), f"dummy (seeded random, seed {seed})"
 
 
 class EmbeddedSource(ModelSource):
@@ -88,7 +88,7 @@ class CheckpointSource(ModelSource):
             sd, weights = _dummy(arch, mc.seed)
         else:
             files = weight_files(model_dir, mc.load_format)
-            sd = read_state_dict(files, family(arch).normalize_name)
+            sd = read_state_dict(files, family_of(arch).normalize_name)
             weights = ", ".join(f.name for f in files)
         return SourceResult(arch, sd, str(model_dir), weights, generation=read(model_dir),
                             names=(mc.model, model_dir.name))
@@ -127,7 +127,7 @@ class GGUFSource(ModelSource):
             res = CheckpointSource().load(replace(mc, model=str(dense), load_format="safetensors"))
             res.weights = f"{path.name} via the dequantized cache {dense}"
         else:
-            normalize = family(ckpt.arch()).normalize_name
+            normalize = family_of(ckpt.arch()).normalize_name
             sd = {normalize(k): v for k, v in ckpt.state_dict(quantized=True).items()}
             res = SourceResult(ckpt.arch(), {k: v for k, v in sd.items() if k is not None}, str(path),
                                f"{path.name} (quantized tensors repacked for the CPU kernels)")

@@ -302,7 +302,7 @@ def test_an_unsupported_tensor_type_is_named(tmp_path, llama_gguf):
 def test_an_unknown_architecture_is_named(tmp_path, llama_gguf):
     _, hf = llama_gguf
     path = write_gguf(tmp_path / "mamba.gguf", hf, arch="mamba")
-    with pytest.raises(ConfigError, match=r"architecture 'mamba' is not supported.*llama, qwen2, qwen3, gpt2"):
+    with pytest.raises(ConfigError, match=r"architecture 'mamba' is not supported.*gemma, gpt2, llama, qwen2, qwen3"):
         load_model(ModelConfig(model=str(path)))
 
 

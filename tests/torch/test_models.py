@@ -33,19 +33,23 @@ def hf_logits(model, ids: list[int]) -> torch.Tensor:
 @pytest.mark.parametrize("fixture", MODELS)
 def test_prefill_then_decode_logits_match_hf(fixture, kernel, request):
     """Three prompts prefilled in one flattened batch, then decoded together for 4 steps."""
-    path, hf = request.getfixturevalue(fixture)
+    assert_prefill_then_decode_match_hf(*request.getfixturevalue(fixture), kernel, (5, 17, 33), 4)
+
+
+def assert_prefill_then_decode_match_hf(path, hf, kernel: str, lengths, steps: int) -> None:
+    """Prompts of these lengths prefilled in one flattened batch, then decoded together for `steps` steps: float32
+    logits as HF's, each step."""
     b = make_backend(str(path), attention=kernel)
     assert b.attention.name == kernel
     d = Driver(b)
     g = torch.Generator().manual_seed(3)
-    V = b.vocab_size
-    seqs = {rid: torch.randint(0, V, (n,), generator=g).tolist() for rid, n in (("a", 5), ("b", 17), ("c", 33))}
+    seqs = {f"r{i}": torch.randint(0, b.vocab_size, (n,), generator=g).tolist() for i, n in enumerate(lengths)}
     logits = b.compute_logits(batch_of([d.request(rid, s, 0, len(s)) for rid, s in seqs.items()]))
     off = 0
     for s in seqs.values():
         torch.testing.assert_close(logits[off:off + len(s)], hf_logits(hf, s), atol=2e-4, rtol=1e-4)
         off += len(s)
-    for _ in range(4):
+    for _ in range(steps):
         nxt = {rid: int(hf_logits(hf, s)[-1].argmax()) for rid, s in seqs.items()}
         for rid in seqs:
             seqs[rid] = seqs[rid] + [nxt[rid]]

@@ -10,59 +10,91 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from llmserve_torch.arch import ArchConfig
+from llmserve.errors import ConfigError
+from llmserve_torch.arch import ArchConfig, config_dtype
 from llmserve_torch.models.common import LinearMaker
+from llmserve_torch.models.family import ModelFamily, register_family
 from llmserve_torch.models.gpt2 import ACTIVATIONS
 
 # sentence-transformers' pooling flags (1_Pooling/config.json) → llmserve.pooling's kinds
 _ST_POOLING = {"pooling_mode_cls_token": "cls", "pooling_mode_mean_tokens": "mean", "pooling_mode_lasttoken": "last"}
 
 
-def hf_shapes(a: ArchConfig) -> dict[str, tuple[int, ...]]:
-    """Checkpoint tensor names and shapes (BertModel's, nn.Linear: [out, in])."""
-    h, i = a.hidden_size, a.intermediate_size
-    shapes: dict[str, tuple[int, ...]] = {
-        "embeddings.word_embeddings.weight": (a.vocab_size, h),
-        "embeddings.position_embeddings.weight": (a.max_position_embeddings, h),
-        "embeddings.token_type_embeddings.weight": (a.type_vocab_size, h),
-        "embeddings.LayerNorm.weight": (h,), "embeddings.LayerNorm.bias": (h,),
-    }
-    for n in range(a.num_layers):
-        p = f"encoder.layer.{n}."
-        for part in ("attention.self.query", "attention.self.key", "attention.self.value", "attention.output.dense"):
-            shapes.update({p + part + ".weight": (h, h), p + part + ".bias": (h,)})
-        shapes.update({
-            p + "attention.output.LayerNorm.weight": (h,), p + "attention.output.LayerNorm.bias": (h,),
-            p + "intermediate.dense.weight": (i, h), p + "intermediate.dense.bias": (i,),
-            p + "output.dense.weight": (h, i), p + "output.dense.bias": (h,),
-            p + "output.LayerNorm.weight": (h,), p + "output.LayerNorm.bias": (h,),
-        })
-    return shapes
+class BertFamily(ModelFamily):
+    """BERT encoders: embeddings only, each prompt attended to whole (EncoderAttention), no K/V kept."""
 
+    name = "bert"
+    model_types = ("bert",)
+    generates = False
+    causal = False
 
-def linear_weights(a: ArchConfig) -> dict[str, bool]:
-    """The 2-D weights that feed linears, each with whether it is stored [in, out] (never, here)."""
-    return {f"encoder.layer.{n}.{part}.weight": False for n in range(a.num_layers)
+    def arch(self, cfg: Any) -> ArchConfig:
+        """A BERT config's numbers; position encodings other than learned absolute ones are refused."""
+        kind = getattr(cfg, "position_embedding_type", None) or "absolute"
+        if kind != "absolute":
+            raise ConfigError(f"model bert: position_embedding_type {kind!r} is not supported (supported: absolute)")
+        heads = cfg.num_attention_heads
+        return ArchConfig(
+            family=self.name, model_type=cfg.model_type, vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,
+            num_layers=cfg.num_hidden_layers, num_heads=heads, num_kv_heads=heads,
+            head_dim=cfg.hidden_size // heads, intermediate_size=cfg.intermediate_size,
+            max_position_embeddings=cfg.max_position_embeddings, norm_eps=cfg.layer_norm_eps,
+            tie_word_embeddings=False, qkv_bias=True, activation=cfg.hidden_act, torch_dtype=config_dtype(cfg),
+            type_vocab_size=cfg.type_vocab_size, position_limit="BERT's learned positions",
+        )
+
+    def hf_shapes(self, a: ArchConfig) -> dict[str, tuple[int, ...]]:
+        """Checkpoint tensor names and shapes (BertModel's, nn.Linear: [out, in])."""
+        h, i = a.hidden_size, a.intermediate_size
+        shapes: dict[str, tuple[int, ...]] = {
+            "embeddings.word_embeddings.weight": (a.vocab_size, h),
+            "embeddings.position_embeddings.weight": (a.max_position_embeddings, h),
+            "embeddings.token_type_embeddings.weight": (a.type_vocab_size, h),
+            "embeddings.LayerNorm.weight": (h,), "embeddings.LayerNorm.bias": (h,),
+        }
+        for n in range(a.num_layers):
+            p = f"encoder.layer.{n}."
             for part in ("attention.self.query", "attention.self.key", "attention.self.value",
-                         "attention.output.dense", "intermediate.dense", "output.dense")}
+                         "attention.output.dense"):
+                shapes.update({p + part + ".weight": (h, h), p + part + ".bias": (h,)})
+            shapes.update({
+                p + "attention.output.LayerNorm.weight": (h,), p + "attention.output.LayerNorm.bias": (h,),
+                p + "intermediate.dense.weight": (i, h), p + "intermediate.dense.bias": (i,),
+                p + "output.dense.weight": (h, i), p + "output.dense.bias": (h,),
+                p + "output.LayerNorm.weight": (h,), p + "output.LayerNorm.bias": (h,),
+            })
+        return shapes
 
+    def linear_weights(self, a: ArchConfig) -> dict[str, bool]:
+        """The 2-D weights that feed linears, each with whether it is stored [in, out] (never, here)."""
+        return {f"encoder.layer.{n}.{part}.weight": False for n in range(a.num_layers)
+                for part in ("attention.self.query", "attention.self.key", "attention.self.value",
+                             "attention.output.dense", "intermediate.dense", "output.dense")}
 
-def head_weight(a: ArchConfig) -> None:
-    """An encoder has no LM head."""
-    return None
+    def normalize_name(self, name: str) -> str | None:
+        """BertModel's names: a task model's `bert.` prefix stripped; its pooler and heads (unused) dropped."""
+        if name.startswith("bert."):
+            name = name[len("bert."):]
+        if name.startswith(("pooler.", "cls.")) or name.endswith("position_ids"):
+            return None
+        return name
 
+    def build(self, arch: ArchConfig, sd: dict, make: LinearMaker, max_len: int, ops: str) -> BertModel:
+        """A BertModel (LayerNorm and GELU run as torch ops)."""
+        return BertModel(arch, sd, make)
 
-def normalize_name(name: str) -> str | None:
-    """BertModel's names: a task model's `bert.` prefix stripped; its pooler and heads (unused) dropped."""
-    if name.startswith("bert."):
-        name = name[len("bert."):]
-    if name.startswith(("pooler.", "cls.")) or name.endswith("position_ids"):
-        return None
-    return name
+    def default_pooling(self, source: str) -> str:
+        """The checkpoint's sentence-transformers pooling, else [CLS]."""
+        return default_pooling(source)
+
+    def own_attention(self, arch: ArchConfig) -> EncoderAttention:
+        """Bidirectional attention within each whole prompt."""
+        return EncoderAttention(arch)
 
 
 def default_pooling(model_dir: str | Path) -> str:
@@ -163,3 +195,6 @@ class BertModel:
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """An encoder has no LM head: it samples nothing."""
         raise RuntimeError("an encoder model has no LM head: it serves embeddings only")
+
+
+FAMILY = register_family(BertFamily())
