@@ -37,6 +37,18 @@ def refused(r: httpx.Response, status: int = 400, param: str | None = None) -> s
     return err["message"]
 
 
+def torch_server(d, name: str, **attrs):
+    """A float32 torch-backend server on the checkpoint in d (float32: compared with transformers'), served as
+    `name`, with `dir` and `attrs` set on it; stopped after the module."""
+    s = start_server({"model": {"model": str(d), "served_model_name": name, "dtype": "float32"},
+                      "backend": {"name": "torch", "kv_cache_memory": "16MiB"}})
+    s.dir = d
+    for k, v in attrs.items():
+        setattr(s, k, v)
+    yield s
+    s.stop()
+
+
 # --- a decoder: the tiny Qwen2 ---------------------------------------------------------------------------------
 
 
@@ -49,11 +61,7 @@ def qwen(tmp_path_factory):
     d = tmp_path_factory.mktemp("qwen")
     tok = save_byte_tokenizer(d)  # (tool_helpers' tiny Qwen2, in float32 to compare with transformers')
     make_qwen2(seed=3, vocab_size=len(tok)).save_pretrained(d)
-    s = start_server({"model": {"model": str(d), "served_model_name": "tiny-qwen", "dtype": "float32"},
-                      "backend": {"name": "torch", "kv_cache_memory": "16MiB"}})
-    s.dir = d
-    yield s
-    s.stop()
+    yield from torch_server(d, "tiny-qwen")
 
 
 def test_the_sdk_embeds_texts_and_token_ids_with_the_models_last_token_state(qwen):
@@ -140,11 +148,7 @@ def bert(tmp_path_factory):
 
     d = tmp_path_factory.mktemp("bert")
     hf = save_tiny_bert(d, seed=2, pooling="mean")
-    s = start_server({"model": {"model": str(d), "served_model_name": "tiny-bert", "dtype": "float32"},
-                      "backend": {"name": "torch", "kv_cache_memory": "16MiB"}})
-    s.hf = hf
-    yield s
-    s.stop()
+    yield from torch_server(d, "tiny-bert", hf=hf)
 
 
 def test_a_bert_encoder_embeds_as_transformers_does(bert):
