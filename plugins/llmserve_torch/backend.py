@@ -17,7 +17,7 @@ from llmserve.pooling import pooled_rows
 from llmserve_torch import kernel_library
 from llmserve_torch.attention import KERNELS, StepMetadata, make_attention
 from llmserve_torch.cuda_graphs import DecodeGraphs, batch_buckets, table_width
-from llmserve_torch.footprint import footprint, memory_by_part
+from llmserve_torch.footprint import footprint, memory_by_part, release_free_memory
 from llmserve_torch.fused import DECODER_OPS
 from llmserve_torch.fused_stack import FUSE_LAYERS, FusedStack, Race, build_stack
 from llmserve_torch.huge_pages import MODES as HUGE_PAGE_MODES
@@ -104,6 +104,7 @@ class TorchBackend(ModelBackend):
         # bytes and multiply-accumulates of a decode step, for the limit `bench offline` prints
         self.footprint = footprint(self.model, self.arch, self.dtype)
         self.huge_pages, self.huge_pages_note = self._place_weights()
+        release_free_memory()  # the load's temporaries, freed but still resident
         self.vocab_size = self.arch.vocab_size
         # embeddings pool the final-norm hidden states (llmserve/pooling.py): as the family says (a decoder's last
         # token); an encoder (bidirectional, whole prompts, no K/V kept) serves nothing else

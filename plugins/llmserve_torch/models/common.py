@@ -95,7 +95,7 @@ class LinearMaker:
     def tensor(self, t: torch.Tensor | QuantWeight) -> torch.Tensor:
         """A float tensor in the model's dtype and device (a QuantWeight dequantized: an embedding table)."""
         if isinstance(t, QuantWeight):
-            t = t.dequantize()
+            t = t.dequantize(self.dtype if self.device.type == "cpu" else torch.float32)
         return t.to(device=self.device, dtype=self.dtype).contiguous()
 
     @staticmethod
