@@ -24,8 +24,11 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from llmserve.engine_client import RequestStream
 from llmserve.errors import EngineDeadError
+from llmserve.interfaces import MetricSink
 from llmserve.request import FinishReason, PoolingParams, RequestOutput, SamplingParams
+from llmserve.serving_model import ServingModel
 from llmserve.threads import ENGINE_THREAD_NAME, name_os_thread, warn_if_foreign_pool
 
 log = logging.getLogger("llmserve.async_engine")
@@ -33,73 +36,9 @@ log = logging.getLogger("llmserve.async_engine")
 _ids = itertools.count()
 
 
-class RequestStream:
-    """The async stream of RequestOutput deltas of one request (all n of its sequences)."""
-
-    __slots__ = ("request_id", "n", "_loop", "_items", "_waiter", "_finished", "done", "error")
-
-    def __init__(self, request_id: str, n: int, loop: asyncio.AbstractEventLoop):
-        self.request_id = request_id
-        self.n = n
-        self._loop = loop
-        self._items: deque[RequestOutput] = deque()
-        self._waiter: asyncio.Future | None = None
-        self._finished: set[int] = set()
-        self.done = False  # every sequence ended (or the request failed): no more items will come
-        self.error: BaseException | None = None  # set when the request could not be run at all
-
-    # called on the event loop by AsyncEngine
-    def _put(self, out: RequestOutput) -> None:
-        self._items.append(out)
-        if out.finished:
-            if out.finish_reason is FinishReason.ERROR:
-                self._finished.update(range(self.n))  # a failed request ends as a whole
-            else:
-                self._finished.add(out.index)
-            if len(self._finished) >= self.n:
-                self.done = True
-        self._wake()
-
-    def _fail(self, exc: BaseException) -> None:
-        self.error = exc
-        self.done = True
-        self._wake()
-
-    def _wake(self) -> None:
-        w = self._waiter
-        if w is not None and not w.done():
-            w.set_result(None)
-
-    async def _wait(self) -> None:
-        """Until an item is queued or the stream has ended; raises the stream's error once the items are out."""
-        while not self._items and not self.done:
-            self._waiter = self._loop.create_future()
-            try:
-                await self._waiter
-            finally:
-                self._waiter = None
-        if not self._items and self.error is not None:
-            raise self.error
-
-    async def next_batch(self) -> list[RequestOutput]:
-        """Every delta queued so far (at least one); [] when the stream has ended. Raises its error."""
-        await self._wait()
-        items = list(self._items)
-        self._items.clear()
-        return items
-
-    def __aiter__(self) -> RequestStream:
-        return self
-
-    async def __anext__(self) -> RequestOutput:
-        await self._wait()
-        if not self._items:
-            raise StopAsyncIteration
-        return self._items.popleft()
-
-
 class AsyncEngine:
-    """Builds an Engine on a dedicated thread, steps it there, and hands each request an async stream of outputs."""
+    """The EngineClient of an Engine in this process: built on a dedicated thread, stepped there; each request gets an
+    async stream of outputs."""
 
     def __init__(self, engine: Any, idle_timeout: float = 1.0):
         """engine: a zero-argument factory (built on the engine thread: what the server does) or a built Engine.
@@ -110,6 +49,7 @@ class AsyncEngine:
         self._build: Callable[[], Any] = engine if callable(engine) else (lambda: engine)
         self.engine: Any = None if callable(engine) else engine
         self.built: concurrent.futures.Future = concurrent.futures.Future()  # the Engine, or why it failed
+        self.serving: concurrent.futures.Future = concurrent.futures.Future()  # its ServingModel, or why it failed
         self.idle_timeout = idle_timeout  # an idle thread wakes this often anyway (a safety net)
         self._cv = threading.Condition()
         self._cmds: list[tuple[str, Any]] = []
@@ -164,6 +104,15 @@ class AsyncEngine:
         """Sequences queued in the engine plus requests not yet handed to it (for backpressure)."""
         return self.engine.num_waiting + sum(1 for c in self._cmds if c[0] == "add")
 
+    @property
+    def metric_sinks(self) -> list[MetricSink]:
+        """The engine's own sinks (it runs in this process)."""
+        return self.engine.metric_sinks
+
+    def add_metric_sink(self, sink: MetricSink) -> None:
+        """Attach a sink to the engine: it gets every later event."""
+        self.engine.add_metric_sink(sink)
+
     async def wait_idle(self, timeout: float | None) -> bool:
         """Wait until no request is in flight; False if the timeout passed first."""
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -182,12 +131,16 @@ class AsyncEngine:
     async def shutdown(self, drain_timeout: float = 0.0) -> None:
         """Drain for up to drain_timeout, stop the thread."""
         await self.drain(drain_timeout)
-        with self._cv:
-            self._stop = True
-            self._cv.notify()
+        self.stop_nowait()
         if self._thread is not None:
             await asyncio.get_running_loop().run_in_executor(None, self._thread.join, 10.0)
         self.fail_all(EngineDeadError("the server is shutting down"))  # requests that arrived meanwhile
+
+    def stop_nowait(self) -> None:
+        """Tell the engine thread to stop after its current step (it aborts what is left); wait for nothing."""
+        with self._cv:
+            self._stop = True
+            self._cv.notify()
 
     # --- requests (call these on the event loop) ----------------------------------------------
 
@@ -210,9 +163,7 @@ class AsyncEngine:
         s = self._streams.pop(request_id, None)
         if s is None:
             return
-        if not s.done:
-            s.done = True
-            s._wake()
+        s.close()
         self._submit(("abort", request_id))
 
     async def call(self, fn: Callable[[Any], Any]) -> Any:
@@ -241,14 +192,14 @@ class AsyncEngine:
             s = streams.get(o.request_id)
             if s is None:
                 continue  # aborted: drop what was already computed
-            s._put(o)
+            s.put(o)
             if s.done:
                 del streams[o.request_id]
 
     def _deliver_error(self, request_id: str, exc: BaseException) -> None:
         s = self._streams.pop(request_id, None)
         if s is not None:
-            s._fail(exc)
+            s.fail(exc)
 
     def fail_all(self, exc: BaseException) -> None:
         """End every request in flight with exc (its caller answers it); the engine frees their blocks."""
@@ -267,8 +218,10 @@ class AsyncEngine:
             self.dead = e
             self._stop = True
             self.built.set_exception(e)
+            self.serving.set_exception(e)
             return
         self.built.set_result(eng)
+        self.serving.set_result(ServingModel.of(eng))
         if hasattr(eng, "early"):  # an Engine: a step's forwards reach their streams as each ends (Engine.early)
             eng.early = self._emit
         try:

@@ -30,8 +30,9 @@ from llmserve.interfaces import MetricSink, ModelBackend, Scheduler, Tokenizer
 from llmserve.limits import check_prompt
 from llmserve.metrics import MetricsCollector, RequestMetrics, StepMetrics
 from llmserve.plugins import PluginSet, load_plugins
-from llmserve.pooling import POOLING_TYPES, accumulate, finish
-from llmserve.request import FinishReason, PoolingParams, Request, RequestOutput, RequestStatus, SamplingParams
+from llmserve.pooling import accumulate, check_pooling, finish
+from llmserve.request import (FinishReason, PoolingParams, Request, RequestOutput, RequestStatus, SamplingParams,
+                              apply_generation_defaults)
 from llmserve.stats import SchedulerStats
 from llmserve.threads import ThreadOwner
 
@@ -243,7 +244,8 @@ class Engine:
             pooling = self.check_pooling(pooling)
             sp = SamplingParams(max_tokens=None)  # nothing is sampled
         else:
-            sp = sampling_params or SamplingParams(**self.generation_defaults)
+            sp = sampling_params or SamplingParams(**apply_generation_defaults(self.generation_defaults, {},
+                                                                                self.generation_defaults))
             if not self.generates:
                 raise InvalidRequestError(
                     f"the model {self.config.served_model_name!r} is an encoder: it generates no text and answers "
@@ -289,26 +291,8 @@ class Engine:
         return rid
 
     def check_pooling(self, p: PoolingParams) -> PoolingParams:
-        """p with its kind resolved to the model's where left out; InvalidRequestError naming the field it cannot
-        take (no pooling here, an unknown kind, dimensions a model not trained for them cannot cut to)."""
-        if self.pooling is None:
-            raise InvalidRequestError(f"the {self.config.backend.name} backend computes no embeddings", param="input",
-                                      code="embeddings_unsupported")
-        kind = p.kind or self.pooling
-        if kind not in POOLING_TYPES:
-            raise InvalidRequestError(f"pooling must be one of {', '.join(POOLING_TYPES)}, got {kind!r}",
-                                      param="pooling")
-        size, dims = self.embedding_size, p.dimensions
-        if dims is not None and dims != size:
-            if not self.config.model.matryoshka:
-                raise InvalidRequestError(
-                    f"the model {self.config.served_model_name!r} makes embeddings of {size} dimensions and was not "
-                    f"trained to be cut shorter (Matryoshka: model.matryoshka): leave dimensions out or set it to "
-                    f"{size}", param="dimensions")
-            if not 1 <= dims <= size:
-                raise InvalidRequestError(f"dimensions must be between 1 and {size} (the model's size), got {dims}",
-                                          param="dimensions")
-        return dataclasses.replace(p, kind=kind)
+        """p with its kind resolved to the model's (pooling.check_pooling's rule, with this engine's model)."""
+        return check_pooling(p, self.pooling, self.embedding_size, self.config)
 
     def _release_held(self) -> None:
         """Admit the held sequences of each group whose first sequence has computed its prompt."""

@@ -6,8 +6,8 @@ step costs the engine, and every step waits for it (an H200 served HTTP at 0.41â
 vLLM splits the same way (its EngineCore process). The child process runs the very same step loop
 (AsyncEngine._run, on its main thread, which builds and steps the engine) and sends over a pipe
 what that loop hands the event loop: deltas, errors, call results, and the metric sinks' events.
-The server process keeps a ProcessEngine (the AsyncEngine the routes call) and a ProcessFront (the
-Engine they read: tokenizer, limits, grammar, and the configured metric sinks, fed the child's events).
+The server process keeps a ProcessEngine (the EngineClient the routes call), the ServingModel the child
+described (tokenizer, limits, grammar), and a SinkRelay: the configured metric sinks, fed the child's events.
 """
 
 from __future__ import annotations
@@ -32,9 +32,9 @@ from llmserve.async_engine import AsyncEngine
 from llmserve.config import EngineConfig
 from llmserve.engine import Engine, build_sinks
 from llmserve.errors import EngineDeadError
-from llmserve.front import Front, engine_facts
 from llmserve.interfaces import MetricSink
 from llmserve.plugins import load_plugins
+from llmserve.serving_model import ServingModel, describe_model
 
 log = logging.getLogger("llmserve.engine_process")
 
@@ -51,12 +51,11 @@ def wants_process(config: EngineConfig) -> bool:
 # --- the server's side --------------------------------------------------------------------------
 
 
-class ProcessFront(Front):
-    """The Engine the routes read: Front's tokenizer and limits, and the metric sinks, fed the child's events."""
+class SinkRelay:
+    """The configured metric sinks on the server's side, fed the events the child's engine emitted."""
 
-    def __init__(self, config: EngineConfig, plugins, facts: dict[str, Any]):
-        super().__init__(config, plugins, facts)
-        self.metric_sinks = build_sinks(config, plugins)
+    def __init__(self, config: EngineConfig, plugins):
+        self.metric_sinks: list[MetricSink] = build_sinks(config, plugins)
         self._last_stats = None  # the latest SchedulerStats: a sink added later starts from the present
 
     def replay(self, events: list[tuple[str, Any]]) -> None:
@@ -71,11 +70,13 @@ class ProcessFront(Front):
                     log.exception("metric sink %s failed in %s", type(s).__name__, hook)
 
     def add_metric_sink(self, sink: MetricSink) -> None:
+        """Attach a sink: it starts from the latest scheduler stats and gets every later event."""
         self.metric_sinks.append(sink)
         if self._last_stats is not None:
             sink.on_scheduler_stats(self._last_stats)
 
     def shutdown(self) -> None:
+        """Close the sinks."""
         for s in self.metric_sinks:
             s.close()
 
@@ -195,13 +196,16 @@ class ProcessEngine(AsyncEngine):
                                                f"(exit code {self._proc.exitcode}); its log says why")
         if err is None:
             try:
-                self.engine = ProcessFront(self.config, load_plugins(), facts)
+                plugins = load_plugins()
+                model = ServingModel.from_facts(self.config, plugins, facts)
+                self.engine = SinkRelay(self.config, plugins)
             except BaseException as e:  # noqa: BLE001 - reported to whoever waits on `built`
                 err = e
         if err is not None:
             self._fail_start(err)
             return
         self.built.set_result(self.engine)
+        self.serving.set_result(model)
         self._receive(out_r)
 
     def _close_outbox(self) -> None:
@@ -219,6 +223,7 @@ class ProcessEngine(AsyncEngine):
         self._stop = True
         self._close_outbox()
         self.built.set_exception(err)
+        self.serving.set_exception(err)
 
     def _send_loop(self, conn) -> None:
         try:
@@ -333,7 +338,7 @@ class _Core(AsyncEngine):
             return
         eng = fut.result()
         eng.add_metric_sink(self._events)
-        self._conn.send(("built", engine_facts(eng), None))
+        self._conn.send(("built", describe_model(eng), None))
 
     def _post(self, fn: Callable[..., Any], *args: Any) -> None:
         args = tuple(_picklable(a) if isinstance(a, BaseException) else a for a in args)
@@ -387,9 +392,7 @@ def _read_commands(core: _Core, conn) -> None:
             core._submit((kind, arg))
     except (EOFError, OSError):  # the server process died without stopping this one: nothing to finish for
         os._exit(0)                # anyone, and a model still loading would hold its memory for nothing
-    with core._cv:
-        core._stop = True
-        core._cv.notify()
+    core.stop_nowait()
 
 
 def _child_main(config: EngineConfig, cmd_conn, out_conn) -> None:

@@ -65,10 +65,11 @@ def register_launchers(register):
 
 
 @hookspec
-def register_routes(register, engine):
+def register_routes(register, model, client):
     """Add HTTP routes: ``register(path, endpoint, methods=("GET",), openapi=None, errors=None)`` with a starlette
     endpoint; ``openapi={"path": <OpenAPI path item>, "schemas": <component schemas it refers to>}`` lists it in
-    /openapi.json; ``errors(ApiError) -> dict`` writes the error bodies of it and the paths below it."""
+    /openapi.json; ``errors(ApiError) -> dict`` writes the error bodies of it and the paths below it. ``model`` is
+    the ServingModel, ``client`` the EngineClient (an endpoint reads both from ``request.app.state.llm``)."""
 
 
 @hookspec

@@ -9,9 +9,12 @@ no state in the backend, and a sequence preempted and recomputed starts its sum 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
+from typing import Any
 
+from llmserve.errors import InvalidRequestError
 from llmserve.request import PoolingParams
 
 # last: the last prompt token's state (decoder LMs: it has seen every token); mean: every token's, averaged;
@@ -47,3 +50,26 @@ def finish(acc: Sequence[float], kind: str, total: int, params: PoolingParams) -
         if norm > 0:
             vec = [v / norm for v in vec]
     return vec
+
+
+def check_pooling(p: PoolingParams, pooling: str | None, size: int | None, config: Any) -> PoolingParams:
+    """p with its kind resolved to the model's (`pooling`) where left out; InvalidRequestError naming the field it
+    cannot take (no pooling here, an unknown kind, dimensions a model not trained for them cannot cut to)."""
+    if pooling is None:
+        raise InvalidRequestError(f"the {config.backend.name} backend computes no embeddings", param="input",
+                                  code="embeddings_unsupported")
+    kind = p.kind or pooling
+    if kind not in POOLING_TYPES:
+        raise InvalidRequestError(f"pooling must be one of {', '.join(POOLING_TYPES)}, got {kind!r}",
+                                  param="pooling")
+    dims = p.dimensions
+    if dims is not None and dims != size:
+        if not config.model.matryoshka:
+            raise InvalidRequestError(
+                f"the model {config.served_model_name!r} makes embeddings of {size} dimensions and was not "
+                f"trained to be cut shorter (Matryoshka: model.matryoshka): leave dimensions out or set it to "
+                f"{size}", param="dimensions")
+        if not 1 <= dims <= size:
+            raise InvalidRequestError(f"dimensions must be between 1 and {size} (the model's size), got {dims}",
+                                      param="dimensions")
+    return dataclasses.replace(p, kind=kind)

@@ -5,7 +5,9 @@ from __future__ import annotations
 import enum
 import itertools
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 from llmserve.errors import InvalidRequestError
 
@@ -112,6 +114,19 @@ class SamplingParams:
             for tok, b in self.logit_bias.items():
                 if not -100.0 <= b <= 100.0:
                     bad("logit_bias", f"logit_bias values must be in [-100, 100], got {b} for token {tok}")
+
+
+def apply_generation_defaults(defaults: dict[str, Any], given: dict[str, Any], fields: Iterable[str],
+                              room: int | None = None) -> dict[str, Any]:
+    """Each of `fields`: the caller's value where given, else the model's default (a max_tokens at most `room`,
+    the context the prompt leaves), else left out: the one place a model's generation defaults are applied."""
+    out: dict[str, Any] = {}
+    for k in fields:
+        if k in given:
+            out[k] = given[k]
+        elif k in defaults:
+            out[k] = min(defaults[k], room) if k == "max_tokens" and room is not None else defaults[k]
+    return out
 
 
 @dataclass(frozen=True, slots=True)

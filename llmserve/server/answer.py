@@ -17,7 +17,7 @@ from sse_starlette import EventSourceResponse
 from starlette.requests import Request
 from starlette.responses import Response
 
-from llmserve.async_engine import AsyncEngine
+from llmserve.engine_client import EngineClient
 from llmserve.request import RequestOutput, SamplingParams
 from llmserve.server.errors import map_error
 from llmserve.server.generation import GONE, Generation, until_answered
@@ -63,13 +63,13 @@ class Answer:
         self.st, self.req, self.sp, self.prompts = st, req, sp, prompts
         self.id = f"{self.prefix}-{uuid.uuid4().hex}"
         self.created = int(time.time())
-        self.tt = TokenText(st.engine.tokenizer, as_ids=req.return_tokens_as_token_ids)
+        self.tt = TokenText(st.model.tokenizer, as_ids=req.return_tokens_as_token_ids)
         self.choices = [_Choice(self._new_lp()) for _ in range(len(prompts) * sp.n)]
 
-    async def respond(self, request: Request, aengine: AsyncEngine) -> Response:
+    async def respond(self, request: Request, client: EngineClient) -> Response:
         """Submit the prompts; answer the whole body, or stream it (499 if the client leaves before either)."""
         request.state.answer = self  # its id and usage for the request log (RequestLogMiddleware)
-        gen = Generation(aengine, self.prompts, self.sp, self.req.priority, self.st.config.server.request_timeout,
+        gen = Generation(client, self.prompts, self.sp, self.req.priority, self.st.config.server.request_timeout,
                          self.id, self.req.cache_salt)
         # the first batch is awaited here, so an immediate failure still gets its own status code
         batch = await until_answered(request.receive, gen, gen.next(), keep=True)  # (the rest reads on)

@@ -16,6 +16,7 @@ from starlette.routing import Route
 from llmserve.async_engine import AsyncEngine
 from llmserve.config import EngineConfig
 from llmserve.engine import Engine
+from llmserve.engine_client import EngineClient
 from llmserve.server import routes, tokenize, tools
 from llmserve.server.errors import EXCEPTION_HANDLERS
 from llmserve.server.middleware import ApiKeyMiddleware, RequestLogMiddleware, SizeLimitMiddleware
@@ -26,11 +27,12 @@ log = logging.getLogger("llmserve.server")
 
 def create_app(config: EngineConfig, engine=None) -> Starlette:
     """The HTTP app. engine: None (built from config on the engine thread at start-up; /health says 503
-    meanwhile), a started AsyncEngine (what `serve` passes), or a built Engine (tests)."""
+    meanwhile), an EngineClient (what `serve` passes: an AsyncEngine, a ProcessEngine; a test's own), or a built
+    Engine (tests)."""
     if engine is None:
         engine = functools.partial(Engine.from_config, config)
-    aengine = engine if isinstance(engine, AsyncEngine) else AsyncEngine(engine)
-    st = ServerState(config=config, aengine=aengine)
+    client: EngineClient = AsyncEngine(engine) if callable(engine) or isinstance(engine, Engine) else engine
+    st = ServerState(config=config, client=client)
 
     base = [
         Route("/v1/completions", routes.completions, methods=["POST"]),
@@ -47,8 +49,8 @@ def create_app(config: EngineConfig, engine=None) -> Starlette:
 
     async def attach_when_built(app: Starlette) -> None:
         try:
-            eng = await asyncio.wrap_future(aengine.built)
-            tools.check(eng, config.server)
+            model = await asyncio.wrap_future(client.serving)
+            tools.check(model, config.server)
         except Exception as e:  # reported by /health and the log; the server stays up to say so
             log.error("the engine failed to start: %s: %s", type(e).__name__, e)
             st.load_error = f"{type(e).__name__}: {e}"
@@ -67,22 +69,22 @@ def create_app(config: EngineConfig, engine=None) -> Starlette:
             if errors is not None:
                 st.error_bodies[path] = errors
 
-        eng.plugins.pm.hook.register_routes(register=register, engine=eng)
-        st.engine = eng
+        model.plugins.pm.hook.register_routes(register=register, model=model, client=client)
+        st.model = model
         st.ready = True
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette):
-        aengine.start(asyncio.get_running_loop())
+        client.start(asyncio.get_running_loop())
         attaching = asyncio.ensure_future(attach_when_built(app))
-        if not callable(engine) or aengine.built.done():
+        if not callable(engine) or client.serving.done():
             await attaching  # a built engine serves from the first request
         try:
             yield
         finally:
             st.begin_drain()
             attaching.cancel()
-            await aengine.shutdown(config.server.drain_timeout)
+            await client.shutdown(config.server.drain_timeout)
 
     # outermost, so the line has the status and latency of a 401 or 413 too
     middleware = [Middleware(RequestLogMiddleware)] if config.server.log_requests else []

@@ -6,7 +6,7 @@ import asyncio
 import copy
 from collections.abc import Sequence
 
-from llmserve.async_engine import AsyncEngine
+from llmserve.engine_client import EngineClient
 from llmserve.request import FinishReason, PoolingParams, RequestOutput, SamplingParams
 from llmserve.server.errors import ApiError, bad_request, map_error
 
@@ -19,18 +19,18 @@ class Generation:
     """Submits one engine request per prompt (an embedding each, given `pooling`) and yields their deltas as
     (prompt index, batch)."""
 
-    def __init__(self, aengine: AsyncEngine, prompts: Sequence[list[int]], sp: SamplingParams, priority: int,
+    def __init__(self, client: EngineClient, prompts: Sequence[list[int]], sp: SamplingParams, priority: int,
                  timeout: float | None, request_id: str, cache_salt: str | None = None,
                  pooling: PoolingParams | None = None):
-        self.aengine = aengine
+        self.client = client
         self.streams = []
         self._pending: dict[asyncio.Future, int] = {}  # several prompts: each stream's next read → its index
         self._timer = None
         try:
             for i, ids in enumerate(prompts):
                 rid = request_id if len(prompts) == 1 else f"{request_id}-{i}"
-                self.streams.append(aengine.add_request(ids, copy.copy(sp), request_id=rid, priority=priority,
-                                                    cache_salt=cache_salt, pooling=pooling))
+                self.streams.append(client.add_request(ids, copy.copy(sp), request_id=rid, priority=priority,
+                                                   cache_salt=cache_salt, pooling=pooling))
         except Exception as e:  # the engine stopped after admission: no prompt of this request runs
             self.abort()
             raise map_error(e) from None
@@ -44,8 +44,8 @@ class Generation:
                        code="timeout")
         for s in self.streams:
             if not s.done:
-                s._fail(err)
-            self.aengine.abort(s.request_id)
+                s.fail(err)
+            self.client.abort(s.request_id)
 
     def abort(self) -> None:
         """Abort every stream that has not ended (idempotent); stop the deadline timer."""
@@ -55,7 +55,7 @@ class Generation:
             t.cancel()
         self._pending.clear()
         for s in self.streams:
-            self.aengine.abort(s.request_id)
+            self.client.abort(s.request_id)
 
     async def next(self) -> tuple[int, list[RequestOutput]] | None:
         """The next batch of deltas of some prompt, or None when every stream has ended."""

@@ -21,7 +21,7 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationEr
 from pydantic.json_schema import models_json_schema
 
 from llmserve.errors import InvalidRequestError
-from llmserve.request import SamplingParams, StructuredOutput
+from llmserve.request import SamplingParams, StructuredOutput, apply_generation_defaults
 from llmserve.server.errors import bad_request
 from llmserve.server.strict import check_strict
 from llmserve.server.tools import EMPTY, tool_grammar
@@ -83,7 +83,14 @@ class StructuredOutputs(_Model):
 
 def sampling_defaults(model_defaults: dict[str, Any]) -> dict[str, Any]:
     """The sampling fields a request that leaves them out gets: the model's defaults, else the API's."""
-    return {k: model_defaults.get(k, _Request.model_fields[k].default) for k in _MODEL_DEFAULTS}
+    return _defaulted({k: _Request.model_fields[k].default for k in _MODEL_DEFAULTS}, set(), model_defaults)
+
+
+def _defaulted(values: dict[str, Any], given: set[str], model_defaults: dict[str, Any]) -> dict[str, Any]:
+    """Each sampling field a model may default: its value where the client gave it, else the model's default, else
+    its value (the API's default)."""
+    return values | apply_generation_defaults(model_defaults, {k: values[k] for k in given if k in values},
+                                                       _MODEL_DEFAULTS)
 
 
 def _json_text(schema: Any) -> str:
@@ -195,8 +202,7 @@ class _Request(_Model):
         if self.truncate_prompt_tokens not in (None, -1) and self.truncate_prompt_tokens < 1:
             raise bad_request("truncate_prompt_tokens must be -1 or a positive integer", "truncate_prompt_tokens")
         # the model's defaults (its generation_config.json) stand in for the sampling fields the client left out
-        dflt = defaults or {}
-        d = {k: dflt[k] if k in dflt and k not in self.model_fields_set else getattr(self, k) for k in _MODEL_DEFAULTS}
+        d = _defaulted({k: getattr(self, k) for k in _MODEL_DEFAULTS}, self.model_fields_set, defaults or {})
         try:
             bias = {int(k): b for k, b in (self.logit_bias or {}).items()}
         except ValueError:

@@ -8,7 +8,7 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from llmserve.async_engine import AsyncEngine
+from llmserve.engine_client import EngineClient
 from llmserve.limits import check_request
 from llmserve.request import SamplingParams
 from llmserve.server.answer import ChatAnswer, CompletionAnswer, dumps
@@ -21,34 +21,34 @@ def _state(request: Request) -> ServerState:
     return request.app.state.llm
 
 
-async def admit(request: Request, model) -> tuple[ServerState, AsyncEngine, Any, SamplingParams]:
+async def admit(request: Request, model) -> tuple[ServerState, EngineClient, Any, SamplingParams]:
     """The shared start of a generation endpoint (a route plugin's too), each step once: admission, body,
     validation, model name."""
     st = _state(request)
-    aengine = st.admit()
+    client = st.admit()
     body = await request.body()  # within the limits SizeLimitMiddleware enforces while this reads
     # validating long token-id lists costs ~20 ms per MB: a big body is parsed off the event loop
     req, sp = await _off_loop_if(len(body) > _BIG_BODY, parse, model, body, request.url.path,
-                                 st.engine.generation_defaults)
+                                 st.model.generation_defaults)
     st.check_model(req.model)
     check_fan_out(st, len(req.prompts) if isinstance(req, CompletionRequest) else 1, sp.n)
     if req.bad_words:
-        sp.bad_words_token_ids = _bad_words(st.engine.tokenizer, req.bad_words)
+        sp.bad_words_token_ids = _bad_words(st.model.tokenizer, req.bad_words)
     if sp.structured is not None or sp.allowed_token_ids is not None:
         # compiled off the event loop (a large schema takes a while), cached for the engine's own check
-        await asyncio.to_thread(st.engine.constraints.check, sp)
-    return st, aengine, req, sp
+        await asyncio.to_thread(st.model.constraints.check, sp)
+    return st, client, req, sp
 
 
-async def admit_body(request: Request, model) -> tuple[ServerState, AsyncEngine, Any]:
+async def admit_body(request: Request, model) -> tuple[ServerState, EngineClient, Any]:
     """The start of an endpoint that generates nothing (a route plugin's embeddings, say): admission, the body
     validated into `model` (a big one off the event loop), its model name."""
     st = _state(request)
-    aengine = st.admit()
+    client = st.admit()
     body = await request.body()
     req = await _off_loop_if(len(body) > _BIG_BODY, validate, model, body, request.url.path)
     st.check_model(req.model)
-    return st, aengine, req
+    return st, client, req
 
 
 def check_fan_out(st: ServerState, prompts: int, n: int, param: str = "prompt") -> None:
@@ -92,8 +92,9 @@ async def encode(tok, text: str, add_special_tokens: bool = True) -> list[int]:
 
 async def completions(request: Request) -> Response:
     """POST /v1/completions."""
-    st, aengine, req, sp = await admit(request, CompletionRequest)
-    tok = st.engine.tokenizer
+    st, client, req, sp = await admit(request, CompletionRequest)
+    m = st.model
+    tok = m.tokenizer
     prompt_ids: list[list[int]] = []
     prompt_texts: list[str] = []
     for i, p in enumerate(req.prompts):
@@ -104,13 +105,13 @@ async def completions(request: Request) -> Response:
             full, text = await encode(tok, p, req.add_special_tokens), p
         else:  # token ids: echo shows them decoded
             full, text = p, None
-        ids = req.truncated(full, st.engine.max_model_len, sp.max_tokens)
-        check_request(ids, sp, st.engine.vocab_size, st.engine.max_model_len, param)
+        ids = req.truncated(full, m.max_model_len, sp.max_tokens)
+        check_request(ids, sp, m.vocab_size, m.max_model_len, param)
         if len(ids) < len(full) or text is None:  # echo shows the ids the model was given
             text = tok.decode(ids, skip_special_tokens=False) if (tok is not None and req.echo) else ""
         prompt_ids.append(ids)
         prompt_texts.append(text)
-    return await CompletionAnswer(st, req, sp, prompt_ids, prompt_texts).respond(request, aengine)
+    return await CompletionAnswer(st, req, sp, prompt_ids, prompt_texts).respond(request, client)
 
 
 # --- /v1/chat/completions ---------------------------------------------------------------------
@@ -118,32 +119,31 @@ async def completions(request: Request) -> Response:
 
 async def chat_completions(request: Request) -> Response:
     """POST /v1/chat/completions."""
-    st, aengine, req, sp = await admit(request, ChatRequest)
+    st, client, req, sp = await admit(request, ChatRequest)
     ids, prompt = await chat_ids(st, req, sp)
-    return await ChatAnswer(st, req, sp, [ids], prompt).respond(request, aengine)
+    return await ChatAnswer(st, req, sp, [ids], prompt).respond(request, client)
 
 
 async def chat_ids(st: ServerState, req: ChatRequest, sp: SamplingParams) -> tuple[list[int], str]:
     """The prompt's token ids and text: the messages rendered, tokenized, truncated and checked against the context
     (a route plugin's chat body too); a max_tokens left out becomes the model's default, within the room left."""
-    prompt = chat_prompt(st, req)
-    ids = req.truncated(await encode(st.engine.tokenizer, prompt, req.add_special_tokens), st.engine.max_model_len,
-                        sp.max_tokens)
-    check_request(ids, sp, st.engine.vocab_size, st.engine.max_model_len, "messages")
-    default = st.engine.generation_defaults.get("max_tokens")
-    if sp.max_tokens is None and default is not None:  # the model's default, within the room the prompt leaves
-        sp.max_tokens = min(default, st.engine.max_model_len - len(ids))
+    prompt, m = chat_prompt(st, req), st.model
+    ids = req.truncated(await encode(m.tokenizer, prompt, req.add_special_tokens), m.max_model_len, sp.max_tokens)
+    check_request(ids, sp, m.vocab_size, m.max_model_len, "messages")
+    # the model's default max_tokens, within the room the prompt leaves, where the client gave none
+    given = {} if sp.max_tokens is None else {"max_tokens": sp.max_tokens}
+    sp.max_tokens = m.defaults(given, ("max_tokens",), room=m.max_model_len - len(ids)).get("max_tokens")
     return ids, prompt
 
 
 async def chat_prompt_ids(st: ServerState, req: ChatRequest) -> list[int]:
     """The token ids of the chat messages rendered by the tokenizer's chat template."""
-    return await encode(st.engine.tokenizer, chat_prompt(st, req), req.add_special_tokens)
+    return await encode(st.model.tokenizer, chat_prompt(st, req), req.add_special_tokens)
 
 
 def chat_prompt(st: ServerState, req: ChatRequest) -> str:
     """The chat messages (and tools) rendered by the tokenizer's chat template."""
-    tok = st.engine.tokenizer
+    tok = st.model.tokenizer
     if tok is None:
         raise bad_request("this server has no tokenizer, so it cannot render chat messages; "
                           "use /v1/completions with token ids", "messages")
@@ -159,12 +159,12 @@ def chat_prompt(st: ServerState, req: ChatRequest) -> str:
 
 
 def _model_card(st: ServerState) -> dict:
-    e = st.engine
+    m = st.model
     card = {"id": st.model_name, "object": "model", "created": st.created, "owned_by": "llmserve",
-            "root": st.config.model.model, "parent": None, "max_model_len": e.max_model_len if e is not None else None}
-    if e is not None:  # what a request that leaves them out samples with, and who said so (llmserve's field)
-        card["sampling_defaults"] = {**sampling_defaults(e.generation_defaults),
-                                     "source": e.generation_defaults_source or "the OpenAI API's defaults"}
+            "root": st.config.model.model, "parent": None, "max_model_len": m.max_model_len if m is not None else None}
+    if m is not None:  # what a request that leaves them out samples with, and who said so (llmserve's field)
+        card["sampling_defaults"] = {**sampling_defaults(m.generation_defaults),
+                                     "source": m.generation_defaults_source or "the OpenAI API's defaults"}
     return card
 
 
@@ -200,7 +200,7 @@ async def health(request: Request) -> Response:
     if not st.ready:
         body = {"status": "error", "error": st.load_error} if st.load_error else {"status": "loading"}
         return JSONResponse(body, status_code=503)
-    if not st.aengine.running:
+    if not st.client.running:
         return JSONResponse({"status": "stopped"}, status_code=503)
     return JSONResponse({"status": "ok"})
 
@@ -208,6 +208,6 @@ async def health(request: Request) -> Response:
 async def stats(request: Request) -> Response:
     """GET /stats: the engine's snapshot (queue, running, cache, prefix cache, latencies)."""
     st = _state(request)
-    if st.engine is None:
+    if st.model is None:
         raise ApiError(503, "the engine is not ready", code="not_ready")
     return Response(dumps(await st.stats_snapshot()), media_type="application/json")

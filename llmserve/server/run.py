@@ -54,12 +54,11 @@ def serve(config) -> int:
     else:
         aengine = AsyncEngine(lambda: Engine.from_config(config))
     aengine.start()
-    engine = aengine.wait_built()
+    engine, threads = aengine.wait_built(), aengine.serving.result().backend_info.get("threads", "-")
     if isinstance(aengine, ProcessEngine):
-        log.info("engine core: process %d; torch threads %s", aengine.pid, engine.backend.describe().get("threads", "-"))
+        log.info("engine core: process %d; torch threads %s", aengine.pid, threads)
     else:
-        log.info("engine threads: %s; torch threads %s", engine.threads.layout()["load_thread"],
-                 engine.backend.describe().get("threads", "-"))
+        log.info("engine threads: %s; torch threads %s", engine.threads.layout()["load_thread"], threads)
     app = create_app(config, aengine)
     state = app.state.llm
 

@@ -1,4 +1,5 @@
-"""ServerState: the engine, readiness and draining, and the admission check every /v1 request passes once."""
+"""ServerState: the engine client and the model it serves, readiness and draining, and the admission check every /v1
+request passes once."""
 
 from __future__ import annotations
 
@@ -10,10 +11,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from llmserve.async_engine import AsyncEngine
 from llmserve.config import EngineConfig
+from llmserve.engine_client import EngineClient
 from llmserve.server.connections import Connections
 from llmserve.server.errors import ApiError
+from llmserve.serving_model import ServingModel
 
 log = logging.getLogger("llmserve.server")
 
@@ -25,8 +27,8 @@ class ServerState:
     """What the routes share; one per app."""
 
     config: EngineConfig
-    aengine: AsyncEngine
-    engine: Any = None  # llmserve.engine.Engine once built (read-only here: the engine thread owns it)
+    client: EngineClient  # requests in, streams out: the only way the routes reach the engine
+    model: ServingModel | None = None  # what the routes read of the model (tokenizer, limits, defaults) once built
     ready: bool = False
     draining: bool = False
     load_error: str | None = None
@@ -43,12 +45,12 @@ class ServerState:
         """The engine's /stats body, recomputed on the engine thread at most every max_age seconds."""
         async with self._snapshot_lock:  # many pollers at once still cost one engine call
             # (never a cached body once the engine has stopped: a dead engine process answers 503, not its last 200)
-            if self._snapshot is None or not self.aengine.running or time.monotonic() - self._snapshot[0] >= max_age:
+            if self._snapshot is None or not self.client.running or time.monotonic() - self._snapshot[0] >= max_age:
                 # a callable that pickles (the engine may be in another process) and calls the engine's own stats()
-                snap = await self.aengine.call(_STATS)
+                snap = await self.client.call(_STATS)
                 snap["server"] = {"ready": self.ready, "draining": self.draining,
-                                  "active_requests": self.aengine.num_active, "steps": self.aengine.num_steps,
-                                  "engine_pid": self.aengine.pid,
+                                  "active_requests": self.client.num_active, "steps": self.client.num_steps,
+                                  "engine_pid": self.client.pid,
                                   "connections": self.connections.stats() if self.connections else None}
                 self._snapshot = (time.monotonic(), snap)
             return self._snapshot[1]
@@ -63,22 +65,22 @@ class ServerState:
             log.info("draining: new requests get 503, in-flight requests continue")
         self.draining = True
 
-    def admit(self) -> AsyncEngine:
+    def admit(self) -> EngineClient:
         """503 when not ready or draining, 429 with Retry-After when the waiting queue is full."""
         if self.draining:
             raise ApiError(503, "the server is shutting down", code="draining", headers={"Retry-After": "5"})
         if not self.ready:
             why = f": {self.load_error}" if self.load_error else " (the model is loading)"
             raise ApiError(503, f"the engine is not ready{why}", code="not_ready", headers={"Retry-After": "5"})
-        if not self.aengine.running:
+        if not self.client.running:
             raise ApiError(503, "the engine has stopped", code="engine_unavailable")
         self.check_room(1)
-        return self.aengine
+        return self.client
 
     def check_room(self, sequences: int) -> None:
         """429 with Retry-After when this many more sequences would queue past max_waiting_requests."""
         limit = self.config.server.max_waiting_requests
-        waiting = self.aengine.num_waiting
+        waiting = self.client.num_waiting
         if waiting + sequences > limit:
             raise ApiError(429, f"too many requests are waiting ({waiting}, limit max_waiting_requests={limit}); "
                                 "retry later", code="queue_full", headers={"Retry-After": "1"})

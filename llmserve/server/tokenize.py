@@ -15,9 +15,9 @@ from llmserve.server.state import ServerState
 
 
 def _tokenizer(st: ServerState, param: str):
-    if st.engine.tokenizer is None:
+    if st.model.tokenizer is None:
         raise bad_request("this server has no tokenizer (tokenizer.name: none)", param)
-    return st.engine.tokenizer
+    return st.model.tokenizer
 
 
 async def tokenize(request: Request) -> Response:
@@ -34,7 +34,7 @@ async def tokenize(request: Request) -> Response:
     tok = _tokenizer(st, "messages" if chat else "prompt")
     ids = await chat_prompt_ids(st, req) if chat else await encode(tok, req.prompt, req.add_special_tokens)
     strs = [tok.decode([t], skip_special_tokens=False) for t in ids] if req.return_token_strs else None
-    return JSONResponse({"count": len(ids), "max_model_len": st.engine.max_model_len, "tokens": ids,
+    return JSONResponse({"count": len(ids), "max_model_len": st.model.max_model_len, "tokens": ids,
                          "token_strs": strs})
 
 

@@ -107,7 +107,7 @@ def tool_grammar(req: Any, current: StructuredOutput | None) -> StructuredOutput
 
 def choice_parsers(st: Any, req: Any, sp: Any, prompt: str) -> Callable[[], ChoiceParser] | None:
     """What builds each choice's ChoiceParser for this request; None when the text is all content."""
-    server, plugins, tok = st.config.server, st.engine.plugins, st.engine.tokenizer
+    server, plugins, tok = st.config.server, st.model.plugins, st.model.tokenizer
     tools = req.template_tools()
     choice = req.tool_choice or ("auto" if tools else "none")
     reason = None if server.reasoning_parser == "none" else plugins.get("reasoning_parser", server.reasoning_parser)
@@ -126,8 +126,8 @@ def choice_parsers(st: Any, req: Any, sp: Any, prompt: str) -> Callable[[], Choi
                                 req.parallel_tool_calls)
 
 
-def check(engine: Any, server: Any) -> None:
+def check(model: Any, server: Any) -> None:
     """A PluginError at start-up when server.tool_parser or server.reasoning_parser names no registered parser."""
     for kind, name in (("tool_parser", server.tool_parser), ("reasoning_parser", server.reasoning_parser)):
         if name != "none":
-            engine.plugins.get(kind, name)
+            model.plugins.get(kind, name)

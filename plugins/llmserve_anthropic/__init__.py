@@ -11,7 +11,7 @@ from llmserve.hookspecs import hookimpl
 
 
 @hookimpl
-def register_routes(register, engine):
+def register_routes(register, model):
     """Serve POST /v1/messages and /v1/messages/count_tokens, with Anthropic-shaped errors (and /openapi.json)."""
     from llmserve_anthropic.errors import error_body
     from llmserve_anthropic.route import count_tokens, messages, openapi

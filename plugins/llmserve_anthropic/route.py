@@ -18,9 +18,9 @@ from llmserve_anthropic.protocol import CountTokensRequest, MessagesRequest
 
 async def messages(request: Request) -> Response:
     """POST /v1/messages: one assistant message, whole or as Anthropic's events."""
-    st, aengine, req, sp = await admit(request, MessagesRequest)
+    st, client, req, sp = await admit(request, MessagesRequest)
     ids, prompt = await chat_ids(st, req.chat_request, sp)
-    return await MessagesAnswer(st, req, sp, ids, prompt).respond(request, aengine)
+    return await MessagesAnswer(st, req, sp, ids, prompt).respond(request, client)
 
 
 async def count_tokens(request: Request) -> Response:
@@ -30,7 +30,7 @@ async def count_tokens(request: Request) -> Response:
     req = validate(CountTokensRequest, await request.body(), request.url.path)
     st.check_model(req.model)
     chat = req.chat()
-    chat.sampling(st.engine.generation_defaults)  # the chat request's own rules (tools, tool_choice, structure)
+    chat.sampling(st.model.generation_defaults)  # the chat request's own rules (tools, tool_choice, structure)
     return JSONResponse({"input_tokens": len(await chat_prompt_ids(st, chat))})
 
 

@@ -11,9 +11,9 @@ from llmserve.hookspecs import hookimpl
 
 
 @hookimpl
-def register_routes(register, engine):
+def register_routes(register, model):
     """Serve POST /v1/embeddings (and describe it in /openapi.json), unless server.embeddings is false."""
-    if not engine.config.server.embeddings:
+    if not model.config.server.embeddings:
         return
     from llmserve_embeddings.route import embeddings, openapi
 

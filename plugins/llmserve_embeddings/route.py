@@ -67,7 +67,7 @@ class EmbeddingRequest(BaseModel):
 async def _input_ids(st, req: EmbeddingRequest) -> list[list[int]]:
     """Each input's token ids, truncated as asked and checked against the vocabulary and the context (a 400
     naming input[i] before anything is submitted)."""
-    tok, eng = st.engine.tokenizer, st.engine
+    tok, m = st.model.tokenizer, st.model
     inputs = req.inputs
     if not inputs:
         raise bad_request("input must not be an empty list", "input")
@@ -82,8 +82,8 @@ async def _input_ids(st, req: EmbeddingRequest) -> list[list[int]]:
             ids = await encode(tok, x, req.add_special_tokens is not False)
         else:
             ids = x
-        ids = req.truncated(ids, eng.max_model_len)
-        check_prompt(ids, _NO_SAMPLING, eng.vocab_size, eng.max_model_len, param, generates=False)
+        ids = req.truncated(ids, m.max_model_len)
+        check_prompt(ids, _NO_SAMPLING, m.vocab_size, m.max_model_len, param, generates=False)
         out.append(ids)
     return out
 
@@ -109,12 +109,12 @@ async def _collect(gen: Generation, n: int) -> list[RequestOutput]:
 
 async def embeddings(request: Request) -> Response:
     """POST /v1/embeddings."""
-    st, aengine, req = await admit_body(request, EmbeddingRequest)
+    st, client, req = await admit_body(request, EmbeddingRequest)
     check_fan_out(st, len(req.inputs), 1, "input")
-    pooling = st.engine.check_pooling(req.pooling())  # (the engine's rule: 400 naming dimensions)
+    pooling = st.model.check_pooling(req.pooling())  # (the engine's rule: 400 naming dimensions)
     prompts = await _input_ids(st, req)
     rid = f"embd-{uuid.uuid4().hex}"
-    gen = Generation(aengine, prompts, _NO_SAMPLING, req.priority or 0, st.config.server.request_timeout, rid,
+    gen = Generation(client, prompts, _NO_SAMPLING, req.priority or 0, st.config.server.request_timeout, rid,
                      pooling=pooling)
     outs = await until_answered(request.receive, gen, _collect(gen, len(prompts)))
     if outs is GONE:

@@ -11,7 +11,7 @@ from llmserve.hookspecs import hookimpl
 
 
 @hookimpl
-def register_routes(register, engine):
+def register_routes(register, model):
     """Serve POST /v1/generate (and describe it in /openapi.json)."""
     from llmserve_generate.route import generate, openapi
 

@@ -81,17 +81,18 @@ class GenerateAnswer(Answer):
 async def generate(request: Request) -> Response:
     """POST /v1/generate."""
     started = time.perf_counter()
-    st, aengine, req, sp = await admit(request, GenerateRequest)
-    tok = st.engine.tokenizer
+    st, client, req, sp = await admit(request, GenerateRequest)
+    m = st.model
+    tok = m.tokenizer
     if isinstance(req.prompt, str):
         if tok is None:
             raise bad_request("this server has no tokenizer: send the prompt as token ids", "prompt")
         ids = await encode(tok, req.prompt, req.add_special_tokens)
     else:
         ids = req.prompt
-    ids = req.truncated(ids, st.engine.max_model_len, sp.max_tokens)
-    check_request(ids, sp, st.engine.vocab_size, st.engine.max_model_len, "prompt")
-    return await GenerateAnswer(st, req, sp, ids, started).respond(request, aengine)
+    ids = req.truncated(ids, m.max_model_len, sp.max_tokens)
+    check_request(ids, sp, m.vocab_size, m.max_model_len, "prompt")
+    return await GenerateAnswer(st, req, sp, ids, started).respond(request, client)
 
 
 @functools.cache

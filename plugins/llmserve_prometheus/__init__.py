@@ -18,7 +18,7 @@ def _build(config, options):
 
 
 def find_sink(engine):
-    """The engine's PrometheusSink, or None when the engine was built without one."""
+    """The PrometheusSink among the metric sinks of `engine` (an Engine or an EngineClient), or None."""
     from llmserve_prometheus.sink import PrometheusSink
 
     return next((s for s in engine.metric_sinks if isinstance(s, PrometheusSink)), None)
@@ -31,16 +31,16 @@ def register_metric_sinks(register):
 
 
 @hookimpl
-def register_routes(register, engine):
+def register_routes(register, model, client):
     """Serve GET /metrics: the engine's registry (a sink added if its config has none), the server's connections."""
     from starlette.responses import Response
 
     from llmserve_prometheus.sink import CONTENT_TYPE, PrometheusSink, render_connections
 
-    sink = find_sink(engine)
+    sink = find_sink(client)
     if sink is None:  # the one place that gives a server its Prometheus metrics
-        sink = PrometheusSink(model_name=engine.config.served_model_name)
-        engine.add_metric_sink(sink)
+        sink = PrometheusSink(model_name=model.config.served_model_name)
+        client.add_metric_sink(sink)
 
     async def metrics(request):
         body = sink.render(max_age=0.1)  # a snapshot: scrapers cost little

@@ -1,9 +1,8 @@
 """The ingress side: the same OpenAI routes over a DeploymentHandle to the engine replicas.
 
-The routes call an AsyncEngine and read an Engine (tokenizer, limits, grammar, plugins). Here
-FleetEngine is that AsyncEngine, with each request's deltas pumped from a replica's streamed
-`generate` into the same RequestStream; FleetFront is that Engine without a model (llmserve.front), its facts taken
-from a replica. Everything else (parsing, validation, answers, SSE, disconnects) is the server's
+The routes call an EngineClient and read a ServingModel (tokenizer, limits, grammar, plugins). Here
+FleetEngine is that EngineClient, with each request's deltas pumped from a replica's streamed
+`generate` into the same RequestStream; the ServingModel is built from the facts a replica describes. Everything else (parsing, validation, answers, SSE, disconnects) is the server's
 own code, unchanged.
 """
 
@@ -15,9 +14,11 @@ import logging
 import time
 from typing import Any
 
-from llmserve.async_engine import AsyncEngine, RequestStream
-from llmserve.front import Front
+from llmserve.async_engine import AsyncEngine
+from llmserve.engine_client import RequestStream
 from llmserve.errors import EngineDeadError
+from llmserve.interfaces import MetricSink
+from llmserve.serving_model import ServingModel
 
 log = logging.getLogger("llmserve.ray")
 
@@ -29,18 +30,15 @@ ROUTERS: dict[str, Any] = {}
 REPLICAS = "EngineReplica"  # the replicas' deployment (launch.py names it so): the ingress's key into ROUTERS
 
 
-class FleetFront(Front):
-    """The ingress's Front: /stats shows the fleet's stats, /metrics the replicas' sinks."""
+class FleetView:
+    """What FleetEngine.call hands a function in place of an engine: the fleet's stats, as /stats reads them."""
 
-    def __init__(self, config, plugins, facts: dict[str, Any]):
-        super().__init__(config, plugins, facts)
-        self.fleet_stats: dict[str, Any] = {}  # refreshed by FleetEngine.call before /stats reads it
+    def __init__(self, stats: dict[str, Any]):
+        self._stats = stats
 
     def stats(self) -> dict[str, Any]:
-        return self.fleet_stats
-
-    def add_metric_sink(self, sink) -> None:
-        self.metric_sinks.append(sink)  # no steps here: the replicas' sinks are the ones /metrics reads
+        """Each replica's /stats body as last reported, and their sums."""
+        return self._stats
 
 
 def replica_error(exc: BaseException) -> Exception:
@@ -51,8 +49,10 @@ def replica_error(exc: BaseException) -> Exception:
 class FleetEngine(AsyncEngine):
     """The server's AsyncEngine over Ray Serve: requests go to the replicas the router picks."""
 
-    def __init__(self, front: FleetFront, handle, router_state):
-        super().__init__(front)  # a built engine: no engine thread is started
+    def __init__(self, model: ServingModel, handle, router_state):
+        super().__init__(model)  # built already: no engine thread is started
+        self.model = model
+        self._sinks: list[MetricSink] = []  # no steps here: the replicas' sinks are the ones /metrics reads
         self.handle = handle
         self.router_state = router_state  # () -> the LLMRequestRouter of this process (replica list, costs)
         self._tasks: dict[str, asyncio.Task] = {}
@@ -61,7 +61,8 @@ class FleetEngine(AsyncEngine):
     def start(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
         self._loop = loop or self._loop or asyncio.get_running_loop()
         if not self.built.done():
-            self.built.set_result(self.engine)
+            self.built.set_result(self.model)
+            self.serving.set_result(self.model)
 
     def reports(self) -> dict[str, dict]:
         """Each running replica's latest report (routing stats), by replica id."""
@@ -75,6 +76,13 @@ class FleetEngine(AsyncEngine):
     @property
     def num_waiting(self) -> int:
         return self._waiting
+
+    @property
+    def metric_sinks(self) -> list[MetricSink]:
+        return self._sinks
+
+    def add_metric_sink(self, sink: MetricSink) -> None:
+        self._sinks.append(sink)
 
     @property
     def pid(self) -> int | None:
@@ -115,17 +123,15 @@ class FleetEngine(AsyncEngine):
 
     def abort(self, request_id: str) -> None:
         s = self._streams.pop(request_id, None)
-        if s is not None and not s.done:
-            s.done = True
-            s._wake()
+        if s is not None:
+            s.close()
         t = self._tasks.pop(request_id, None)
         if t is not None:
             t.cancel()
 
     async def call(self, fn):
-        """fn(front) with the fleet's stats refreshed (what /stats reads)."""
-        self.engine.fleet_stats = self.fleet_stats()
-        return fn(self.engine)
+        """fn(FleetView): the fleet's stats (what /stats reads), refreshed."""
+        return fn(FleetView(self.fleet_stats()))
 
     def fleet_stats(self) -> dict[str, Any]:
         """Each replica's /stats body as it last reported it (every stats_period_s), and their sums."""
@@ -136,10 +142,10 @@ class FleetEngine(AsyncEngine):
         total["prefix_hit_rate"] = total["prefix_hits"] / total["prefix_queries"] if total["prefix_queries"] else 0.0
         router = self.router_state()
         routed = router.routed_requests if router is not None else 0
-        return {"model": self.engine.config.served_model_name, "max_model_len": self.engine.max_model_len,
+        return {"model": self.model.config.served_model_name, "max_model_len": self.model.max_model_len,
                 "waiting": sum(s["waiting"] for s in ok) + self._waiting, "running": sum(s["running"] for s in ok),
                 "cache": total, "replicas": {r: s or {"error": "no report yet"} for r, s in per.items()},
-                "router": {"name": self.engine.config.distributed.router, "routed_requests": routed,
+                "router": {"name": self.model.config.distributed.router, "routed_requests": routed,
                            "seconds_per_request": router.routing_seconds / routed if routed else 0.0}}
 
     async def shutdown(self, drain_timeout: float = 0.0) -> None:
@@ -148,4 +154,4 @@ class FleetEngine(AsyncEngine):
         self._stop = True
         for rid in list(self._streams):
             self.abort(rid)
-        self._fail_all(EngineDeadError("the server is shutting down"))
+        self.fail_all(EngineDeadError("the server is shutting down"))

@@ -8,7 +8,8 @@ from starlette.routing import Route
 from llmserve.config import config_from_dict
 from llmserve.plugins import load_plugins
 from llmserve.server.app import create_app
-from llmserve_ray.fleet import FleetEngine, FleetFront
+from llmserve.serving_model import ServingModel
+from llmserve_ray.fleet import FleetEngine
 from llmserve_ray.metrics import merge_replica_metrics
 
 
@@ -20,7 +21,8 @@ class Ingress:
 
         self.config = config_from_dict(config)
         info = await replicas.describe.remote()  # also starts this process's router for the replicas
-        self.fleet = FleetEngine(FleetFront(self.config, load_plugins(), info), replicas, lambda: ROUTERS.get(REPLICAS))
+        model = ServingModel.from_facts(self.config, load_plugins(), info)
+        self.fleet = FleetEngine(model, replicas, lambda: ROUTERS.get(REPLICAS))
 
     def __serve_build_asgi_app__(self):
         app = create_app(self.config, self.fleet)

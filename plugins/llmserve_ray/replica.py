@@ -15,9 +15,9 @@ from typing import Any
 from llmserve.async_engine import AsyncEngine
 from llmserve.config import config_from_dict
 from llmserve.engine import Engine
-from llmserve.front import engine_facts
 from llmserve.plugins import Registration, load_plugins
 from llmserve.request import PoolingParams, SamplingParams
+from llmserve.serving_model import describe_model
 from llmserve_ray.routers import short_key
 
 log = logging.getLogger("llmserve.ray")
@@ -76,7 +76,7 @@ class EngineReplica:
 
     async def describe(self) -> dict[str, Any]:
         """What the ingress needs of the engine without a model: limits, vocabulary, sampling defaults."""
-        return engine_facts(self.engine)
+        return describe_model(self.engine)
 
     async def record_routing_stats(self) -> dict[str, Any]:
         """Serve's routing stats, every distributed.options.stats_period_s: the short keys of the blocks this
@@ -101,6 +101,4 @@ class EngineReplica:
     def __del__(self):
         a = getattr(self, "aengine", None)
         if a is not None and a.running:
-            with a._cv:  # no event loop to await shutdown on: stop the thread, which aborts what is left
-                a._stop = True
-                a._cv.notify()
+            a.stop_nowait()  # no event loop to await shutdown on: stop the thread, which aborts what is left

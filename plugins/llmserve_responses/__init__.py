@@ -12,12 +12,12 @@ from llmserve.hookspecs import hookimpl
 
 
 @hookimpl
-def register_routes(register, engine):
+def register_routes(register, model):
     """Serve /v1/responses over the store server.response_store names (and describe it in /openapi.json)."""
     from llmserve_responses.route import Responses, openapi
 
-    server = engine.config.server
-    store = engine.plugins.get("response_store", server.response_store).factory(engine.config,
+    server = model.config.server
+    store = model.plugins.get("response_store", server.response_store).factory(model.config,
                                                                                  server.response_store_options)
     api = Responses(store)
     register("/v1/responses", api.create, methods=("POST",), openapi=openapi())

@@ -36,10 +36,10 @@ class ResponsesAnswer(ChatAnswer):
         self._body = self.response(self._status())
         return self._body
 
-    async def respond(self, request, aengine):
+    async def respond(self, request, client):
         """Answer as a chat answer does; a whole answer is stored (store true) before it is sent."""
         self._body: dict[str, Any] | None = None
-        resp = await super().respond(request, aengine)
+        resp = await super().respond(request, client)
         if self._body is not None:
             await self.save(self._body)
         return resp
@@ -65,7 +65,7 @@ class ResponsesAnswer(ChatAnswer):
         }
 
     def _usage(self) -> dict[str, Any]:
-        u, tok, reasoning = self.usage(), self.st.engine.tokenizer, self.output.reasoning
+        u, tok, reasoning = self.usage(), self.st.model.tokenizer, self.output.reasoning
         # the engine counts tokens, not which part they went to: the reasoning text's tokens, counted again
         thought = len(tok.encode(reasoning, add_special_tokens=False)) if reasoning and tok is not None else 0
         return {"input_tokens": u["prompt_tokens"],

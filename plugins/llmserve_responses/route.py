@@ -26,13 +26,13 @@ class Responses:
 
     async def create(self, request: Request) -> Response:
         """POST /v1/responses."""
-        st, aengine, req, sp = await admit(request, ResponsesRequest)
+        st, client, req, sp = await admit(request, ResponsesRequest)
         history: list[dict[str, Any]] = []
         if req.previous_response_id is not None:
             history = (await self._record(req.previous_response_id, "previous_response_id"))["items"]
             req.use(history)
         ids, prompt = await chat_ids(st, req.chat, sp)
-        return await ResponsesAnswer(st, req, sp, ids, prompt, history, self.store).respond(request, aengine)
+        return await ResponsesAnswer(st, req, sp, ids, prompt, history, self.store).respond(request, client)
 
     async def stored(self, request: Request) -> Response:
         """GET /v1/responses/{response_id}: the stored response; DELETE: forget it."""

@@ -33,9 +33,9 @@ def _static(name: str, media_type: str):
 
 
 @hookimpl
-def register_routes(register, engine):
+def register_routes(register, model):
     """Serve the page at GET / (with /ui/app.js, /ui/style.css) and its dashboard feed at GET /stats/stream."""
-    if not engine.config.server.ui:
+    if not model.config.server.ui:
         return
     from llmserve_ui.stream import stats_stream
 

@@ -71,7 +71,7 @@ async def stats_stream(request):
 
     st = request.app.state.llm
     interval = _interval(request)
-    if st.engine is None:
+    if st.model is None:
         raise ApiError(503, "the engine is not ready", code="not_ready")
 
     async def frames():

@@ -155,7 +155,7 @@ def test_the_example_cache_reports_prefix_hits_in_metrics(installed_example):
         hits = next(float(x.rsplit(" ", 1)[1]) for x in text.splitlines()
                     if x.startswith("llmserve_prefix_cache_hits_total{"))
         assert hits >= 80  # the second prompt reused the first's full blocks of the shared system text
-        assert type(s.state.engine.scheduler.allocator).__name__ == "SimplePrefixCache"
+        assert type(s.state.client.engine.scheduler.allocator).__name__ == "SimplePrefixCache"
     finally:
         s.stop()
 

@@ -176,24 +176,27 @@ def test_hook_register_routes():
 
     seen = {}
 
-    def register_routes(register, engine):
+    def register_routes(register, model, client):
         from starlette.responses import JSONResponse
 
-        seen["engine"] = engine
+        seen["model"], seen["client"] = model, client
 
         async def queue(request):
-            return JSONResponse({"waiting": engine.num_waiting, "running": engine.num_running,
-                                 "scheduler": engine.config.scheduler.name})
+            return JSONResponse({"waiting": client.num_waiting, "active": client.num_active,
+                                 "max_model_len": model.max_model_len, "scheduler": model.config.scheduler.name})
 
         register("/example/queue", queue, methods=("GET",))
         register("/stats", queue)  # clashes with a built-in route: skipped with a warning, not an override
 
     p = plugin("queue_plugin", register_routes=register_routes)
     engine = Engine.from_config(FAKE, extra_plugins=[p])
-    with TestClient(create_app(engine.config, engine)) as client:  # the lifespan attaches plugin routes
-        assert seen["engine"] is engine
+    app = create_app(engine.config, engine)
+    with TestClient(app) as client:  # the lifespan attaches plugin routes
+        # the route plugin gets what the built-in routes read: the ServingModel and the EngineClient
+        assert seen["model"] is app.state.llm.model and seen["client"] is app.state.llm.client
         r = client.get("/example/queue")
-        assert r.status_code == 200 and r.json() == {"waiting": 0, "running": 0, "scheduler": "continuous"}
+        assert r.status_code == 200 and r.json() == {"waiting": 0, "active": 0, "max_model_len": engine.max_model_len,
+                                                     "scheduler": "continuous"}
         assert client.post("/example/queue").status_code == 405  # only the methods it registered
         assert "scheduler" in client.get("/stats").json()  # the built-in /stats still answers
         assert client.get("/metrics").status_code == 200  # the default plugin's route is there too

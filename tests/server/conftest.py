@@ -86,11 +86,13 @@ class LiveServer:
         self.thread.join(timeout=30)
 
 
-def start_server(config: dict, extra_plugins: list | None = None, build_engine: bool = True) -> LiveServer:
-    """Build the engine (or let the app build it), start uvicorn in a thread, wait until it listens."""
+def start_server(config: dict, extra_plugins: list | None = None, build_engine: bool = True,
+                 client: Any = None) -> LiveServer:
+    """Build the engine (or let the app build it, or serve `client`, an EngineClient), start uvicorn in a thread,
+    wait until it listens."""
     cfg = config_from_dict(config, source="<test>")
-    engine = Engine.from_config(cfg, extra_plugins=extra_plugins) if build_engine else None
-    app = create_app(cfg, engine)
+    engine = Engine.from_config(cfg, extra_plugins=extra_plugins) if build_engine and client is None else None
+    app = create_app(cfg, client or engine)
     port = free_port()
     server = uvicorn.Server(uvicorn_config(app, cfg.server, host="127.0.0.1", port=port, log_level="warning",
                                            timeout_graceful_shutdown=5))

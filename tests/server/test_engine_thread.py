@@ -42,7 +42,7 @@ def test_the_server_loads_and_steps_the_torch_engine_on_its_engine_thread():
         assert r.usage.completion_tokens >= 1
         t = s.stats()["threads"]
         assert t == {"load_thread": ENGINE_THREAD_NAME, "step_threads": [ENGINE_THREAD_NAME], "one_thread": True}
-        assert s.state.engine.threads.ident != threading.main_thread().ident
+        assert s.state.client.engine.threads.ident != threading.main_thread().ident
     finally:
         s.stop()
 

@@ -31,7 +31,7 @@ def _samples(text: str) -> dict[tuple[str, tuple], float]:
 def test_prometheus_sink_is_on_by_default_and_counts_requests(fake_server):
     from llmserve_prometheus.sink import PrometheusSink
 
-    assert any(isinstance(s, PrometheusSink) for s in fake_server.state.engine.metric_sinks)
+    assert any(isinstance(s, PrometheusSink) for s in fake_server.state.client.metric_sinks)
     client = fake_server.client()
     shared = "a shared system prompt that is long enough to fill two blocks. "
     for i in range(3):
@@ -76,7 +76,7 @@ def test_one_prometheus_sink_whether_or_not_the_config_names_it():
     for sinks in ([], ["prometheus"]):
         s = start_server({**FAKE, "metrics": {"sinks": sinks}})
         try:
-            assert sum(isinstance(x, PrometheusSink) for x in s.state.engine.metric_sinks) == 1
+            assert sum(isinstance(x, PrometheusSink) for x in s.state.client.metric_sinks) == 1
             s.client().completions.create(model="embedded", prompt="once", max_tokens=3,
                                           extra_body={"ignore_eos": True})
             s.wait_idle()
