@@ -149,11 +149,19 @@ class GGUFCheckpoint:
         raise ConfigError(f"{self.path}: GGUF tensor {gguf_name!r} has no place in the torch backend's "
                           f"{self.arch_name} model")
 
-    def state_dict(self, quantized: bool = False) -> dict[str, torch.Tensor | QuantWeight]:
+    def state_dict(self, quantized: bool = False, placeholder=None) -> dict[str, torch.Tensor | QuantWeight]:
         """Every tensor under its HF name: dequantized (float32, or F16/BF16 as stored), or with quantized=True
-        each quantized one repacked for the CPU kernels (gguf_quant) without a float copy; logs progress."""
+        each quantized one repacked for the CPU kernels (gguf_quant) without a float copy; logs progress.
+        placeholder(hf_name, tensor): what stands for a tensor not to be read at all (packed_cache.Packed), or None."""
         sd: dict[str, torch.Tensor | QuantWeight] = {}
-        todo = [(n, t) for n, t in self.tensors.items() if self.hf_name(n) is not None]
+        todo = []
+        for n, t in self.tensors.items():
+            hf = self.hf_name(n)
+            stand_in = placeholder(hf, t) if hf is not None and placeholder is not None else None
+            if stand_in is not None:
+                sd[hf] = stand_in
+            elif hf is not None:
+                todo.append((n, t))
         for name, t in _progress(todo, f"{'repacking' if quantized else 'dequantizing'} {self.path.name}"):
             packed = repack(t) if quantized else None
             if packed is not None:

@@ -142,12 +142,16 @@ def load_model(mc: ModelConfig, linear: str = "auto", batch_hint: int = 64, max_
     except ValueError as e:
         raise ConfigError(str(e)) from None
     sd = apply_quantization(src.state_dict, mc.quantization, arch)
-    make = LinearMaker(dtype, device, pack, batch_hint, KernelPlan())
+    src.state_dict = {}  # sd holds them now: the model frees each layer's weights as it makes them
+    make = LinearMaker(dtype, device, pack, batch_hint, KernelPlan(), packed=src.packed)
+    make.name(sd)
     try:
         model = build_model(arch, sd, make, max_len, ops)
     except ValueError as e:
         raise ConfigError(str(e)) from None
     del sd
+    if src.packed is not None and not src.packed.entries:  # a first start: the next one reads these back
+        src.packed.save(make.made)
     quant = [lin for lin in model.linears() if isinstance(lin, QuantLinear)]
     if quant:
         plan_kernels(make.plan, quant, dtype, max_batch_rows, quant_rows, model=src.source, defer=quant_rows == "auto")

@@ -348,6 +348,20 @@ class QuantLinear:
         self._scales = {}  # activation dtype → scales in it (torch's kernels want them in the activation dtype)
         self.bits_read = 8 * self.nbytes / self.params  # a weight's bits the quantized kernel reads (scales too)
 
+    @classmethod
+    def from_packed(cls, packed: torch.Tensor, kind: str, source: str, fmt: int, out_in: tuple[int, int],
+                    bias: torch.Tensor | None, plan, densify=None) -> QuantLinear | None:
+        """A linear over a tensor pack_own made earlier (packed_cache.py); None where it is not that format's size."""
+        out, k = out_in
+        if packed.dtype != torch.uint8 or packed.numel() != _own_kernels().llmserve_quant_bytes(fmt, out, k):
+            return None
+        self = cls.__new__(cls)
+        self.kind, self.source, self.out_features, self.in_features = kind, source, out, k
+        self.bias, self.plan, self.dense, self.densify = bias, plan, None, densify
+        self._w, self._scale, self._zero, self._scales, self._fmt = packed, None, None, {}, fmt
+        self.bits_read = 8 * self.nbytes / self.params
+        return self
+
     @property
     def nbytes(self) -> int:
         """Bytes a quantized matmul reads: the packed values and their scales (and offsets)."""

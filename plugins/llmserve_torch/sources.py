@@ -21,6 +21,7 @@ from llmserve_torch.checkpoint import dummy_state_dict, read_arch, read_state_di
 from llmserve_torch.generation_config import GenerationDefaults, read
 from llmserve_torch.models.family import family_of
 from llmserve_torch.packaged import PACKAGED, resolve
+from llmserve_torch.packed_cache import Packed, PackedCache
 
 
 @dataclass(slots=True)
@@ -35,6 +36,7 @@ class SourceResult:
     generation: GenerationDefaults = field(default_factory=GenerationDefaults)  # EOS ids, sampling defaults
     # what the weights are called (a hub id, a file name, a GGUF's general.name): model_cards.py looks them up
     names: tuple[str, ...] = ()
+    packed: PackedCache | None = None  # linears packed at an earlier start (a GGUF's), read instead of repacking
 
 
 class ModelSource(ABC):
@@ -127,10 +129,22 @@ class GGUFSource(ModelSource):
             res = CheckpointSource().load(replace(mc, model=str(dense), load_format="safetensors"))
             res.weights = f"{path.name} via the dequantized cache {dense}"
         else:
-            normalize = family_of(ckpt.arch()).normalize_name
-            sd = {normalize(k): v for k, v in ckpt.state_dict(quantized=True).items()}
-            res = SourceResult(ckpt.arch(), {k: v for k, v in sd.items() if k is not None}, str(path),
-                               f"{path.name} (quantized tensors repacked for the CPU kernels)")
+            arch = ckpt.arch()
+            fam = family_of(arch)
+            normalize = fam.normalize_name
+            packed = PackedCache(meta_dir, meta_dir.name, fam.name) if mc.quantization == "auto" else None
+            # the linears the cache holds are not read from the file (a tied embedding is: the lookup needs it)
+            covered = (packed.covers() if packed is not None else set()) & set(fam.linear_weights(arch)) - (
+                {fam.head_weight(arch)} if arch.tie_word_embeddings else set())
+
+            def placeholder(hf: str, t) -> Packed | None:
+                n = normalize(hf)
+                return Packed((n,), (int(t.shape[1]), int(t.shape[0])), t.tensor_type.name) if n in covered else None
+
+            sd = {normalize(k): v for k, v in ckpt.state_dict(quantized=True, placeholder=placeholder).items()}
+            how = "read back from the packed cache" if covered else "repacked for the CPU kernels"
+            res = SourceResult(arch, {k: v for k, v in sd.items() if k is not None}, str(path),
+                               f"{path.name} (quantized tensors {how})", packed=packed)
         res.generation = read(meta_dir)
         if res.generation.source:  # the cache's generation_config.json holds what the file's metadata says
             res.generation = replace(res.generation, source=f"{path.name}'s metadata (general.sampling.*)")

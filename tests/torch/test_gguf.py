@@ -207,6 +207,32 @@ def test_a_quantized_load_writes_no_dequantized_weights(llama_gguf, cache, monke
     assert res.tokenizer_dir == str(entry) and not (entry / "model.safetensors").exists()
 
 
+def test_a_later_start_reads_the_packed_linears_back_and_computes_the_same_logits(tmp_path, cache, monkeypatch):
+    """The first quantized load caches each linear's packed tensor; the next reads no quantized linear from the file
+    (only the tied embedding) and its logits are equal to the bit; an unreadable cache is repacked and rewritten."""
+    path = write_gguf(tmp_path / "q.gguf", make_decoder("qwen2", seed=3), "Q4_0")
+    ids = list(range(3, 40))
+
+    def logits_and_repacked():
+        seen = []
+        real = gguf_file.repack
+        monkeypatch.setattr(gguf_file, "repack", lambda t: (q := real(t)) is not None and seen.append(t.name) or q)
+        b = make_backend(str(path))
+        out = b.compute_logits(batch_of([Driver(b).request("x", ids, 0, len(ids))]))
+        return out, seen, b.loaded.weights
+
+    first, repacked, weights = logits_and_repacked()
+    (packed,) = (cache / "gguf").glob("*/packed-*.safetensors")
+    assert "repacked" in weights and any(n.startswith("blk.") for n in repacked)
+    second, repacked, weights = logits_and_repacked()
+    assert "packed cache" in weights and not any(n.startswith("blk.") for n in repacked)
+    assert torch.equal(first, second)
+    packed.write_bytes(b"not a safetensors file")
+    third, repacked, weights = logits_and_repacked()
+    assert "repacked" in weights and torch.equal(first, third)
+    assert packed.stat().st_size > 1000  # written again
+
+
 def test_a_directory_holding_one_gguf_loads_it(llama_gguf):
     path, _ = llama_gguf
     assert isinstance(sources.find_source(str(path.parent)), sources.GGUFSource)

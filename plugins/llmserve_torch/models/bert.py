@@ -158,7 +158,7 @@ class BertModel:
         self.layers = []
         for n in range(arch.num_layers):
             p = f"encoder.layer.{n}."
-            qkv = LinearMaker.cat([sd[p + f"attention.self.{x}.weight"] for x in ("query", "key", "value")])
+            qkv = make.cat([sd[p + f"attention.self.{x}.weight"] for x in ("query", "key", "value")])
             qkv_b = torch.cat([sd[p + f"attention.self.{x}.bias"] for x in ("query", "key", "value")])
             self.layers.append({
                 "qkv": make(qkv, qkv_b), "o": lin(p + "attention.output.dense"),

@@ -8,6 +8,7 @@ import logging
 import torch
 import torch.nn.functional as F
 
+from llmserve_torch.packed_cache import Packed, cat_packed
 from llmserve_torch.quant import QuantLinear, QuantWeight, cat_rows, to_kind
 
 log = logging.getLogger("llmserve.torch")
@@ -87,10 +88,19 @@ class LinearMaker:
     a QuantLinear with a dense copy for large batches (kernel_plan decides where each runs)."""
 
     def __init__(self, dtype: torch.dtype, device: torch.device, pack: bool, batch_hint: int, plan=None,
-                 dense_copy: bool = True):
+                 dense_copy: bool = True, packed=None):
         self.dtype, self.device, self.pack, self.batch_hint = dtype, device, pack, batch_hint
         self.plan = plan  # kernel_plan.KernelPlan, filled in after the model is built
         self.dense_copy = dense_copy
+        self.packed = packed  # packed_cache.PackedCache: linears packed at an earlier start, or None
+        # id of a state dict's QuantWeight (or of a stack of them) → the names of the weights it holds, for the
+        # packed cache (names(sd) fills it); what was made from which names, for the cache to save
+        self.names: dict[int, tuple[str, ...]] = {}
+        self.made: list[tuple[tuple[str, ...], QuantLinear]] = []
+
+    def name(self, sd: dict) -> None:
+        """Remember the name of each QuantWeight in sd (the packed cache keys linears by their weights' names)."""
+        self.names.update({id(v): (k,) for k, v in sd.items() if isinstance(v, QuantWeight)})
 
     def tensor(self, t: torch.Tensor | QuantWeight) -> torch.Tensor:
         """A float tensor in the model's dtype and device (a QuantWeight dequantized: an embedding table)."""
@@ -98,11 +108,16 @@ class LinearMaker:
             t = t.dequantize(self.dtype if self.device.type == "cpu" else torch.float32)
         return t.to(device=self.device, dtype=self.dtype).contiguous()
 
-    @staticmethod
-    def cat(parts: list) -> torch.Tensor | QuantWeight:
+    def cat(self, parts: list) -> torch.Tensor | QuantWeight:
         """Weights stacked along the output axis (fused q|k|v, gate|up), quantized or not."""
+        if all(isinstance(p, Packed) for p in parts):
+            return cat_packed(parts)
         if any(isinstance(p, QuantWeight) for p in parts):
-            return cat_rows([p if isinstance(p, QuantWeight) else to_kind(p, "int8") for p in parts])
+            names = [self.names.pop(id(p), None) for p in parts]
+            out = cat_rows([p if isinstance(p, QuantWeight) else to_kind(p, "int8") for p in parts])
+            if all(names):
+                self.names[id(out)] = sum(names, ())
+            return out
         return torch.cat(parts)
 
     def __call__(self, w: torch.Tensor | QuantWeight, bias: torch.Tensor | None = None,
@@ -117,7 +132,16 @@ class LinearMaker:
         # a dense copy only when the kernel plan uses one (made then, from the packed weight): none at load
         densify = (lambda weight: Linear(weight.to(self.dtype).contiguous(), b, self.pack, self.batch_hint)) \
             if self.dense_copy else None
-        return QuantLinear(w, b, self.plan, densify=densify)
+        names = w.names if isinstance(w, Packed) else self.names.pop(id(w), None)
+        lin = self.packed.linear(names, b, self.plan, densify) if self.packed is not None and names else None
+        if lin is None:
+            if isinstance(w, Packed):
+                raise ValueError(f"the packed cache holds no usable entry for {', '.join(w.names)}; delete "
+                                 f"{self.packed.path} to repack from the GGUF")
+            lin = QuantLinear(w, b, self.plan, densify=densify)
+        if names:
+            self.made.append((names, lin))
+        return lin
 
 
 def choose_packing(kind: str, device: torch.device, dtype: torch.dtype) -> bool:

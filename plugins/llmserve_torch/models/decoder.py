@@ -188,14 +188,17 @@ class DecoderModel:
             m = f"model.layers.{n}.mlp."
             qkv_b = torch.cat([sd[p + "q_proj.bias"], sd[p + "k_proj.bias"], sd[p + "v_proj.bias"]]) \
                 if arch.qkv_bias else None
+            # each layer's weights leave sd once made: a quantized file's unpacked values (a byte a weight) are
+            # freed layer by layer instead of all living until the model is built
+            take = sd.pop
             L = {
                 "in_norm": make.tensor(sd[f"model.layers.{n}.input_layernorm.weight"]),
-                "qkv": make(make.cat([sd[p + "q_proj.weight"], sd[p + "k_proj.weight"], sd[p + "v_proj.weight"]]),
-                            qkv_b),
-                "o": make(sd[p + "o_proj.weight"]),
+                "qkv": make(make.cat([take(p + "q_proj.weight"), take(p + "k_proj.weight"),
+                                      take(p + "v_proj.weight")]), qkv_b),
+                "o": make(take(p + "o_proj.weight")),
                 "post_norm": make.tensor(sd[f"model.layers.{n}.post_attention_layernorm.weight"]),
-                "gate_up": make(make.cat([sd[m + "gate_proj.weight"], sd[m + "up_proj.weight"]])),
-                "down": make(sd[m + "down_proj.weight"]),
+                "gate_up": make(make.cat([take(m + "gate_proj.weight"), take(m + "up_proj.weight")])),
+                "down": make(take(m + "down_proj.weight")),
             }
             if arch.qk_norm:
                 L["q_norm"] = make.tensor(sd[p + "q_norm.weight"])

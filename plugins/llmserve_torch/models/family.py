@@ -81,7 +81,8 @@ class ModelFamily(ABC):
 
     @abstractmethod
     def build(self, arch: ArchConfig, sd: dict, make: Any, max_len: int, ops: str) -> Any:
-        """The model object over a checked state dict: forward, prepare_step, final_hidden, logits, linears.
+        """The model object over a checked state dict (which it may empty as it goes: it owns sd): forward,
+        prepare_step, final_hidden, logits, linears.
 
         make: models.common.LinearMaker; max_len: the longest context it must serve (RoPE tables); ops: the
         decoder_ops option (auto | torch | cpu | triton) for families whose elementwise steps have fused kernels.
