@@ -25,7 +25,7 @@ from llmserve.batch import ModelOutput, SchedulerOutput
 from llmserve.config import EngineConfig, config_from_dict
 from llmserve.constraints import Constraints
 from llmserve.detokenize import IncrementalDetokenizer
-from llmserve.errors import InvalidRequestError, PluginError
+from llmserve.errors import BackendUnavailableError, InvalidRequestError, PluginError
 from llmserve.interfaces import MetricSink, ModelBackend, Scheduler, Tokenizer
 from llmserve.limits import check_prompt
 from llmserve.metrics import MetricsCollector, RequestMetrics, StepMetrics
@@ -370,13 +370,13 @@ class Engine:
         out.append(self._delta(r, text, finished=True))
         self._end(r, time.perf_counter())
 
-    def _fail(self, r: Request, message: str, param: str | None = None) -> None:
+    def _fail(self, r: Request, message: str, param: str | None = None, unavailable: bool = False) -> None:
         """Fail the sequence, and the sequences of its request still held back (a failed request ends whole);
-        param names the request's field when its own values are why."""
+        param names the request's field when its own values are why; unavailable: the backend could not be reached."""
         g = self._holding.get(r.group_id)
         for seq in [r] + (g.held if g is not None else []):
             if not seq.status.is_done:
-                seq.error, seq.error_param = message, param
+                seq.error, seq.error_param, seq.unavailable = message, param, unavailable
                 self._finish(seq, FinishReason.ERROR, self._pending)
 
     def _delta(self, r: Request, text: str, finished: bool = False) -> RequestOutput:
@@ -384,7 +384,7 @@ class Engine:
         o = RequestOutput(
             request_id=r.group_id, index=r.index, new_token_ids=r.pending_token_ids, new_text=text,
             finished=finished, finish_reason=r.finish_reason, stop_reason=r.stop_reason, error=r.error,
-            error_param=r.error_param,
+            error_param=r.error_param, unavailable=r.unavailable,
             logprobs=r.pending_logprobs or None, num_prompt_tokens=r.num_prompt_tokens,
             num_output_tokens=r.num_output_tokens, num_cached_tokens=r.num_cached_tokens,
             embedding=r.pooled if r.pooling is not None and r.finish_reason is FinishReason.STOP else None,
@@ -447,6 +447,12 @@ class Engine:
         only those and return the parts that ran (one request's bad parameters never fail another's)."""
         try:
             return [(batch, self.backend.execute(batch))]
+        except BackendUnavailableError as e:  # no sequence's fault: halving would only call a dead backend again
+            for sr in batch.requests:
+                r = self._seqs.get(sr.request_id)
+                if r is not None and not r.status.is_done:
+                    self._fail(r, str(e), unavailable=True)
+            return []
         except Exception as e:  # rerunning a part is safe: nothing advances until update_from_output
             error = e
         if len(batch.requests) == 1:

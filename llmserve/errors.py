@@ -13,6 +13,11 @@ class EngineDeadError(LLMServeError):
     """The engine thread is stopped (shut down or crashed); no request can run."""
 
 
+class BackendUnavailableError(LLMServeError):
+    """The model backend cannot answer now (a remote worker down or silent): the step's requests fail with 503, and
+    a retry may succeed once it answers again."""
+
+
 class PluginError(LLMServeError):
     """A plugin failed to load, or two plugins registered the same component name."""
 

@@ -160,6 +160,7 @@ class Request:
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
     error: str | None = None
     error_param: str | None = None  # the field whose value made it fail (a client error: the server answers 400)
+    unavailable: bool = False  # it failed because the backend could not be reached (the server answers 503)
     max_total_tokens: int = 0  # prompt + output may not exceed this (max_tokens and context length)
     # prefix-cache blocks are shared only between requests of the same salt (vLLM's cache_salt)
     cache_salt: str | None = None
@@ -233,6 +234,7 @@ class RequestOutput:
     stop_reason: int | str | None = None
     error: str | None = None
     error_param: str | None = None  # set when the request's own values made it fail: a client error naming them
+    unavailable: bool = False  # it failed because the backend could not be reached: 503, worth a retry
     logprobs: list[Logprob] | None = None  # one per new token when asked for
     prompt_logprobs: list[Logprob | None] | None = None
     num_prompt_tokens: int = 0
@@ -248,6 +250,6 @@ class RequestOutput:
         if later.logprobs:
             self.logprobs = (self.logprobs or []) + later.logprobs
         self.prompt_logprobs = self.prompt_logprobs or later.prompt_logprobs
-        for f in ("finished", "finish_reason", "stop_reason", "error", "error_param", "num_prompt_tokens",
+        for f in ("finished", "finish_reason", "stop_reason", "error", "error_param", "unavailable", "num_prompt_tokens",
                   "num_output_tokens", "num_cached_tokens", "embedding"):
             setattr(self, f, getattr(later, f))

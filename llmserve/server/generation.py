@@ -78,6 +78,9 @@ def _checked(batch: list[RequestOutput]) -> list[RequestOutput]:
         if o.finish_reason is FinishReason.ERROR:
             if o.error_param is not None:  # the request's own values were why: the client's error
                 raise bad_request(o.error, o.error_param)
+            if o.unavailable:  # the backend (a remote worker) could not be reached: a retry may succeed
+                raise ApiError(503, o.error or "the model backend is unavailable", code="backend_unavailable",
+                               headers={"Retry-After": "5"})
             raise ApiError(500, o.error or "the request failed in the engine", code="engine_error")
     return batch
 

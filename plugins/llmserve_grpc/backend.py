@@ -10,7 +10,7 @@ import grpc
 
 from llmserve.batch import ModelOutput, SchedulerOutput
 from llmserve.config import EngineConfig, ModelConfig, check_options
-from llmserve.errors import ConfigError, LLMServeError
+from llmserve.errors import BackendUnavailableError, ConfigError, LLMServeError
 from llmserve.interfaces import ModelBackend
 from llmserve_grpc import worker_pb2 as pb
 from llmserve_grpc import worker_pb2_grpc as pb_grpc
@@ -31,6 +31,10 @@ CHANNEL_OPTIONS = [("grpc.max_send_message_length", MESSAGE_BYTES), ("grpc.max_r
 
 class WorkerError(LLMServeError):
     """The worker is unreachable, too slow, or refused or failed a call; the message names its address."""
+
+
+class WorkerUnavailable(WorkerError, BackendUnavailableError):
+    """The worker is unreachable or silent: the step's requests fail with 503 (a retry may find it back)."""
 
 
 class GrpcBackend(ModelBackend):
@@ -97,7 +101,7 @@ class GrpcBackend(ModelBackend):
             if not self._down:  # once per outage: every sequence of a failed step reports it too
                 log.error("%s; requests fail until it answers again", why)
                 self._down = True
-            raise WorkerError(why) from None
+            raise WorkerUnavailable(why) from None
         if self._down:
             log.info("the llmserve worker at %s answers again", self.address)
             self._down = False

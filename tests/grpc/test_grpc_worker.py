@@ -105,7 +105,7 @@ def test_a_worker_down_at_start_is_named_in_the_error():
     assert time.monotonic() - t0 < 10
 
 
-def test_a_fake_worker_embeds_then_dies_mid_run_and_its_requests_fail_with_an_engine_error(caplog):
+def test_a_fake_worker_embeds_then_dies_mid_run_and_its_requests_fail_with_503(caplog):
     proc, address = start_worker("--backend", "fake", "--set", "backend.options.step_cost_s=0.05")
     server = start_server({"backend": {"name": "grpc", "options": {"address": address, "timeout_s": 20}},
                            "tokenizer": {"name": "byte"}})
@@ -132,8 +132,11 @@ def test_a_fake_worker_embeds_then_dies_mid_run_and_its_requests_fail_with_an_en
             for _ in stream:
                 pass
         assert address in str(err.value)
-        with pytest.raises(openai.InternalServerError, match=f"llmserve worker at {address} is unreachable"):
+        with pytest.raises(openai.APIStatusError, match=f"llmserve worker at {address} is unreachable") as down:
             client.completions.create(model=model, prompt="again", max_tokens=3)
+        # 503, OpenAI's shape, a Retry-After: the worker is away, not the request wrong or the server broken
+        assert down.value.status_code == 503 and down.value.response.headers["retry-after"] == "5"
+        assert down.value.body["code"] == "backend_unavailable"
         assert time.monotonic() - t0 < 15  # not a hang
         assert any(f"llmserve worker at {address} is unreachable" in r.getMessage() for r in caplog.records)
     finally:
