@@ -3,6 +3,9 @@
     add_request → WAITING → PREFILL (one or more chunks) → DECODE → FINISHED | FAILED
                      ↑______ preempted: blocks freed, recomputed later ______|
 
+The scheduler makes every move between its queues and sets the status on the way; the engine only ends a
+sequence (Scheduler.end: finished, failed or aborted).
+
 Each step asks the scheduler for its output, runs it on the backend, hands the model output
 back to the scheduler (which advances computed tokens and caches full KV blocks), then appends
 tokens, checks stop conditions, detokenizes and reports metrics. The scheduler owns the KV
@@ -336,8 +339,8 @@ class Engine:
     # --- ending sequences ---------------------------------------------------------------------
 
     def _end(self, r: Request, now: float) -> None:
-        """Release the sequence everywhere and report its metrics."""
-        self.scheduler.finish((r.request_id,))
+        """Release the sequence everywhere (the scheduler sets its final status) and report its metrics."""
+        self.scheduler.end(r, RequestStatus.FAILED if r.finish_reason is FinishReason.ERROR else RequestStatus.FINISHED)
         self.constraints.drop(r.request_id)
         self._seqs.pop(r.request_id, None)
         g = self._groups.get(r.group_id)
@@ -361,7 +364,7 @@ class Engine:
 
     def _finish(self, r: Request, reason: FinishReason, out: list[RequestOutput], stop_reason=None,
                 text: str = "") -> None:
-        r.status = RequestStatus.FAILED if reason is FinishReason.ERROR else RequestStatus.FINISHED
+        """End the sequence for `reason`: its last delta goes to `out`, then _end releases it."""
         r.finish_reason = reason
         r.stop_reason = stop_reason
         if (r.detok is not None and reason in (FinishReason.STOP, FinishReason.LENGTH)
@@ -490,7 +493,6 @@ class Engine:
             else:
                 r.inter_token_latencies.append(now - r.last_token_time)
             r.last_token_time = now
-            r.status = RequestStatus.DECODE
             sp = r.sampling
             try:
                 complete = self.constraints.accept(r, tok)

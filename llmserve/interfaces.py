@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from llmserve.batch import ModelOutput, SchedulerOutput
     from llmserve.metrics import RequestMetrics, StepMetrics
-    from llmserve.request import Request, StructuredOutput
+    from llmserve.request import Request, RequestStatus, StructuredOutput
     from llmserve.stats import CacheStats, SchedulerStats
 
 
@@ -67,23 +67,34 @@ class CacheAllocator(ABC):
 
 
 class Scheduler(ABC):
-    """Owns the waiting and running sequences and their KV blocks; decides each step's work."""
+    """Owns the waiting and running sequences and their KV blocks; decides each step's work.
+
+    The scheduler alone moves a sequence between its queues and sets its status on the way (WAITING, PREFILL,
+    DECODE); the engine only ends sequences, through end()."""
 
     @abstractmethod
     def add(self, request: Request) -> None:
-        """Queue a new sequence; raise InvalidRequestError (naming the field) for one this policy cannot take."""
+        """Queue a new sequence as WAITING; raise InvalidRequestError (naming the field) for one this policy cannot
+        take."""
 
     @abstractmethod
     def schedule(self) -> SchedulerOutput:
-        """Pick this step's work within the token budget; allocate, preempt, and return it."""
+        """Pick this step's work within the token budget: admit WAITING sequences (PREFILL), allocate, preempt
+        (back to WAITING, listed in preempted_request_ids), and return it."""
 
     @abstractmethod
     def update_from_output(self, output: SchedulerOutput, model_output: ModelOutput) -> None:
-        """After the forward: advance each scheduled sequence's computed tokens and cache its full blocks."""
+        """After the forward: advance each scheduled sequence's computed tokens, cache its full blocks, and move one
+        that sampled (ScheduledRequest.do_sample) to DECODE."""
 
     @abstractmethod
     def finish(self, request_ids: Iterable[str]) -> None:
-        """Drop ended sequences (finished, failed or aborted) and free their blocks; unknown ids are ignored."""
+        """Drop ended sequences from either queue and free their blocks; unknown ids are ignored."""
+
+    def end(self, request: Request, status: RequestStatus) -> None:
+        """End a sequence with the engine's verdict (FINISHED or FAILED): set its status, then finish() it."""
+        request.status = status
+        self.finish((request.request_id,))
 
     @abstractmethod
     def stats(self) -> SchedulerStats:

@@ -238,6 +238,8 @@ class ContinuousScheduler(Scheduler):
             before = req.num_computed_tokens
             after = before + sr.num_new_tokens
             req.num_computed_tokens = after
+            if sr.do_sample:  # its prompt is computed and it has a token: decoding from now on
+                req.status = RequestStatus.DECODE
             if after // bs > before // bs and req.extends_prefix_cache:
                 alloc.cache_full_blocks(req.request_id, req.token_ids, after)
 

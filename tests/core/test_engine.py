@@ -414,3 +414,45 @@ def test_backend_tokenizer_path_is_the_default_tokenizer_location(configured, ex
     eng = Engine.from_config(cfg, extra_plugins=[plugin])
     assert plugin.seen == [expected]
     assert eng.config.model.tokenizer == configured  # the shared config is not rewritten
+
+
+def test_only_the_scheduler_moves_a_sequence_and_the_engine_ends_it_through_end():
+    """Every status change happens inside a scheduler call (add, schedule, update_from_output, end): none between
+    them, through preemption, a finish, an abort and a failure; the verdicts come through Scheduler.end."""
+    eng = engine(num_blocks=12, max_seqs=4)  # 48 slots for four sequences of 28 tokens: they preempt each other
+    sched = eng.scheduler
+    held: dict[str, object] = {}  # request id → Request, from add
+    left: dict[str, object] = {}  # request id → the status the last scheduler call left it in
+    moves: dict[str, list] = {}
+
+    def watch(name):
+        method = getattr(sched, name)
+
+        def call(*args):
+            for rid, req in held.items():
+                assert req.status is left[rid], f"{rid} became {req.status} outside the scheduler"
+            if name == "add":
+                held[args[0].request_id] = args[0]
+            result = method(*args)
+            for rid, req in held.items():
+                if left.get(rid) is not req.status:
+                    moves.setdefault(rid, []).append(req.status.value)
+                left[rid] = req.status
+            return result
+        setattr(sched, name, call)
+
+    for name in ("add", "schedule", "update_from_output", "end"):
+        watch(name)
+    fail_on_seed(eng, 7)
+    ids = [eng.add_request(list(range(8)), SamplingParams(max_tokens=20, ignore_eos=True, seed=s)) for s in range(4)]
+    bad = eng.add_request([1, 2, 3], SamplingParams(max_tokens=5, ignore_eos=True, seed=7))
+    for _ in range(8):
+        eng.step()
+    assert eng.abort(ids[3])
+    _, final = drain(eng)
+    assert [final[(i, 0)].finish_reason for i in ids[:3]] == [FinishReason.LENGTH] * 3
+    assert final[(ids[3], 0)].finish_reason is FinishReason.ABORT and moves[ids[3]][-1] == "finished"
+    assert final[(bad, 0)].finish_reason is FinishReason.ERROR and moves[bad] == ["waiting", "prefill", "failed"]
+    assert moves[ids[0]] == ["waiting", "prefill", "decode", "finished"]
+    assert eng.scheduler_stats().num_preemptions > 0
+    assert any("decode" in m[m.index("waiting", 1):] for m in moves.values() if "waiting" in m[1:])  # back and on
