@@ -11,12 +11,14 @@ import os
 import shutil
 import tempfile
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 from llmserve.errors import ConfigError
 from llmserve_torch.cache_paths import cache_root
 from llmserve_torch.generation_config import FILE, from_gguf
 from llmserve_torch.gguf_file import GGUFCheckpoint
+from llmserve_torch.gguf_reader import GGUFFile, ReaderFacade
 
 log = logging.getLogger("llmserve.torch")
 
@@ -77,12 +79,32 @@ def _remove_orphans(root: Path, name: str) -> None:
             continue
 
 
+@contextmanager
+def _fast_reader(path: Path):
+    """gguf.GGUFReader, for this file, replaced by our reader's facade while transformers reads its metadata (the
+    real one spends seconds building numpy views of a 49k-150k-token vocabulary, once per field part)."""
+    import gguf
+
+    real = gguf.GGUFReader
+    mine = path.resolve()
+
+    def reader(p, *args, **kwargs):
+        return ReaderFacade(GGUFFile(mine)) if Path(p).resolve() == mine else real(p, *args, **kwargs)
+
+    gguf.GGUFReader = reader
+    try:
+        yield
+    finally:
+        gguf.GGUFReader = real
+
+
 def export_tokenizer(path: Path, out: Path) -> bool:
     """Save the tokenizer and chat template transformers builds from the GGUF metadata; False when it cannot."""
     from transformers import AutoTokenizer
 
     try:
-        tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+        with _fast_reader(path):
+            tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
         tok.save_pretrained(str(out))
     except Exception as e:  # an unsupported tokenizer type, a malformed vocabulary ...
         log.warning("GGUF %s: no tokenizer could be built from its metadata (%s: %s); set model.tokenizer to a "

@@ -161,9 +161,50 @@ class GGUFFile:
         """Every metadata key, in file order."""
         return list(self._values)
 
+    def typed(self, key: str) -> tuple[list[GGUFValueType], list[Any]]:
+        """A value's types ([type], or [ARRAY, element type]) and its elements (one for a scalar or a string)."""
+        vtype, offs = self._values[key]
+        vtype = GGUFValueType(vtype)
+        if vtype != GGUFValueType.ARRAY:
+            return [vtype], [self._decode(vtype, offs)]
+        etype = GGUFValueType(self._scalar("<I", offs)[0])
+        return [vtype, etype], self._decode(vtype, offs)
+
     def meta(self, key: str, default: Any = None) -> Any:
         """A metadata value (decoded now: strings as str, arrays as lists), or default when the key is absent."""
         found = self._values.get(key)
         if found is None:
             return default
         return self._decode(*found)
+
+
+@dataclass(slots=True)
+class _Field:
+    """What transformers reads of a gguf.ReaderField: each element as its own numpy part, the parts that are data."""
+
+    name: str
+    types: list[GGUFValueType]
+    parts: list[np.ndarray]
+    data: list[int]
+
+
+class ReaderFacade:
+    """gguf.GGUFReader's `fields` and `tensors` as transformers' GGUF tokenizer loader reads them, made from a
+    GGUFFile: the same values, without GGUFReader's seconds of numpy views (export_tokenizer patches it in)."""
+
+    def __init__(self, f: GGUFFile):
+        self.tensors = f.tensors
+        self.fields: dict[str, _Field] = {}
+        for key in f.keys():
+            types, values = f.typed(key)
+            etype = types[-1]
+            if etype == GGUFValueType.STRING:
+                parts = [np.frombuffer(v.encode("utf-8"), dtype=np.uint8) for v in values]
+            else:
+                whole = np.asarray(values, dtype=_NUMPY[etype])
+                parts = [whole[i:i + 1] for i in range(len(values))]
+            self.fields[key] = _Field(key, types, parts, list(range(len(parts))))
+
+    def get_field(self, key: str) -> _Field | None:
+        """The field named key, or None."""
+        return self.fields.get(key)

@@ -233,6 +233,31 @@ def test_a_later_start_reads_the_packed_linears_back_and_computes_the_same_logit
     assert packed.stat().st_size > 1000  # written again
 
 
+def test_the_reader_facade_gives_transformers_the_values_gguf_reader_gives(llama_gguf, tmp_path):
+    """export_tokenizer hands transformers our reader's facade: every field parses to GGUFReader's value, and the
+    tokenizer files written are byte for byte the ones transformers writes with GGUFReader itself."""
+    from transformers import AutoTokenizer
+    from transformers.integrations.ggml import _gguf_parse_value
+
+    from llmserve_torch.gguf_reader import GGUFFile, ReaderFacade
+
+    path, _ = llama_gguf
+    real, facade = gguf.GGUFReader(path), ReaderFacade(GGUFFile(path))
+    keys = [k for k in real.fields if not k.startswith("GGUF.")]
+    assert keys == list(facade.fields)
+    for k in keys:
+        want, got = real.fields[k], facade.fields[k]
+        assert [int(t) for t in got.types] == [int(t) for t in want.types], k
+        assert [_gguf_parse_value(got.parts[i], got.types) for i in got.data] == \
+            [_gguf_parse_value(want.parts[i], want.types) for i in want.data], k
+    assert [t.name for t in facade.tensors] == [t.name for t in real.tensors]
+    ours, theirs = tmp_path / "ours", tmp_path / "theirs"
+    assert gguf_cache.export_tokenizer(path, ours)
+    AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name).save_pretrained(str(theirs))
+    assert sorted(p.name for p in ours.iterdir()) == sorted(p.name for p in theirs.iterdir())
+    assert all((ours / p.name).read_bytes() == p.read_bytes() for p in theirs.iterdir())
+
+
 def test_a_directory_holding_one_gguf_loads_it(llama_gguf):
     path, _ = llama_gguf
     assert isinstance(sources.find_source(str(path.parent)), sources.GGUFSource)
