@@ -149,6 +149,14 @@ class GGUFCheckpoint:
         raise ConfigError(f"{self.path}: GGUF tensor {gguf_name!r} has no place in the torch backend's "
                           f"{self.arch_name} model")
 
+    def repacked(self, name: str) -> QuantWeight:
+        """One quantized tensor repacked for the CPU kernels and converted (a linear's weight read when the model makes
+        it: packed_cache.Deferred); its pages leave the resident set once read."""
+        t = self.tensors[name]
+        w = self.family.gguf_convert(self, name, repack(t))
+        self.file.release(t)
+        return w
+
     def state_dict(self, quantized: bool = False, placeholder=None) -> dict[str, torch.Tensor | QuantWeight]:
         """Every tensor under its HF name: dequantized (float32, or F16/BF16 as stored), or with quantized=True
         each quantized one repacked for the CPU kernels (gguf_quant) without a float copy; logs progress.

@@ -48,6 +48,7 @@ class Tensor:
     n_elements: int
     n_bytes: int
     data: np.ndarray  # rows first: [.., rows, cols], a block type's row as [.., rows, bytes]
+    offset: int = 0  # of its first byte in the file
 
 
 class GGUFFile:
@@ -154,8 +155,17 @@ class GGUFFile:
             else:
                 shape = (*rows_first[:-1], rows_first[-1] // block * type_size)
                 data = np.frombuffer(self._buf, dtype=np.uint8, count=n_bytes, offset=begin).reshape(shape)
-            tensors.append(Tensor(name, ttype, tuple(int(d) for d in dims), n, n_bytes, data))
+            tensors.append(Tensor(name, ttype, tuple(int(d) for d in dims), n, n_bytes, data, begin))
         return values, tensors
+
+    def release(self, t: Tensor) -> None:
+        """Drop a tensor's pages from this process's resident set once read (they stay in the page cache): a load
+        that repacks the file tensor by tensor then holds one tensor's bytes at a time, not the whole file's."""
+        page = mmap.PAGESIZE
+        start = -(-t.offset // page) * page  # whole pages inside the tensor only (its neighbours may be unread)
+        end = (t.offset + t.n_bytes) // page * page
+        if end > start and hasattr(self._map, "madvise") and hasattr(mmap, "MADV_DONTNEED"):
+            self._map.madvise(mmap.MADV_DONTNEED, start, end - start)
 
     def keys(self) -> list[str]:
         """Every metadata key, in file order."""

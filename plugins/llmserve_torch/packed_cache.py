@@ -1,4 +1,5 @@
-"""A GGUF's quantized linears as our kernels hold them, cached beside its tokenizer: a later start reads them back.
+"""A GGUF's quantized linears as our kernels hold them, cached beside its tokenizer: a later start reads them back;
+and the state-dict stand-ins that let a model be built from a file without holding every weight unpacked at once.
 
 Repacking a file's blocks into the kernels' layout (unpacking every value to a byte, regrouping fused q|k|v, bit
 planes, tiles) took most of a start: 5 s and a transient byte a weight (540 MB) for a 0.5B model. The first start
@@ -35,6 +36,22 @@ class Packed(QuantWeight):
     def __init__(self, names: tuple[str, ...], out_in: tuple[int, int], source: str):
         super().__init__("packed", None, None, None, source)
         self.names, self.out_in = names, out_in
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """[out, in] of the matrix it stands for."""
+        return self.out_in
+
+
+class Deferred(QuantWeight):
+    """A state-dict stand-in for a quantized linear weight read from the file only when the model makes its linear:
+    a first start holds one layer's unpacked values (a byte a weight) at a time, not the whole model's."""
+
+    __slots__ = ("names", "out_in", "load")
+
+    def __init__(self, names: tuple[str, ...], out_in: tuple[int, int], source: str, load):
+        super().__init__("deferred", None, None, None, source)
+        self.names, self.out_in, self.load = names, out_in, load  # load() → the QuantWeight
 
     @property
     def shape(self) -> tuple[int, int]:

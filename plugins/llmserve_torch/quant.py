@@ -266,6 +266,27 @@ def _bit_planes(q: torch.Tensor, bits: int) -> torch.Tensor:
 
 
 def pack_own(qw: QuantWeight) -> torch.Tensor:
+    """csrc/quant_matmul.cpp's form of a group-kind weight (_pack_rows), made a block of whole tiles at a time into
+    the one tensor: packing a 152k-row head whole took ~400 MB of temporaries at the peak of a load."""
+    fmt = weight_format(qw)
+    if fmt is None:
+        raise ValueError(f"no kernel for {qw.kind} with{'' if qw.offset is not None else 'out'} offsets")
+    out, k = qw.shape
+    t = own_quant_tile()
+    total = _own_kernels().llmserve_quant_bytes(fmt, out, k)
+    per_tile = total // (-(-out // t))
+    step = max(t, _PACK_ROWS // t * t)
+    packed = torch.empty(total, dtype=torch.uint8)
+    for r in range(0, out, step):
+        part = _pack_rows(qw.map_rows(lambda a, r=r: a[r:r + step]) if out > step else qw)
+        packed[r // t * per_tile:r // t * per_tile + part.numel()] = part.view(-1)
+    return packed
+
+
+_PACK_ROWS = 8192  # rows pack_own packs at a time
+
+
+def _pack_rows(qw: QuantWeight) -> torch.Tensor:
     """csrc/quant_matmul.cpp's form of a group-kind weight: one byte tensor, [tiles, bytes] for tiles of t rows.
 
     Per group of 32 inputs a row's values (4 * bits bytes, _bit_planes), its scales (one, or two with scales per 16)

@@ -7,6 +7,7 @@ model code only ever sees an ArchConfig and a state dict in Hugging Face tensor 
 
 from __future__ import annotations
 
+import functools
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -19,9 +20,11 @@ from llmserve_torch import embedded
 from llmserve_torch.arch import ArchConfig
 from llmserve_torch.checkpoint import dummy_state_dict, read_arch, read_state_dict, resolve_model_dir, weight_files
 from llmserve_torch.generation_config import GenerationDefaults, read
+from llmserve_torch.gguf_quant import KINDS
 from llmserve_torch.models.family import family_of
 from llmserve_torch.packaged import PACKAGED, resolve
-from llmserve_torch.packed_cache import Packed, PackedCache
+from llmserve_torch.packed_cache import Deferred, Packed, PackedCache
+from llmserve_torch.quant import QuantWeight
 
 
 @dataclass(slots=True)
@@ -133,16 +136,23 @@ class GGUFSource(ModelSource):
             fam = family_of(arch)
             normalize = fam.normalize_name
             packed = PackedCache(meta_dir, meta_dir.name, fam.name) if mc.quantization == "auto" else None
-            # the linears the cache holds are not read from the file (a tied embedding is: the lookup needs it)
-            covered = (packed.covers() if packed is not None else set()) & set(fam.linear_weights(arch)) - (
-                {fam.head_weight(arch)} if arch.tie_word_embeddings else set())
+            # linear weights (not a tied embedding: the lookup needs it whole) stand in the state dict until the model
+            # makes their linears: read back from the packed cache where it holds every one, else read from the file
+            # then, one layer at a time (with model.quantization auto: rounding to int8/int4 reads everything first)
+            linears = set(fam.linear_weights(arch)) - ({fam.head_weight(arch)} if arch.tie_word_embeddings else set())
+            cached = packed is not None and linears <= packed.covers()
 
-            def placeholder(hf: str, t) -> Packed | None:
+            def placeholder(hf: str, t) -> QuantWeight | None:
                 n = normalize(hf)
-                return Packed((n,), (int(t.shape[1]), int(t.shape[0])), t.tensor_type.name) if n in covered else None
+                if packed is None or n not in linears or t.tensor_type.name not in KINDS:
+                    return None
+                out_in, qtype = (int(t.shape[1]), int(t.shape[0])), t.tensor_type.name
+                if cached:
+                    return Packed((n,), out_in, qtype)
+                return Deferred((n,), out_in, qtype, functools.partial(ckpt.repacked, t.name))
 
             sd = {normalize(k): v for k, v in ckpt.state_dict(quantized=True, placeholder=placeholder).items()}
-            how = "read back from the packed cache" if covered else "repacked for the CPU kernels"
+            how = "read back from the packed cache" if cached else "repacked for the CPU kernels"
             res = SourceResult(arch, {k: v for k, v in sd.items() if k is not None}, str(path),
                                f"{path.name} (quantized tensors {how})", packed=packed)
         res.generation = read(meta_dir)

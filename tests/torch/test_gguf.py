@@ -233,6 +233,21 @@ def test_a_later_start_reads_the_packed_linears_back_and_computes_the_same_logit
     assert packed.stat().st_size > 1000  # written again
 
 
+def test_a_first_quantized_load_reads_each_linear_only_when_the_model_makes_it(tmp_path, cache):
+    """Linear weights stand in the state dict as Deferred (nothing unpacked yet) on a first start, as Packed once the
+    cache holds them; norms and the tied embedding are read as they are."""
+    from llmserve_torch.packed_cache import Deferred, Packed
+
+    path = write_gguf(tmp_path / "q.gguf", make_decoder("qwen2", seed=3), "Q4_0")
+    first = sources.find_source(str(path)).load(ModelConfig(model=str(path)))
+    linears = [k for k in first.state_dict if k.endswith("_proj.weight")]
+    assert linears and all(type(first.state_dict[k]) is Deferred for k in linears)
+    assert type(first.state_dict["model.embed_tokens.weight"]) is QuantWeight
+    make_backend(str(path))  # builds the model: the deferred weights are read, the packed cache written
+    later = sources.find_source(str(path)).load(ModelConfig(model=str(path)))
+    assert all(type(later.state_dict[k]) is Packed for k in linears)
+
+
 def test_the_reader_facade_gives_transformers_the_values_gguf_reader_gives(llama_gguf, tmp_path):
     """export_tokenizer hands transformers our reader's facade: every field parses to GGUFReader's value, and the
     tokenizer files written are byte for byte the ones transformers writes with GGUFReader itself."""

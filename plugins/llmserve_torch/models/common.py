@@ -8,7 +8,7 @@ import logging
 import torch
 import torch.nn.functional as F
 
-from llmserve_torch.packed_cache import Packed, cat_packed
+from llmserve_torch.packed_cache import Deferred, Packed, cat_packed
 from llmserve_torch.quant import QuantLinear, QuantWeight, cat_rows, to_kind
 
 log = logging.getLogger("llmserve.torch")
@@ -98,6 +98,14 @@ class LinearMaker:
         self.names: dict[int, tuple[str, ...]] = {}
         self.made: list[tuple[tuple[str, ...], QuantLinear]] = []
 
+    def _read(self, w):
+        """A Deferred weight read from its file now (its names kept for the packed cache); anything else as it is."""
+        if not isinstance(w, Deferred):
+            return w
+        q = w.load()
+        self.names[id(q)] = w.names
+        return q
+
     def name(self, sd: dict) -> None:
         """Remember the name of each QuantWeight in sd (the packed cache keys linears by their weights' names)."""
         self.names.update({id(v): (k,) for k, v in sd.items() if isinstance(v, QuantWeight)})
@@ -112,6 +120,7 @@ class LinearMaker:
         """Weights stacked along the output axis (fused q|k|v, gate|up), quantized or not."""
         if all(isinstance(p, Packed) for p in parts):
             return cat_packed(parts)
+        parts = [self._read(p) for p in parts]
         if any(isinstance(p, QuantWeight) for p in parts):
             names = [self.names.pop(id(p), None) for p in parts]
             out = cat_rows([p if isinstance(p, QuantWeight) else to_kind(p, "int8") for p in parts])
@@ -132,6 +141,7 @@ class LinearMaker:
         # a dense copy only when the kernel plan uses one (made then, from the packed weight): none at load
         densify = (lambda weight: Linear(weight.to(self.dtype).contiguous(), b, self.pack, self.batch_hint)) \
             if self.dense_copy else None
+        w = self._read(w)
         names = w.names if isinstance(w, Packed) else self.names.pop(id(w), None)
         lin = self.packed.linear(names, b, self.plan, densify) if self.packed is not None and names else None
         if lin is None:
