@@ -129,3 +129,14 @@ def fake_server():
     s = start_server(FAKE)
     yield s
     s.stop()
+
+
+@pytest.fixture(scope="module")
+def qwen(tmp_path_factory):
+    """A server on a tiny random Qwen2 with the tools template (tool_helpers.start_tiny_qwen), one per module."""
+    pytest.importorskip("torch")
+    from tests.server.tool_helpers import start_tiny_qwen
+
+    s = start_tiny_qwen(tmp_path_factory.mktemp("qwen"))
+    yield s
+    s.stop()

@@ -18,7 +18,7 @@ from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import BaseModel, TypeAdapter
 
 from tests.server.conftest import start_server
-from tests.server.tool_helpers import ECHO, TIME, WEATHER, EchoPlugin, script, start_tiny_qwen
+from tests.server.tool_helpers import ECHO, TIME, WEATHER, EchoPlugin, script
 
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "c"}}\n</tool_call>'
 TOOLS = [{"type": "function", **t["function"]} for t in (WEATHER, TIME)]  # the Responses API's flat shape
@@ -345,14 +345,6 @@ def test_hook_register_response_stores():
 
 
 # --- enforced by the grammar: a tiny Qwen2 --------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def qwen(tmp_path_factory):
-    pytest.importorskip("torch")
-    s = start_tiny_qwen(tmp_path_factory.mktemp("qwen"))
-    yield s
-    s.stop()
 
 
 def test_required_tool_choice_round_trip_on_a_real_model(qwen):

@@ -18,7 +18,7 @@ import pytest
 from pydantic import BaseModel
 
 from tests.server.conftest import FAKE, start_server
-from tests.server.tool_helpers import ECHO, TIME, WEATHER, EchoPlugin, script, start_tiny_qwen
+from tests.server.tool_helpers import ECHO, TIME, WEATHER, EchoPlugin, script
 
 os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # litellm would fetch its price list at import
 
@@ -61,14 +61,6 @@ def test_litellm_tools(echo):
 
 
 # --- enforced by the grammar: a tiny Qwen2 ---------------------------------------------------------------------
-
-@pytest.fixture(scope="module")
-def qwen(tmp_path_factory):
-    pytest.importorskip("torch")
-    s = start_tiny_qwen(tmp_path_factory.mktemp("qwen"))
-    yield s
-    s.stop()
-
 
 def valid(name: str, arguments: str | dict) -> bool:
     args = json.loads(arguments) if isinstance(arguments, str) else arguments
