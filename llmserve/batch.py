@@ -12,6 +12,25 @@ from typing import Any
 from llmserve.request import Logprob, SamplingParams
 
 
+@dataclass(frozen=True, slots=True)
+class Forwards:
+    """Several forwards a step: what a backend runs in one execute() on a batch of decodes, each forward on the
+    tokens the one before sampled (ModelBackend.forwards; Scheduler.limit_forwards caps its offers by it).
+
+    The scheduler offers a batch SchedulerOutput.num_steps forwards (its blocks reserved for all of them); the
+    backend runs what it can and returns the later forwards' tokens in ModelOutput.more_token_ids, handing each
+    forward's tokens to ModelBackend.on_forward as they exist; the engine replays them one forward at a time."""
+
+    most: int = 1  # the most forwards one execute() runs (1: one a step)
+    max_rows: int | None = None  # the most sequences a batch may hold and still run several (None: any)
+
+    def cap(self, steps: int, rows: int) -> int:
+        """The forwards to offer a batch of `rows` decodes that could run `steps`: at most `most`, 1 past max_rows."""
+        if self.max_rows is not None and rows > self.max_rows:
+            return 1
+        return max(1, min(steps, self.most))
+
+
 @dataclass(slots=True)
 class ScheduledRequest:
     """One sequence's share of a step: compute token_ids[num_computed_tokens : +num_new_tokens]."""
@@ -47,8 +66,8 @@ class SchedulerOutput:
     # row k says which tokens requests[bitmask_rows[k]] may sample (bit t % 32 of word t // 32)
     token_bitmask: Any = None
     bitmask_rows: list[int] = field(default_factory=list)
-    # a batch of decodes only: the backend may run up to this many forwards back to back, each on the tokens the
-    # one before sampled (ModelBackend.max_decode_forwards); every sequence's blocks cover them all
+    # a batch of decodes only: the backend may run up to this many forwards back to back (Forwards); every
+    # sequence's blocks cover them all
     num_steps: int = 1
 
     @property
@@ -82,8 +101,8 @@ class ModelOutput:
     # for requests with sampling.prompt_logprobs: one entry per computed token of this chunk,
     # the logprob of the *next* prompt token at that position (None past the prompt's end)
     prompt_logprobs: list[list[Logprob | None] | None] | None = None
-    # where the backend ran more forwards than one (SchedulerOutput.num_steps): each later forward's tokens, aligned
-    # with the requests like sampled_token_ids (the engine ends a sequence at its stop and drops what follows)
+    # where the backend ran more forwards than one (Forwards): each later forward's tokens, aligned with the
+    # requests like sampled_token_ids (the engine ends a sequence at its stop and drops what follows)
     more_token_ids: list[list[int]] | None = None
     # aligned with the requests, where any has `pooling`: the float sum of its chunk's pooled rows' final-norm hidden
     # states (None for the others, and for a chunk with no pooled row)

@@ -181,7 +181,7 @@ class Engine:
         # the scheduler owns the KV cache built for it: the engine never calls it
         kv_cache = self._factory("cache", cc.name)(config, num_blocks)
         self.scheduler: Scheduler = self._factory("scheduler", config.scheduler.name)(config, kv_cache)
-        self.scheduler.limit_forwards(max(1, self.backend.max_decode_forwards), self.backend.max_decode_forward_rows)
+        self.scheduler.limit_forwards(self.backend.forwards)
         self.tokenizer: Tokenizer | None = build_tokenizer(config, plugins, self.backend.default_tokenizer,
                                                            self.backend.tokenizer_path)
         self.metric_sinks: list[MetricSink] = build_sinks(config, plugins)

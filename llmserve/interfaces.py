@@ -11,6 +11,8 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from llmserve.batch import Forwards
+
 if TYPE_CHECKING:
     from llmserve.batch import ModelOutput, SchedulerOutput
     from llmserve.metrics import RequestMetrics, StepMetrics
@@ -100,9 +102,8 @@ class Scheduler(ABC):
     def stats(self) -> SchedulerStats:
         """Queue lengths, preemptions and the cache's stats, as declared types."""
 
-    def limit_forwards(self, most: int, max_rows: int | None = None) -> None:  # noqa: B027 - optional
-        """Offer no batch more forwards than `most` (SchedulerOutput.num_steps), and several only to a batch of at
-        most `max_rows` sequences (None: any): the backend's max_decode_forwards and max_decode_forward_rows."""
+    def limit_forwards(self, forwards: Forwards) -> None:  # noqa: B027 - optional
+        """Offer a batch of decodes only the forwards the backend runs (its ModelBackend.forwards); default: one."""
 
     @property
     @abstractmethod
@@ -135,11 +136,9 @@ class ModelBackend(ABC):
     # a local directory of tokenizer files the backend's model source produced (a GGUF's, say); the engine
     # hands it to the tokenizer as model.tokenizer when the config names none
     tokenizer_path: str | None = None
-    # the most forwards one execute() may run on a batch of decodes, each on the tokens the one before sampled
-    # (SchedulerOutput.num_steps, ModelOutput.more_token_ids); 1: one forward a step. Read after init_kv_cache
-    max_decode_forwards: int = 1
-    # the most sequences a batch of decodes may hold and still run several forwards (None: any number)
-    max_decode_forward_rows: int | None = None
+    # the forwards one execute() may run on a batch of decodes (llmserve.batch.Forwards); one a step by default.
+    # Read after init_kv_cache
+    forwards: Forwards = Forwards()
     # set by the engine around an execute() of several forwards: called as on_forward(j, tokens) with forward j's
     # tokens (one a sequence; j = 0, 1, ... in order) as soon as they exist, while execute() still runs (from
     # another thread; never after execute() returns); a backend that cannot simply never calls it

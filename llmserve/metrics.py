@@ -33,7 +33,7 @@ class StepMetrics:
     prefix_cache_queries: int  # prompt tokens looked up in this step
     prefix_cache_hits: int  # of those, served from the cache
     num_output_tokens: int = 0  # tokens sampled in this step (what "output tok/s" counts while requests run)
-    num_forwards: int = 1  # forwards the backend ran (SchedulerOutput.num_steps): a decode's time is step / this
+    num_forwards: int = 1  # forwards the backend ran (llmserve.batch.Forwards): a decode's time is step / this
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

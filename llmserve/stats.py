@@ -47,7 +47,7 @@ class SchedulerStats:
     max_num_seqs: int | None = None
     max_num_batched_tokens: int | None = None
     policy: str | None = None
-    num_scheduler_steps: int | None = None  # the most forwards it offers a batch of decodes (after limit_forwards)
+    num_scheduler_steps: int | None = None  # the most forwards it offers a batch of decodes (capped by the backend's Forwards)
     extra: dict[str, Any] = field(default_factory=dict)  # plugin-specific facts, reported as they are
 
     def to_dict(self) -> dict[str, Any]:

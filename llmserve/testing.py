@@ -230,7 +230,7 @@ def prompt_of(length: int, family: int, i: int) -> list[int]:
 def make_engine(config: dict[str, Any], plugins: Sequence[Any], num_blocks: int, budget: int, max_seqs: int,
                 chunked: bool = True, block_size: int = 4, forwards: int = 1) -> tuple[Any, list[str]]:
     """An engine on the fake backend whose schedule() is checked against the budget; also the admission order.
-    forwards: the most the fake backend runs a step (its max_decode_forwards)."""
+    forwards: the most the fake backend runs a step (its Forwards.most)."""
     sched = {**config.get("scheduler", {}), "max_num_batched_tokens": budget, "max_num_seqs": max_seqs,
              "enable_chunked_prefill": chunked}
     fake = {"max_model_len": 256, "max_decode_forwards": forwards}

@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from llmserve.batch import ModelOutput, SchedulerOutput
+from llmserve.batch import Forwards, ModelOutput, SchedulerOutput
 from llmserve.interfaces import ModelBackend
 from llmserve.pooling import pooled_rows
 from llmserve.request import Logprob
@@ -70,8 +70,7 @@ class FakeBackend(ModelBackend):
         self.eos_token_ids = frozenset(ids) - {None}
         self.generation_defaults = generation_defaults or {}
         self.generation_defaults_source = "backend.options.generation_defaults" if generation_defaults else None
-        self.max_decode_forwards = max_decode_forwards
-        self.max_decode_forward_rows = max_decode_forward_rows
+        self.forwards = Forwards(max_decode_forwards, max_decode_forward_rows)
         self.hidden_size, self.pooling, self.generates, self.causal = hidden_size, pooling, generates, causal
         self._num_blocks = num_blocks
         self.step_cost_s = step_cost_s
@@ -166,10 +165,8 @@ class FakeBackend(ModelBackend):
     def _later_forwards(self, batch: SchedulerOutput, first: list[int | None], logprobs) -> list[list[int]] | None:
         """Forwards 2..num_steps of a batch of decodes without constraints or logprobs, each on the tokens of the one
         before (as a backend that feeds its tokens back); None where it runs one."""
-        steps = min(batch.num_steps, self.max_decode_forwards)
-        rows = self.max_decode_forward_rows
-        if steps <= 1 or batch.token_bitmask is not None or logprobs is not None or (
-                rows is not None and len(batch.requests) > rows) or any(
+        steps = self.forwards.cap(batch.num_steps, len(batch.requests))
+        if steps <= 1 or batch.token_bitmask is not None or logprobs is not None or any(
                 r.num_new_tokens != 1 or not r.do_sample or r.sampling.prompt_logprobs is not None
                 for r in batch.requests):
             return None

@@ -14,7 +14,7 @@ import bisect
 import heapq
 from collections.abc import Iterable
 
-from llmserve.batch import ModelOutput, ScheduledRequest, SchedulerOutput
+from llmserve.batch import Forwards, ModelOutput, ScheduledRequest, SchedulerOutput
 from llmserve.errors import InvalidRequestError
 from llmserve.interfaces import CacheAllocator, Scheduler
 from llmserve.request import Request, RequestStatus
@@ -40,7 +40,7 @@ class ContinuousScheduler(Scheduler):
         self.max_num_batched_tokens = max_num_batched_tokens
         self.enable_chunked_prefill = enable_chunked_prefill
         self.num_scheduler_steps = num_scheduler_steps
-        self.forward_rows: int | None = None  # the most sequences a batch runs several forwards with (None: any)
+        self.forwards = Forwards(num_scheduler_steps)  # what the backend runs (limit_forwards): the offers' cap
         self._waiting: list[tuple[tuple, Request]] = []  # heap of (order_key, request)
         self._num_waiting = 0  # live entries (aborted ones are dropped lazily from the heap)
         self._running: list[Request] = []  # sorted by order_key: best first, preemption victims last
@@ -91,9 +91,9 @@ class ContinuousScheduler(Scheduler):
             self.allocator.free(rid)
             self._finished_ids.append(rid)
 
-    def limit_forwards(self, most: int, max_rows: int | None = None) -> None:
-        self.num_scheduler_steps = min(self.num_scheduler_steps, most)
-        self.forward_rows = max_rows
+    def limit_forwards(self, forwards: Forwards) -> None:
+        self.num_scheduler_steps = min(self.num_scheduler_steps, max(1, forwards.most))
+        self.forwards = forwards
 
     @property
     def num_waiting(self) -> int:
@@ -209,7 +209,7 @@ class ContinuousScheduler(Scheduler):
         # (and only for as many sequences as the backend runs ahead: no blocks reserved for forwards it won't run)
         if self.num_scheduler_steps > 1 and decode and not prefill and not batch.preempted_request_ids \
                 and (not self._num_waiting or len(self._running) >= max_seqs) \
-                and (self.forward_rows is None or len(out) <= self.forward_rows):
+                and self.forwards.cap(self.num_scheduler_steps, len(out)) > 1:
             batch.num_steps = self._lookahead(out)
         return batch
 

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
 
-from llmserve.batch import ModelOutput, SchedulerOutput
+from llmserve.batch import Forwards, ModelOutput, SchedulerOutput
 from llmserve.config import EngineConfig, check_options
 from llmserve.errors import ConfigError
 from llmserve.interfaces import ModelBackend
@@ -62,6 +62,18 @@ def _table(r, tokens: int, block_size: int) -> list[int]:
                            f"{tokens} tokens need {nb}")
     return r.block_table[:nb]
 
+
+
+class ForwardResult(NamedTuple):
+    """What TorchBackend._forward made of a step: its metadata and rows to sample, and whichever of hidden states,
+    logits and tokens the path it took made (None for the others)."""
+
+    meta: StepMetadata
+    sample_rows: list[int]  # the flattened rows whose logits sample (each sampling sequence's last)
+    hidden: torch.Tensor | None = None  # [T, hidden] before the final norm; None where forwards ran ahead
+    logits: torch.Tensor | None = None  # every row's float32 logits, where the fused call made them
+    tokens: list[int] | None = None  # every row's token, where the fused call chose them (greedy or the race's)
+    more: list[list[int]] | None = None  # the later forwards' tokens where several ran (ModelOutput.more_token_ids)
 
 class TorchBackend(ModelBackend):
     """The registered model families (models/family.py) in plain PyTorch on a backend-owned paged KV cache."""
@@ -243,8 +255,7 @@ class TorchBackend(ModelBackend):
             self.stack, self.stack_note = build_stack(self.options["fuse_layers"], self.model, self.attention,
                                                       kernel_library.load(), max(sc.max_num_batched_tokens, sc.max_num_seqs))
             if self.stack is not None:  # greedy tokens fed back inside the one call
-                self.max_decode_forwards = self.stack.max_forwards
-                self.max_decode_forward_rows = self.stack.head_rows  # (decode_ahead's rows)
+                self.forwards = Forwards(self.stack.max_forwards, self.stack.head_rows)  # (decode_ahead's rows)
             plan = self.loaded.kernels
             if plan is not None and plan.pending and self.tuner is None:
                 self._last_step = time.monotonic()  # (the engine's warm-up step comes first)
@@ -332,13 +343,11 @@ class TorchBackend(ModelBackend):
         if reserved > self._kv_peak["reserved_slots"]:
             self._kv_peak = {"reserved_slots": reserved, "used_slots": used}
 
-    def _forward(self, batch: SchedulerOutput, temps: list[float] | None = None):
-        """Metadata once per step, then the model over every flattened token: hidden [T, hidden], meta, the rows
-        to sample, and where the fused layers made them in the same call (every row samples), the logits of every
-        row (else None) and, given `temps` (Sampler.race_temperatures: 0 greedy, else the keyed race's), each
-        row's token (else None). A batch of decodes offered several forwards (num_steps) runs them all there where
-        it can: no hidden states or logits then, and the later forwards' tokens (ModelOutput.more_token_ids; else
-        None)."""
+    def _forward(self, batch: SchedulerOutput, temps: list[float] | None = None) -> ForwardResult:
+        """Metadata once per step, then the model over every flattened token (ForwardResult says what comes back).
+        Given `temps` (Sampler.race_temperatures: 0 greedy, else the keyed race's), the fused layers choose every
+        row's token where every row samples, and run a batch of decodes offered several forwards (Forwards) all in
+        one call where they can."""
         ids, meta, sample_rows = self._metadata(batch, batch.num_steps - 1 if temps is not None else 0)
         T = meta.num_tokens
         if self.stack is not None and self.stack.covers(T):
@@ -346,13 +355,13 @@ class TorchBackend(ModelBackend):
             if head and temps is not None and batch.num_steps > 1 and T == len(batch.requests):  # forwards ahead
                 tokens = self.stack.decode_ahead(ids, meta, batch.num_steps, self._race(batch, temps, batch.num_steps),
                                                  self.on_forward)
-                return None, None, tokens[0], tokens[1:], meta, sample_rows
+                return ForwardResult(meta, sample_rows, tokens=tokens[0], more=tokens[1:])
             race = self._race(batch, temps, 1) if head and temps is not None else None
-            return *self.stack.forward(ids, meta, logits=head, argmax=temps is not None, race=race), None, meta, \
-                sample_rows
+            hidden, logits, tokens = self.stack.forward(ids, meta, logits=head, argmax=temps is not None, race=race)
+            return ForwardResult(meta, sample_rows, hidden, logits, tokens)
         self.attention.begin_step(meta)
-        hidden = self.model.forward(ids, self.model.prepare_step(meta.tok_pos.long()), self.attention)
-        return hidden, None, None, None, meta, sample_rows
+        return ForwardResult(meta, sample_rows,
+                             self.model.forward(ids, self.model.prepare_step(meta.tok_pos.long()), self.attention))
 
     def _race(self, batch: SchedulerOutput, temps: list[float], forwards: int) -> Race | None:
         """The fused call's drawn rows (every row of `batch` samples, temps one each): None where all are greedy."""
@@ -382,7 +391,7 @@ class TorchBackend(ModelBackend):
         if self.kv is None:
             raise RuntimeError("init_kv_cache() must be called before compute_logits()")
         with torch.inference_mode():
-            hidden = self._forward(batch)[0]
+            hidden = self._forward(batch).hidden
             return self.model.logits(hidden)
 
     def execute(self, batch: SchedulerOutput) -> ModelOutput:
@@ -399,7 +408,7 @@ class TorchBackend(ModelBackend):
             logits = tokens = more = None
             if graphed is None:
                 temps = self.sampler.race_temperatures(sample_reqs, batch.token_bitmask)
-                hidden, logits, tokens, more, meta, sample_rows = self._forward(batch, temps)
+                meta, sample_rows, hidden, logits, tokens, more = self._forward(batch, temps)
             # (before anything else runs: the fused call's hidden states are its buffers)
             pooled = self._pooled(batch, hidden, meta) if graphed is None and any(r.pooling for r in reqs) else None
             sampled: list[int | None] = [None] * len(reqs)

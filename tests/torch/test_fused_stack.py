@@ -76,7 +76,8 @@ def _head_steps(backend, seed, sampling=None):
     for reqs in plan:
         sample_reqs = [r for r in reqs if r.do_sample]
         temps = backend.sampler.race_temperatures(sample_reqs, None)
-        hidden, logits, tokens = backend._forward(batch_of(reqs), temps)[:3]
+        step = backend._forward(batch_of(reqs), temps)
+        hidden, logits, tokens = step.hidden, step.logits, step.tokens
         out.append((hidden.clone(), None if logits is None else logits.clone(), tokens, sample_reqs))  # its buffers
     return out
 
@@ -92,7 +93,7 @@ def test_the_fused_call_makes_the_python_paths_logits_and_greedy_tokens(request,
     path = request.getfixturevalue(model)
     path = path[0] if isinstance(path, tuple) else path
     fused, plain = _backend(path, dtype, quantization, "auto"), _backend(path, dtype, quantization, "off")
-    assert fused.stack.head_rows == 4 == fused.max_decode_forward_rows  # (the rows it runs ahead)
+    assert fused.stack.head_rows == 4 == fused.forwards.max_rows  # (the rows it runs ahead)
     made = []
     for (hidden, logits, tokens, _), (plain_hidden, *_) in zip(_head_steps(fused, 1), _head_steps(plain, 1)):
         want = plain.model.logits(plain_hidden)
