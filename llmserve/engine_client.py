@@ -10,13 +10,18 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import itertools
+import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
+from llmserve.errors import EngineDeadError
 from llmserve.interfaces import MetricSink
 from llmserve.request import FinishReason, PoolingParams, RequestOutput, SamplingParams
 from llmserve.serving_model import ServingModel
+
+_ids = itertools.count()  # with the clock, a request id unique in this process when the caller names none
 
 
 class RequestStream:
@@ -91,6 +96,77 @@ class RequestStream:
         if not self._items:
             raise StopAsyncIteration
         return self._items.popleft()
+
+
+class Streams:
+    """The open RequestStreams of one engine client, by request id: what every client's outputs are dispatched to.
+
+    Used on the event loop only. The client opens a stream when it adds a request; its outputs and errors (from
+    whatever outbox the client has: the engine thread, a pipe, a fleet's replicas) end it; an abort closes it.
+    """
+
+    def __init__(self):
+        self._open: dict[str, RequestStream] = {}
+
+    def __len__(self) -> int:
+        return len(self._open)
+
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self._open
+
+    def open(self, request_id: str | None, n: int, loop: asyncio.AbstractEventLoop) -> RequestStream:
+        """A new stream for a request of n sequences (an id made up when None)."""
+        rid = request_id or f"req-{next(_ids)}-{time.monotonic_ns():x}"
+        stream = self._open[rid] = RequestStream(rid, n, loop)
+        return stream
+
+    def deliver(self, outputs: list[RequestOutput]) -> None:
+        """Dispatch outputs to their streams; a stream that ends leaves the table."""
+        streams = self._open
+        for o in outputs:
+            s = streams.get(o.request_id)
+            if s is None:
+                continue  # aborted: drop what was already computed
+            s.put(o)
+            if s.done:
+                del streams[o.request_id]
+
+    def fail(self, request_id: str, exc: BaseException) -> None:
+        """End one stream with exc (its caller answers it)."""
+        s = self._open.pop(request_id, None)
+        if s is not None:
+            s.fail(exc)
+
+    def fail_all(self, exc: BaseException) -> list[str]:
+        """End every open stream with exc; return their ids (for the engine to abort)."""
+        ids = list(self._open)
+        for rid in ids:
+            self.fail(rid, exc)
+        return ids
+
+    def close(self, request_id: str) -> bool:
+        """End a stream now (its request was aborted); False if it was not open."""
+        s = self._open.pop(request_id, None)
+        if s is None:
+            return False
+        s.close()
+        return True
+
+    async def wait_idle(self, timeout: float | None) -> bool:
+        """Wait until no stream is open; False if the timeout passed first."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self._open:
+            if deadline is not None and time.monotonic() >= deadline:
+                return False
+            await asyncio.sleep(0.05)
+        return True
+
+    async def drain(self, timeout: float) -> list[str]:
+        """Let open streams end for up to timeout seconds, then fail the rest; return their ids (to abort)."""
+        if await self.wait_idle(timeout):
+            return []
+        return self.fail_all(EngineDeadError(f"the server is shutting down; the request did not finish within "
+                                             f"the drain timeout ({timeout:g} s)"))
 
 
 class EngineClient(Protocol):

@@ -4,8 +4,8 @@ In one process the engine thread and the event loop take turns on the GIL: at 25
 GPU, turning each step's deltas into SSE chunks costs the loop about as much Python time as the
 step costs the engine, and every step waits for it (an H200 served HTTP at 0.41–0.57 of offline).
 vLLM splits the same way (its EngineCore process). The child process runs the very same step loop
-(AsyncEngine._run, on its main thread, which builds and steps the engine) and sends over a pipe
-what that loop hands the event loop: deltas, errors, call results, and the metric sinks' events.
+(EngineLoop, on its main thread, which builds and steps the engine) with a PipeOutbox: what the loop
+hands it (deltas, errors) goes over a pipe, with call results and the metric sinks' events.
 The server process keeps a ProcessEngine (the EngineClient the routes call), the ServingModel the child
 described (tokenizer, limits, grammar), and a SinkRelay: the configured metric sinks, fed the child's events.
 """
@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import atexit
 import concurrent.futures
+import contextlib
 import dataclasses
 import functools
 import itertools
@@ -25,21 +26,21 @@ import queue
 import os
 import signal
 import threading
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Sequence
 from typing import Any
 
-from llmserve.async_engine import AsyncEngine
 from llmserve.config import EngineConfig
 from llmserve.engine import Engine, build_sinks
+from llmserve.engine_client import RequestStream, Streams
+from llmserve.engine_loop import EngineLoop
 from llmserve.errors import EngineDeadError
 from llmserve.interfaces import MetricSink
 from llmserve.plugins import load_plugins
+from llmserve.request import PoolingParams, RequestOutput, SamplingParams
 from llmserve.serving_model import ServingModel, describe_model
 
 log = logging.getLogger("llmserve.engine_process")
-
-# what the child's loop may ask the server's event loop to run (AsyncEngine methods, by name)
-_POSTED = frozenset({"_deliver", "_deliver_error", "fail_all"})
 
 
 def wants_process(config: EngineConfig) -> bool:
@@ -81,18 +82,28 @@ class SinkRelay:
             s.close()
 
 
-class ProcessEngine(AsyncEngine):
-    """The server's AsyncEngine over an engine in a child process: the same streams, abort, drain and call.
+class ProcessEngine:
+    """The EngineClient of an engine in a child process: the same streams, abort, drain and call as AsyncEngine.
 
+    It composes the Streams of the requests in flight (on the event loop), a sending thread for the commands, a
+    receiving thread for what the child's EngineLoop put in its PipeOutbox, and a SinkRelay for the metric events.
     `call(fn)` sends fn to the child, so fn must pickle (a module-level function, or
     operator.methodcaller("stats")), and its result comes back by pickle too.
     """
 
     def __init__(self, config: EngineConfig):
-        super().__init__(lambda: None)  # the child builds the engine; the thread here only receives
         self.config = config
+        self.streams = Streams()
+        self.loop: asyncio.AbstractEventLoop | None = None  # where the streams live (bound by start)
+        self.built: concurrent.futures.Future = concurrent.futures.Future()  # the SinkRelay, or why it failed
+        self.serving: concurrent.futures.Future = concurrent.futures.Future()  # the ServingModel, or why it failed
+        self.sinks: SinkRelay | None = None
+        self.dead: BaseException | None = None  # why the engine process stopped, if it failed
+        self.num_steps = 0  # as the child last reported it
+        self._stop = False
+        self._thread: threading.Thread | None = None  # starts the child, then receives from it
         self._proc: multiprocessing.process.BaseProcess | None = None
-        self._outbox: queue.SimpleQueue = queue.SimpleQueue()  # commands, sent by one thread: the loop never blocks
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()  # sent by one thread: the event loop never blocks
         self._calls: dict[int, concurrent.futures.Future] = {}
         self._call_ids = itertools.count()
         self._calls_lock = threading.Lock()  # the event loop adds calls, the receiving thread resolves them
@@ -103,16 +114,37 @@ class ProcessEngine(AsyncEngine):
         self._bound = threading.Event()  # the event loop is known: `serve` starts this before uvicorn's loop exists
 
     def start(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
-        super().start(loop)
-        if self._loop is not None:
+        """Start the child process (it builds the engine); outputs go to `loop` (default: the running one).
+
+        Called again, it only binds the loop."""
+        if loop is not None:
+            self.loop = loop
+        elif self.loop is None:
+            with contextlib.suppress(RuntimeError):  # no running loop: bound by a later start(loop)
+                self.loop = asyncio.get_running_loop()
+        if self.loop is not None:
             self._bound.set()
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="llmserve-engine-receive", daemon=True)
+            self._thread.start()
+
+    def wait_built(self, timeout: float | None = None) -> Any:
+        """Block until the child has built its engine (return the SinkRelay); raise why it could not."""
+        return self.built.result(timeout)
 
     @property
     def running(self) -> bool:
-        return (self.engine is not None and not self._stop and self._proc is not None and self._proc.is_alive())
+        """The child has built its engine and is alive."""
+        return self.sinks is not None and not self._stop and self._proc is not None and self._proc.is_alive()
+
+    @property
+    def num_active(self) -> int:
+        """Requests whose stream has not ended."""
+        return len(self.streams)
 
     @property
     def num_waiting(self) -> int:
+        """Sequences waiting in the child, as it last reported, plus the requests sent since."""
         waiting, adds_seen, _ = self._reported
         return waiting + self._adds_sent - adds_seen
 
@@ -121,7 +153,41 @@ class ProcessEngine(AsyncEngine):
         """The engine process's id (None before it starts)."""
         return self._proc.pid if self._proc is not None else None
 
+    @property
+    def metric_sinks(self) -> list[MetricSink]:
+        """The configured sinks, here in the server's process, fed the child's events."""
+        return self.sinks.metric_sinks
+
+    def add_metric_sink(self, sink: MetricSink) -> None:
+        """Attach a sink here: it gets every later event of the child's engine."""
+        self.sinks.add_metric_sink(sink)
+
+    # --- requests (call these on the event loop) ----------------------------------------------
+
+    def add_request(self, prompt_token_ids: Sequence[int], params: SamplingParams, request_id: str | None = None,
+                    priority: int = 0, cache_salt: str | None = None,
+                    pooling: PoolingParams | None = None) -> RequestStream:
+        """Send a request to the child and return its stream at once."""
+        if self.loop is None or not self.running:
+            raise EngineDeadError(f"the engine is not running{f': {self.dead}' if self.dead else ''}")
+        stream = self.streams.open(request_id, params.n, self.loop)
+        self._adds_sent += 1
+        self._commands.put(("add", (stream.request_id, list(prompt_token_ids), params, priority, cache_salt,
+                                     time.perf_counter(), pooling)))
+        return stream
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request: its stream ends now; the child frees its blocks before its next step."""
+        if self.streams.close(request_id):
+            self._commands.put(("abort", request_id))
+
+    def fail_all(self, exc: BaseException) -> None:
+        """End every request in flight with exc; the child frees their blocks."""
+        for rid in self.streams.fail_all(exc):
+            self._commands.put(("abort", rid))
+
     async def call(self, fn: Callable[[Any], Any]) -> Any:
+        """fn(engine) run in the child between steps; fn and its result cross the pipe by pickle."""
         if not self.running:
             raise EngineDeadError(f"the engine is not running{f': {self.dead}' if self.dead else ''}")
         try:
@@ -130,29 +196,28 @@ class ProcessEngine(AsyncEngine):
             raise TypeError(f"call(fn) sends fn to the engine process, so it must pickle (a module-level "
                             f"function, operator.methodcaller): {e}") from None
         fut: concurrent.futures.Future = concurrent.futures.Future()
-        self._submit(("call", (fn, fut)))
+        with self._calls_lock:
+            if self._calls_closed:
+                raise EngineDeadError("the engine process stopped")
+            cid = next(self._call_ids)
+            self._calls[cid] = fut
+        self._commands.put(("call", (fn, cid)))
         return await asyncio.wrap_future(fut)
 
-    def _submit(self, cmd: tuple[str, Any]) -> None:
-        kind, arg = cmd
-        if kind == "add":
-            self._adds_sent += 1
-        elif kind == "call":
-            fn, fut = arg
-            with self._calls_lock:
-                if self._calls_closed:
-                    fut.set_exception(EngineDeadError("the engine process stopped"))
-                    return
-                cid = next(self._call_ids)
-                self._calls[cid] = fut
-            cmd = ("call", (fn, cid))
-        self._outbox.put(cmd)
+    async def wait_idle(self, timeout: float | None) -> bool:
+        """Wait until no request is in flight; False if the timeout passed first."""
+        return await self.streams.wait_idle(timeout)
+
+    async def drain(self, timeout: float) -> None:
+        """Let in-flight requests finish for up to timeout seconds, then fail the rest (their callers answer 503)."""
+        for rid in await self.streams.drain(timeout):
+            self._commands.put(("abort", rid))
 
     async def shutdown(self, drain_timeout: float = 0.0) -> None:
         """Drain for up to drain_timeout, stop the child (it aborts what is left), close the sinks here."""
         await self.drain(drain_timeout)
         self._stop = True
-        self._close_outbox()
+        self._close_commands()
         loop = asyncio.get_running_loop()
         if self._proc is not None:
             await loop.run_in_executor(None, self._proc.join, 10.0)
@@ -163,8 +228,8 @@ class ProcessEngine(AsyncEngine):
         if self._thread is not None:  # its last messages are on the loop once it has ended
             await loop.run_in_executor(None, self._thread.join, 5.0)
             await asyncio.sleep(0)
-        if self.engine is not None:
-            self.engine.shutdown()
+        if self.sinks is not None:
+            self.sinks.shutdown()
         self.fail_all(EngineDeadError("the server is shutting down"))
 
     # --- the receiving thread -------------------------------------------------------------------
@@ -198,20 +263,20 @@ class ProcessEngine(AsyncEngine):
             try:
                 plugins = load_plugins()
                 model = ServingModel.from_facts(self.config, plugins, facts)
-                self.engine = SinkRelay(self.config, plugins)
+                self.sinks = SinkRelay(self.config, plugins)
             except BaseException as e:  # noqa: BLE001 - reported to whoever waits on `built`
                 err = e
         if err is not None:
             self._fail_start(err)
             return
-        self.built.set_result(self.engine)
+        self.built.set_result(self.sinks)
         self.serving.set_result(model)
         self._receive(out_r)
 
-    def _close_outbox(self) -> None:
+    def _close_commands(self) -> None:
         """Tell the child to stop after the commands already queued, then end the sending thread."""
-        self._outbox.put(("stop", None))
-        self._outbox.put(None)
+        self._commands.put(("stop", None))
+        self._commands.put(None)
 
     def _kill_child(self) -> None:
         if self._proc is not None and self._proc.is_alive():
@@ -221,13 +286,13 @@ class ProcessEngine(AsyncEngine):
     def _fail_start(self, err: BaseException) -> None:
         self.dead = err
         self._stop = True
-        self._close_outbox()
+        self._close_commands()
         self.built.set_exception(err)
         self.serving.set_exception(err)
 
     def _send_loop(self, conn) -> None:
         try:
-            while (cmd := self._outbox.get()) is not None:
+            while (cmd := self._commands.get()) is not None:
                 try:
                     conn.send(cmd)
                 except (OSError, EOFError):  # the child is gone: the receiving thread reports it
@@ -242,7 +307,7 @@ class ProcessEngine(AsyncEngine):
         err = RuntimeError(f"the {kind} could not be sent to the engine process: {type(exc).__name__}: {exc}")
         log.error("%s", err)
         if kind == "add":  # its stream ends with the error; the child never saw it
-            self._loop.call_soon_threadsafe(self._deliver_error, arg[0], err)
+            self.loop.call_soon_threadsafe(self.streams.fail, arg[0], err)
         elif kind == "call":
             with self._calls_lock:
                 fut = self._calls.pop(arg[1], None)
@@ -251,7 +316,7 @@ class ProcessEngine(AsyncEngine):
 
     def _receive(self, conn) -> None:
         self._bound.wait()
-        loop = self._loop
+        loop = self.loop
         why = ""
         try:
             while True:
@@ -290,13 +355,17 @@ class ProcessEngine(AsyncEngine):
 
     def _remote(self, name: str | None, args: tuple, events: list) -> None:
         # on the event loop: the child's metric events first (the sinks see a request end before its
-        # caller does, as in one process), then the hand-over itself
+        # caller does, as in one process), then what the child's PipeOutbox was handed
         try:
             if events:
-                self.engine.replay(events)
+                self.sinks.replay(events)
         finally:  # a failing sink never costs a request its tokens
-            if name in _POSTED:
-                getattr(self, name)(*args)
+            if name == "deliver":
+                self.streams.deliver(*args)
+            elif name == "fail":
+                self.streams.fail(*args)
+            elif name == "fail_all":
+                self.fail_all(*args)
 
 
 # --- the child's side ---------------------------------------------------------------------------
@@ -322,50 +391,59 @@ class _Forward(MetricSink):
         return events
 
 
-class _Core(AsyncEngine):
-    """The child's step loop: AsyncEngine's own, with every hand-over to the event loop sent over the pipe."""
+class PipeOutbox:
+    """The child's EngineLoop's outbox: what the loop makes, with the metric events made meanwhile, over the pipe.
 
-    def __init__(self, build: Callable[[], Engine], conn):
-        super().__init__(build)
-        self._conn = conn  # written by the main thread only (the step loop and what it completes)
-        self._events = _Forward()
-        self._adds = 0
-        self.built.add_done_callback(self._send_built)
+    Written by the child's main thread only (the step loop, and the calls it completes), so messages never interleave.
+    """
 
-    def _send_built(self, fut: concurrent.futures.Future) -> None:
+    def __init__(self, conn):
+        self.conn = conn
+        self.core: EngineLoop | None = None  # the loop whose state each message carries (set once it exists)
+        self.events = _Forward()
+
+    def deliver(self, outputs: list[RequestOutput]) -> None:
+        """Outputs for the server's streams."""
+        self._post("deliver", outputs)
+
+    def fail(self, request_id: str, exc: BaseException) -> None:
+        """One request failed: its stream on the server's side ends with exc."""
+        self._post("fail", request_id, _picklable(exc))
+
+    def fail_all(self, exc: BaseException) -> None:
+        """The loop died: every stream on the server's side ends with exc."""
+        self._post("fail_all", _picklable(exc))
+
+    def idle(self) -> None:
+        """Ship the metric events made outside a step's outputs (an abort, a prefill chunk) before waiting."""
+        if self.events.events:
+            self._post(None)
+
+    def _post(self, name: str | None, *args: Any) -> None:
+        core = self.core
+        self.conn.send(("post", name, args, self.events.take(),
+                        (core.engine.num_waiting, core.num_added, core.num_steps)))
+
+    def send_built(self, fut: concurrent.futures.Future) -> None:
+        """The engine is built (its facts, for the server's ServingModel) or why it is not; its sink forwards here."""
         if fut.exception() is not None:
-            self._conn.send(("built", None, _picklable(fut.exception())))
+            self.conn.send(("built", None, _picklable(fut.exception())))
             return
         eng = fut.result()
-        eng.add_metric_sink(self._events)
-        self._conn.send(("built", describe_model(eng), None))
+        eng.add_metric_sink(self.events)
+        self.conn.send(("built", describe_model(eng), None))
 
-    def _post(self, fn: Callable[..., Any], *args: Any) -> None:
-        args = tuple(_picklable(a) if isinstance(a, BaseException) else a for a in args)
-        self._conn.send(("post", fn.__name__, args, self._events.take(), self._state()))
-
-    def _flush(self) -> None:
-        if self._events.events:  # events outside a step's outputs (an abort, a prefill chunk)
-            self._conn.send(("post", None, (), self._events.take(), self._state()))
-
-    def _state(self) -> tuple[int, int, int]:
-        return self.engine.num_waiting, self._adds, self.num_steps
-
-    def _apply(self, kind: str, arg: Any) -> None:
-        if kind == "add":
-            self._adds += 1
-        super()._apply(kind, arg)
-
-    def _send_result(self, cid: int, fut: concurrent.futures.Future) -> None:
+    def send_result(self, cid: int, fut: concurrent.futures.Future) -> None:
+        """A call's result (or its error) for the server's waiting caller."""
         exc = fut.exception()
         value = None if exc is not None else fut.result()
         try:
-            self._conn.send(("result", cid, value, _picklable(exc) if exc is not None else None))
+            self.conn.send(("result", cid, value, _picklable(exc) if exc is not None else None))
         except (OSError, EOFError):  # the server is gone
             pass
         except Exception as e:  # noqa: BLE001 - the result does not pickle: the caller gets why
-            self._conn.send(("result", cid, None, RuntimeError(f"the call's result does not pickle: "
-                                                                f"{type(e).__name__}: {e}")))
+            self.conn.send(("result", cid, None, RuntimeError(f"the call's result does not pickle: "
+                                                               f"{type(e).__name__}: {e}")))
 
 
 def _picklable(exc: BaseException) -> BaseException:
@@ -377,22 +455,23 @@ def _picklable(exc: BaseException) -> BaseException:
         return RuntimeError(f"{type(exc).__name__}: {exc}")
 
 
-def _read_commands(core: _Core, conn) -> None:
+def _read_commands(core: EngineLoop, outbox: PipeOutbox, conn) -> None:
     """The child's second thread: commands from the server onto the step loop's list; EOF stops the loop."""
     try:
         while True:
             kind, arg = conn.recv()
             if kind == "stop":
                 break
-            if kind == "call":
+            if kind == "add":
+                core.add(*arg)
+            elif kind == "abort":
+                core.abort(arg)
+            elif kind == "call":
                 fn, cid = arg
-                fut: concurrent.futures.Future = concurrent.futures.Future()
-                fut.add_done_callback(functools.partial(core._send_result, cid))
-                arg = (fn, fut)
-            core._submit((kind, arg))
+                core.call(fn).add_done_callback(functools.partial(outbox.send_result, cid))
     except (EOFError, OSError):  # the server process died without stopping this one: nothing to finish for
         os._exit(0)                # anyone, and a model still loading would hold its memory for nothing
-    core.stop_nowait()
+    core.stop()
 
 
 def _child_main(config: EngineConfig, cmd_conn, out_conn) -> None:
@@ -407,8 +486,10 @@ def _child_main(config: EngineConfig, cmd_conn, out_conn) -> None:
     logging.getLogger("llmserve.plugins").disabled = True  # the server process has reported them already
     # the configured sinks run in the server process (it serves /metrics); here one sink forwards to them
     cfg = dataclasses.replace(config, metrics=dataclasses.replace(config.metrics, sinks=[]))
-    core = _Core(functools.partial(Engine.from_config, cfg), out_conn)
-    threading.Thread(target=_read_commands, args=(core, cmd_conn), name="llmserve-engine-commands",
+    outbox = PipeOutbox(out_conn)
+    core = outbox.core = EngineLoop(functools.partial(Engine.from_config, cfg), outbox)
+    core.built.add_done_callback(outbox.send_built)
+    threading.Thread(target=_read_commands, args=(core, outbox, cmd_conn), name="llmserve-engine-commands",
                      daemon=True).start()
-    core._run()
+    core.run()
     out_conn.close()

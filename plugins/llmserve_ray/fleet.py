@@ -9,20 +9,16 @@ own code, unchanged.
 from __future__ import annotations
 
 import asyncio
-import itertools
+import concurrent.futures
 import logging
-import time
 from typing import Any
 
-from llmserve.async_engine import AsyncEngine
-from llmserve.engine_client import RequestStream
+from llmserve.engine_client import RequestStream, Streams
 from llmserve.errors import EngineDeadError
 from llmserve.interfaces import MetricSink
 from llmserve.serving_model import ServingModel
 
 log = logging.getLogger("llmserve.ray")
-
-_ids = itertools.count()
 
 # deployment name → the LLMRequestRouter of that deployment's handle in this process (serve_router.py
 # registers it): the ingress reads the running replicas and the router's costs from it
@@ -46,12 +42,19 @@ def replica_error(exc: BaseException) -> Exception:
     return EngineDeadError(f"the replica serving this request failed ({type(exc).__name__}); retry the request")
 
 
-class FleetEngine(AsyncEngine):
-    """The server's AsyncEngine over Ray Serve: requests go to the replicas the router picks."""
+class FleetEngine:
+    """The server's EngineClient over Ray Serve: requests go to the replicas the router picks, each one's deltas
+    into its stream in the same Streams table the other clients use."""
 
     def __init__(self, model: ServingModel, handle, router_state):
-        super().__init__(model)  # built already: no engine thread is started
-        self.model = model
+        self.model = model  # built already, from a replica's facts: no engine here
+        self.built: concurrent.futures.Future = concurrent.futures.Future()
+        self.serving: concurrent.futures.Future = concurrent.futures.Future()
+        self.streams = Streams()
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.dead: BaseException | None = None  # the fleet never dies as a whole: /health reads the replicas
+        self.num_steps = 0  # the replicas count their own steps (their /stats)
+        self._stop = False
         self._sinks: list[MetricSink] = []  # no steps here: the replicas' sinks are the ones /metrics reads
         self.handle = handle
         self.router_state = router_state  # () -> the LLMRequestRouter of this process (replica list, costs)
@@ -59,7 +62,8 @@ class FleetEngine(AsyncEngine):
         self._waiting = 0  # sequences sent to a replica that has not answered yet
 
     def start(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
-        self._loop = loop or self._loop or asyncio.get_running_loop()
+        """Bind the event loop the streams live on; the model is known already."""
+        self.loop = loop or self.loop or asyncio.get_running_loop()
         if not self.built.done():
             self.built.set_result(self.model)
             self.serving.set_result(self.model)
@@ -71,17 +75,26 @@ class FleetEngine(AsyncEngine):
 
     @property
     def running(self) -> bool:
+        """Some replica is up and the ingress is not shutting down."""
         return not self._stop and bool(self.reports())  # /health: 503 while no replica is up
 
     @property
     def num_waiting(self) -> int:
+        """Sequences sent to a replica that has not answered yet."""
         return self._waiting
 
     @property
+    def num_active(self) -> int:
+        """Requests whose stream has not ended."""
+        return len(self.streams)
+
+    @property
     def metric_sinks(self) -> list[MetricSink]:
+        """Sinks attached here (the replicas' own sinks are what the fleet's /metrics merges)."""
         return self._sinks
 
     def add_metric_sink(self, sink: MetricSink) -> None:
+        """Attach a sink here: no engine steps in this process, so it gets no step events."""
         self._sinks.append(sink)
 
     @property
@@ -91,13 +104,13 @@ class FleetEngine(AsyncEngine):
 
     def add_request(self, prompt_token_ids, params, request_id=None, priority=0, cache_salt=None,
                     pooling=None) -> RequestStream:
-        if self._stop or self._loop is None:
+        """Send the request to the replica the router picks; its stream fills as the replica streams deltas."""
+        if self._stop or self.loop is None:
             raise EngineDeadError("the server is shutting down")
-        rid = request_id or f"req-{next(_ids)}-{time.monotonic_ns():x}"
-        stream = RequestStream(rid, params.n, self._loop)
-        self._streams[rid] = stream
-        self._tasks[rid] = self._loop.create_task(self._pump(rid, list(prompt_token_ids), params, priority, cache_salt,
-                                                             pooling))
+        stream = self.streams.open(request_id, params.n, self.loop)
+        rid = stream.request_id
+        self._tasks[rid] = self.loop.create_task(self._pump(rid, list(prompt_token_ids), params, priority, cache_salt,
+                                                            pooling))
         return stream
 
     async def _pump(self, rid: str, ids: list[int], params, priority: int, salt: str | None, pooling) -> None:
@@ -108,23 +121,22 @@ class FleetEngine(AsyncEngine):
             async for batch in gen:
                 self._waiting -= waiting
                 waiting = 0
-                self._deliver(batch)
+                self.streams.deliver(batch)
         except asyncio.CancelledError:
             gen.cancel()  # the client went away: the replica aborts the request and frees its blocks
             raise
         except Exception as e:  # noqa: BLE001 - the replica died or failed: this stream ends with an error
             log.warning("request %s failed on its replica: %s: %s", rid, type(e).__name__, e)
-            self._deliver_error(rid, replica_error(e))
+            self.streams.fail(rid, replica_error(e))
         finally:
             self._waiting -= waiting
             self._tasks.pop(rid, None)
-        if rid in self._streams:  # the replica's stream ended before the request did
-            self._deliver_error(rid, EngineDeadError("the replica ended the stream early"))
+        if rid in self.streams:  # the replica's stream ended before the request did
+            self.streams.fail(rid, EngineDeadError("the replica ended the stream early"))
 
     def abort(self, request_id: str) -> None:
-        s = self._streams.pop(request_id, None)
-        if s is not None:
-            s.close()
+        """End the stream now and cancel its replica call (the replica aborts the request, frees its blocks)."""
+        self.streams.close(request_id)
         t = self._tasks.pop(request_id, None)
         if t is not None:
             t.cancel()
@@ -148,10 +160,25 @@ class FleetEngine(AsyncEngine):
                 "router": {"name": self.model.config.distributed.router, "routed_requests": routed,
                            "seconds_per_request": router.routing_seconds / routed if routed else 0.0}}
 
+    async def wait_idle(self, timeout: float | None) -> bool:
+        """Wait until no request is in flight; False if the timeout passed first."""
+        return await self.streams.wait_idle(timeout)
+
+    async def drain(self, timeout: float) -> None:
+        """Let in-flight requests finish for up to timeout seconds, then fail the rest and cancel their calls."""
+        for rid in await self.streams.drain(timeout):
+            self.abort(rid)
+
+    def fail_all(self, exc: BaseException) -> None:
+        """End every request in flight with exc and cancel its replica call."""
+        for rid in self.streams.fail_all(exc):
+            self.abort(rid)
+
     async def shutdown(self, drain_timeout: float = 0.0) -> None:
+        """Let requests finish for up to drain_timeout, then end the rest: the replicas abort them."""
         if drain_timeout > 0:
             await self.wait_idle(drain_timeout)
         self._stop = True
-        for rid in list(self._streams):
+        for rid in list(self._tasks):
             self.abort(rid)
         self.fail_all(EngineDeadError("the server is shutting down"))

@@ -130,7 +130,7 @@ def test_the_drain_answers_what_is_left_in_our_shape_and_frees_every_block(srv):
             work = asyncio.ensure_future(load(client))
             await asyncio.sleep(0.5)
             assert srv.stats()["cache"]["used_blocks"] > 0
-            drained = asyncio.run_coroutine_threadsafe(srv.state.client.drain(0.2), srv.state.client._loop)
+            drained = asyncio.run_coroutine_threadsafe(srv.state.client.drain(0.2), srv.state.client.loop)
             await asyncio.wrap_future(drained)
             return await work
 

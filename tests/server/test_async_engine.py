@@ -41,7 +41,7 @@ def test_concurrent_requests_match_the_offline_engine():
             streams = [ae.add_request(p, SamplingParams(max_tokens=20, ignore_eos=True)) for p in prompts]
             got = await asyncio.gather(*(_collect(s) for s in streams))
             # nothing is left behind: no stream, no engine-side bookkeeping
-            assert ae.num_active == 0 and await ae.call(lambda e: len(ae._live)) == 0
+            assert ae.num_active == 0 and await ae.call(lambda e: ae.core.num_live) == 0
             return got
         finally:
             await ae.shutdown()

@@ -236,7 +236,7 @@ def test_calls_that_cannot_cross_the_pipe_fail_alone():
 def test_a_failing_metric_sink_costs_no_request_its_tokens():
     async def body(pe):
         sink = _FlakySink()
-        pe.engine.add_metric_sink(sink)
+        pe.add_metric_sink(sink)
         assert await _tokens(pe, 10) == 10
         assert sink.steps >= 10  # it kept getting events after it raised
     _with_process_engine(body)
