@@ -224,7 +224,8 @@ def plan_kernels(plan: KernelPlan, linears: list, serving: torch.dtype, max_batc
                                                                                   for lin in group):
                     kp = KindPlan(act, NEVER, "not timed yet: the quantized kernel at every row count until a "
                                   "timing in the background says otherwise", deferred=True)
-                    plan.pending[kind] = (key, facts, measure, check, group, max_batch_rows)
+                    # the plans file as it is now: a later timing remembers there, wherever LLMSERVE_CACHE_DIR points then
+                    plan.pending[kind] = (key, facts, measure, check, group, max_batch_rows, plan_store.path())
                 else:
                     entry, timed = _timed(key, facts, measure, check, retime)
                     kp = KindPlan(act, int(entry["max_rows"]), "measured earlier on this machine" if timed.recalled
@@ -256,10 +257,10 @@ def tune_deferred(plan: KernelPlan) -> list[str]:
     from some row count keeps the safe plan for this run (a running fused stack was sized by it) and the next start
     reads the remembered crossover. A timing on a busy machine is dropped and the kind stays pending."""
     said = []
-    for kind, (key, facts, measure, check, group, max_batch_rows) in list(plan.pending.items()):
+    for kind, (key, facts, measure, check, group, max_batch_rows, file) in list(plan.pending.items()):
         kp = plan.kinds[kind]
         with torch.inference_mode():
-            entry, timed = _timed(key, facts, measure, check, retime=False)
+            entry, timed = _timed(key, facts, measure, check, retime=False, file=file)
         for lin in group:  # the timing's dense copies: the safe plan never runs them
             lin.dense = None
         busy = timed.noise.busy()
@@ -295,12 +296,13 @@ def _how(kp: KindPlan) -> str:
 
 # --- timing, judged, and remembered when quiet -------------------------------------------------------------------
 
-def _timed(key: str, facts: dict, measure, check, retime: bool) -> tuple[dict, Timed]:
+def _timed(key: str, facts: dict, measure, check, retime: bool, file: Path | None = None) -> tuple[dict, Timed]:
     """A remembered entry that a quick check at this start agrees with, else one timed now (remembered when quiet).
 
-    measure(meter) → the entry's figures; check(meter, entry) → (agrees, what it timed).
+    measure(meter) → the entry's figures; check(meter, entry) → (agrees, what it timed); file: the plans file (default:
+    plan_store.path() now).
     """
-    entry = None if retime else plan_store.recall(key)
+    entry = None if retime else plan_store.recall(key, file)
     why = "asked for" if retime else ""
     if entry is not None:
         try:
@@ -312,14 +314,14 @@ def _timed(key: str, facts: dict, measure, check, retime: bool) -> tuple[dict, T
             if busy or agrees:
                 entry.update(checked_at=time.time(), check=f"was not judged ({busy}): it stands" if busy else
                              f"agreed ({seen})")
-                plan_store.remember(key, entry)
+                plan_store.remember(key, entry, file)
                 return entry, Timed(at, noise, True, True, entry["check"])
             why = f"the check at start disagreed ({seen})"
     m = Meter()
     entry = {**facts, **measure(m)}
     noise = m.noise()
     entry.update(timed_at=time.time(), noise=noise.as_dict(), check=why)
-    remembered = not noise.busy() and plan_store.remember(key, entry)
+    remembered = not noise.busy() and plan_store.remember(key, entry, file)
     return entry, Timed(entry["timed_at"], noise, remembered, False, f"re-timed: {why}" if why else "")
 
 

@@ -22,25 +22,25 @@ def path() -> Path:
     return kernel_library.cache_dir() / "quant-plans.json"
 
 
-def entries() -> dict[str, dict]:
-    """Every remembered plan by its key ({} where there is no readable file)."""
+def entries(file: Path | None = None) -> dict[str, dict]:
+    """Every remembered plan by its key ({} where there is no readable file); file: another plans file than path()."""
     try:
-        known = json.loads(path().read_text())
+        known = json.loads((file or path()).read_text())
     except (OSError, ValueError):
         return {}
     return {k: v for k, v in known.items() if isinstance(v, dict)} if isinstance(known, dict) else {}
 
 
-def recall(key: str) -> dict | None:
+def recall(key: str, file: Path | None = None) -> dict | None:
     """What was timed earlier for the same key (None: time it now)."""
-    return entries().get(key)
+    return entries(file).get(key)
 
 
-def remember(key: str, entry: dict) -> bool:
+def remember(key: str, entry: dict, file: Path | None = None) -> bool:
     """Add or replace one plan (best effort: an unwritable cache only costs a re-timing); whether it was written."""
-    known = entries()
+    known = entries(file)
     known[key] = entry
-    return _write(known)
+    return _write(known, file or path())
 
 
 def forget() -> int:
@@ -61,8 +61,7 @@ def age(seconds: float) -> str:
     return f"{seconds:.0f} s"
 
 
-def _write(known: dict) -> bool:
-    p = path()
+def _write(known: dict, p: Path) -> bool:
     try:
         p.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=p.parent, prefix=".quant-plans-")
