@@ -337,19 +337,37 @@ def _checked(entry: dict, check) -> tuple[bool, str, str]:
     return agrees, seen, busy
 
 
+DENSE_TIMING_BYTES = 128 * 2**20  # the dense copies a timing makes at most: a 0.5B model's all took ~1 GB at once
+
+
+def _timed_set(group: list, serving: torch.dtype) -> list:
+    """The linears a timing runs: every one whose dense copies fit DENSE_TIMING_BYTES, else an even spread of the
+    group that does (at least one). Still far more than the CPU's caches hold, so the weights come from memory as in
+    serving; the same set every time for the same group, so a check compares like with like."""
+    size = torch.empty((), dtype=serving).element_size()
+    each = [lin.out_features * lin.in_features * size for lin in group]
+    if sum(each) <= DENSE_TIMING_BYTES:
+        return group
+    keep = max(1, int(len(group) * DENSE_TIMING_BYTES / sum(each)))
+    return group[::-(-len(group) // keep)]
+
+
 def _time_quantized(m: Meter, group: list, rows: int, act: torch.dtype, serving: torch.dtype) -> float:
-    """ms for all of the group's linears at rows in the quantized kernel."""
+    """ms for the group's timed linears (_timed_set) at rows in the quantized kernel."""
+    group = _timed_set(group, serving)
     x = {n: torch.randn(rows, n).to(serving) for n in {lin.in_features for lin in group}}
     return m.time(lambda: [lin.quantized(x[lin.in_features], act) for lin in group])
 
 
 def _time_rows(m: Meter, group: list, rows: int, act: torch.dtype, serving: torch.dtype) -> tuple[float, float]:
-    """ms for all of the group's linears at rows: the quantized kernel, then the dense copies (made now if missing)."""
+    """ms for the group's timed linears (_timed_set) at rows: the quantized kernel, then their dense copies (made now
+    if missing)."""
+    q = _time_quantized(m, group, rows, act, serving)
+    group = _timed_set(group, serving)
     for lin in group:
         lin.ensure_dense()
     x = {n: torch.randn(rows, n).to(serving) for n in {lin.in_features for lin in group}}
-    return (_time_quantized(m, group, rows, act, serving), m.time(lambda: [lin.dense(x[lin.in_features])
-                                                                          for lin in group]))
+    return q, m.time(lambda: [lin.dense(x[lin.in_features]) for lin in group])
 
 
 def _measure_crossover(m: Meter, group: list, act: torch.dtype, serving: torch.dtype, max_batch_rows: int) -> dict:

@@ -312,3 +312,14 @@ def test_plan_show_retime_and_forget(monkeypatch, plans, capsys):
 
     assert main(["plan", "forget"]) == 0
     assert "forgot 2 plans" in capsys.readouterr().out and not plans.exists()
+
+
+def test_a_timing_makes_dense_copies_of_a_bounded_spread_of_linears(monkeypatch):
+    """The timing's transient dense copies stay under DENSE_TIMING_BYTES (a 0.5B model's all took ~1 GB), spread over
+    the group, the same set each time."""
+    lins = _lins(torch.bfloat16, dense=False, n=10)  # 64 x 128 each: 16 KiB of bf16
+    assert kernel_plan._timed_set(lins, torch.bfloat16) == lins
+    monkeypatch.setattr(kernel_plan, "DENSE_TIMING_BYTES", 40 * 1024)  # room for two and a half
+    few = kernel_plan._timed_set(lins, torch.bfloat16)
+    assert few == lins[::5] and few == kernel_plan._timed_set(lins, torch.bfloat16)
+    assert sum(lin.out_features * lin.in_features * 2 for lin in few) <= 40 * 1024
