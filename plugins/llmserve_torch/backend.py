@@ -42,6 +42,10 @@ OPTIONS = {
     # measured earlier), retime (measure afresh), or the most rows a quantized kernel runs (0: always the dense
     # copy; a large number: never, and no dense copy is kept)
     "quant_rows": "auto",
+    # dense float copies of quantized weights our kernels run at any row count (every GGUF type): off (memory first:
+    # none, the quantized kernel runs every step) | auto (kept where the plan measures them faster at many rows,
+    # e.g. long prefills on a CPU with AVX512_BF16, at the cost of their memory in /stats backend.memory)
+    "dense_copies": "off",
     # the elementwise steps of Llama-style layers: auto (fused C kernels on CPU, Triton on CUDA) | torch | cpu | triton
     "decoder_ops": "auto",
     # every layer of a quantized Llama-style model in one C call for steps of a few rows (fused_stack.py): auto | off
@@ -93,6 +97,8 @@ class TorchBackend(ModelBackend):
                                                      or quant_rows < 0):
             raise ConfigError(f"backend.options.quant_rows: must be auto, retime or a number of rows >= 0, "
                               f"got {quant_rows!r}")
+        if self.options["dense_copies"] not in ("off", "auto", False):  # (YAML reads a bare off as false)
+            raise ConfigError(f"backend.options.dense_copies: must be off or auto, got {self.options['dense_copies']!r}")
         for key in ("fuse_layers", "huge_pages", "cuda_graphs"):  # YAML reads a bare off / on as false / true
             if isinstance(self.options[key], bool):
                 self.options[key] = "auto" if self.options[key] else "off"
@@ -107,7 +113,7 @@ class TorchBackend(ModelBackend):
         sc = config.scheduler
         loaded = load_model(mc, linear=self.options["linear"], batch_hint=sc.max_num_seqs,
                             max_batch_rows=max(sc.max_num_batched_tokens, sc.max_num_seqs), quant_rows=quant_rows,
-                            ops=self.options["decoder_ops"])
+                            ops=self.options["decoder_ops"], dense_copies=self.options["dense_copies"])
         self.loaded = loaded
         self.model = loaded.model
         self.arch = loaded.arch

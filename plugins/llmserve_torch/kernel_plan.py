@@ -234,7 +234,7 @@ def plan_kernels(plan: KernelPlan, linears: list, serving: torch.dtype, max_batc
         kp.kernel = group[0].kernel
         kp.bits_read = 8 * sum(lin.nbytes for lin in group) / sum(lin.params for lin in group)
         kp.sources = dict(sorted(Counter(lin.source for lin in group).items()))
-        _apply(kp, group, max_batch_rows)
+        _apply(kp, group, max_batch_rows, serving)
         plan.kinds[kind] = kp
         log.info("quantized %s linears (%d: %s): %s, %.2f bits a weight read, %s activations, quantized kernel up to "
                  "%s rows (%s)", kind, len(group), ", ".join(f"{n} {s}" for s, n in kp.sources.items()), kp.kernel,
@@ -242,13 +242,13 @@ def plan_kernels(plan: KernelPlan, linears: list, serving: torch.dtype, max_batc
                  _how(kp))
 
 
-def _apply(kp: KindPlan, group: list, max_batch_rows: int) -> None:
+def _apply(kp: KindPlan, group: list, max_batch_rows: int, serving: torch.dtype) -> None:
     """A dense copy exists only where the plan runs it (a timing made some to compare)."""
     for lin in group:
         if kp.max_rows >= max_batch_rows:
             lin.dense = None
         else:
-            lin.ensure_dense()
+            lin.ensure_dense(serving)
 
 
 def tune_deferred(plan: KernelPlan) -> list[str]:
@@ -365,7 +365,7 @@ def _time_rows(m: Meter, group: list, rows: int, act: torch.dtype, serving: torc
     q = _time_quantized(m, group, rows, act, serving)
     group = _timed_set(group, serving)
     for lin in group:
-        lin.ensure_dense()
+        lin.ensure_dense(serving)
     x = {n: torch.randn(rows, n).to(serving) for n in {lin.in_features for lin in group}}
     return q, m.time(lambda: [lin.dense(x[lin.in_features]) for lin in group])
 

@@ -119,13 +119,14 @@ def apply_quantization(sd: dict, mode: str, arch: ArchConfig) -> dict:
 
 
 def load_model(mc: ModelConfig, linear: str = "auto", batch_hint: int = 64, max_batch_rows: int = 512,
-               quant_rows: int | str = "auto", ops: str = "auto") -> LoadedModel:
+               quant_rows: int | str = "auto", ops: str = "auto", dense_copies: str = "auto") -> LoadedModel:
     """Everything from ModelConfig to a ready model: find, read config, read or invent weights, cast, place.
 
     linear: auto | torch | onednn (pre-pack weights for oneDNN on CPU); batch_hint: typical rows per GEMM;
     max_batch_rows: the most rows a step hands a linear; quant_rows: auto (measure, or recall a plan measured
     earlier), retime (measure afresh) or the most rows a quantized kernel runs before a dense copy takes over;
-    ops: auto | torch | cpu (fused decoder ops).
+    ops: auto | torch | cpu (fused decoder ops); dense_copies: auto (where the plan measures them faster) | off
+    (none for a weight our kernels run at any row count, unless quant_rows asks for them: memory first).
     """
     device = resolve_device(mc.device)
     if mc.threads is not None:
@@ -143,7 +144,9 @@ def load_model(mc: ModelConfig, linear: str = "auto", batch_hint: int = 64, max_
         raise ConfigError(str(e)) from None
     sd = apply_quantization(src.state_dict, mc.quantization, arch)
     src.state_dict = {}  # sd holds them now: the model frees each layer's weights as it makes them
-    make = LinearMaker(dtype, device, pack, batch_hint, KernelPlan(), packed=src.packed)
+    make = LinearMaker(dtype, device, pack, batch_hint, KernelPlan(), packed=src.packed,
+                       # (a quant_rows other than auto asks for the dense copies it times or runs past its limit)
+                       group_dense_copies=dense_copies == "auto" or quant_rows != "auto")
     make.name(sd)
     try:
         model = build_model(arch, sd, make, max_len, ops)

@@ -284,6 +284,7 @@ def pack_own(qw: QuantWeight) -> torch.Tensor:
 
 
 _PACK_ROWS = 8192  # rows pack_own packs at a time
+_DENSE_COLUMNS = 128  # inputs ensure_dense reads back at a time
 
 
 def _pack_rows(qw: QuantWeight) -> torch.Tensor:
@@ -421,13 +422,19 @@ class QuantLinear:
         """The most rows a call runs in the quantized kernel (more go to the dense copy, where there is one)."""
         return self.plan.choice(self.kind)[1] if self.dense is not None else NEVER
 
-    def ensure_dense(self) -> None:
+    def ensure_dense(self, dtype: torch.dtype = torch.float32) -> None:
         """Make the dense copy if there is none: the weight read back through the quantized kernel (x = I gives w.T),
-        so no float copy exists until a plan asks for one."""
+        so no float copy exists until a plan asks for one; dtype: the serving dtype (no second copy to cast)."""
         if self.dense is not None or self.densify is None:
             return
         with torch.inference_mode():
-            w = self.quantized(torch.eye(self.in_features), torch.float32).float().t()
+            # a block of inputs at a time, into one float32 matrix: a 152k-row head read back whole took a second
+            # [in, out] float32 copy (545 MB) at once
+            w = torch.empty((self.out_features, self.in_features), dtype=dtype)  # (densify keeps a dtype it wants)
+            eye = torch.eye(self.in_features)
+            for i in range(0, self.in_features, _DENSE_COLUMNS):
+                w[:, i:i + _DENSE_COLUMNS] = self.quantized(eye[i:i + _DENSE_COLUMNS], torch.float32).float().t()
+            del eye
             self.dense = self.densify(w)
 
     def kernel_tensors(self) -> tuple[torch.Tensor, torch.Tensor | None]:

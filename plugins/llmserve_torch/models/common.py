@@ -88,10 +88,12 @@ class LinearMaker:
     a QuantLinear with a dense copy for large batches (kernel_plan decides where each runs)."""
 
     def __init__(self, dtype: torch.dtype, device: torch.device, pack: bool, batch_hint: int, plan=None,
-                 dense_copy: bool = True, packed=None):
+                 dense_copy: bool = True, packed=None, group_dense_copies: bool = True):
         self.dtype, self.device, self.pack, self.batch_hint = dtype, device, pack, batch_hint
         self.plan = plan  # kernel_plan.KernelPlan, filled in after the model is built
         self.dense_copy = dense_copy
+        # dense copies also of weights our kernels run at any row count (group kinds), not only of int8 per row
+        self.group_dense_copies = group_dense_copies
         self.packed = packed  # packed_cache.PackedCache: linears packed at an earlier start, or None
         # id of a state dict's QuantWeight (or of a stack of them) → the names of the weights it holds, for the
         # packed cache (names(sd) fills it); what was made from which names, for the cache to save
@@ -149,6 +151,8 @@ class LinearMaker:
                 raise ValueError(f"the packed cache holds no usable entry for {', '.join(w.names)}; delete "
                                  f"{self.packed.path} to repack from the GGUF")
             lin = QuantLinear(w, b, self.plan, densify=densify)
+        if lin.fmt is not None and not self.group_dense_copies:
+            lin.densify = None  # the plan runs the quantized kernel at every row count: no dense copy, ever
         if names:
             self.made.append((names, lin))
         return lin
