@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from typing import Any, NamedTuple
 
@@ -155,6 +156,8 @@ class TorchBackend(ModelBackend):
         self.stack_note = "no KV cache yet"
         self._last_step = time.monotonic()  # the plan tuner times deferred kernel plans once steps pause
         self.tuner: PlanTuner | None = None
+        # held by every step and by the tuner while it times: our kernels' thread team runs one call at a time
+        self._step_lock = threading.Lock()
         self._kv_peak = {"reserved_slots": 0, "used_slots": 0}
         self._steps = 0
 
@@ -265,7 +268,7 @@ class TorchBackend(ModelBackend):
             plan = self.loaded.kernels
             if plan is not None and plan.pending and self.tuner is None:
                 self._last_step = time.monotonic()  # (the engine's warm-up step comes first)
-                self.tuner = PlanTuner(plan, lambda: time.monotonic() - self._last_step)
+                self.tuner = PlanTuner(plan, lambda: time.monotonic() - self._last_step, self._step_lock)
                 self.tuner.start()
         else:
             self.stack, self.stack_note = None, "it runs with the cpu attention kernel"
@@ -402,6 +405,10 @@ class TorchBackend(ModelBackend):
 
     def execute(self, batch: SchedulerOutput) -> ModelOutput:
         """Copy-on-write blocks, run the forward, sample the requests that want a token."""
+        with self._step_lock:  # (a kernel plan timing in the background waits, or is waited for)
+            return self._execute(batch)
+
+    def _execute(self, batch: SchedulerOutput) -> ModelOutput:
         if self.attention is None:
             raise RuntimeError("init_kv_cache() must be called before execute()")
         reqs = batch.requests

@@ -15,6 +15,7 @@ decisive row counts again, and timed afresh where they now disagree.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -251,15 +252,16 @@ def _apply(kp: KindPlan, group: list, max_batch_rows: int, serving: torch.dtype)
             lin.ensure_dense(serving)
 
 
-def tune_deferred(plan: KernelPlan) -> list[str]:
+def tune_deferred(plan: KernelPlan, steps=contextlib.nullcontext()) -> list[str]:
     """Time the kinds a start deferred (plan_kernels(defer=True)), judged and remembered as at a start; what each
     found, in words. A kind whose timing confirms the safe plan keeps running it; one where the dense copies win
     from some row count keeps the safe plan for this run (a running fused stack was sized by it) and the next start
-    reads the remembered crossover. A timing on a busy machine is dropped and the kind stays pending."""
+    reads the remembered crossover. A timing on a busy machine is dropped and the kind stays pending. steps: held
+    while a kind is timed (the backend's lock around its steps: our kernels' thread team runs one call at a time)."""
     said = []
     for kind, (key, facts, measure, check, group, max_batch_rows, file) in list(plan.pending.items()):
         kp = plan.kinds[kind]
-        with torch.inference_mode():
+        with steps, torch.inference_mode():
             entry, timed = _timed(key, facts, measure, check, retime=False, file=file)
         for lin in group:  # the timing's dense copies: the safe plan never runs them
             lin.dense = None

@@ -8,6 +8,7 @@ while, judged as a start's timing is: a quiet one is remembered, a busy one is d
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 from collections.abc import Callable
@@ -22,10 +23,12 @@ TRIES = 5  # then the safe plan stays for this run (`llmserve plan retime` times
 
 
 class PlanTuner:
-    """A daemon thread timing plan's deferred kinds when idle() (seconds since the last step) reaches IDLE_S."""
+    """A daemon thread timing plan's deferred kinds when idle() (seconds since the last step) reaches IDLE_S, each
+    kind while holding `steps` (a step that comes meanwhile waits for that kind's timing, seconds at most)."""
 
-    def __init__(self, plan: KernelPlan, idle: Callable[[], float]):
-        self.plan, self.idle = plan, idle
+    def __init__(self, plan: KernelPlan, idle: Callable[[], float], steps=None):
+        # steps: the backend's lock around its steps, held while a kind is timed (never a kernel call beside a step's)
+        self.plan, self.idle, self.steps = plan, idle, steps
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="llmserve-plan-tuner", daemon=True)
 
@@ -44,7 +47,7 @@ class PlanTuner:
             if self._stop.is_set():
                 return
             try:
-                for line in tune_deferred(self.plan):
+                for line in tune_deferred(self.plan, self.steps or contextlib.nullcontext()):
                     log.info("kernel plan, timed in the background: %s", line)
             except Exception:  # a failed timing must not take the server down: the safe plan keeps serving
                 log.exception("kernel plan: the background timing failed; the safe plan stays")

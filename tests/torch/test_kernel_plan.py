@@ -132,6 +132,22 @@ def test_a_start_with_nothing_remembered_serves_the_safe_plan_and_tunes_when_idl
     assert _deferred_start(m).kinds["int4"].how == "measured earlier on this machine"  # the next start recalls it
 
 
+def test_the_tuner_times_only_while_holding_the_backends_step_lock(monkeypatch, plans):
+    """Our kernels' thread team runs one call at a time: a background timing holds the lock every step takes."""
+    import threading
+
+    m = Machine(monkeypatch, {r: (1.0, 3.0) for r in (1, 2, 4, 8, 16, 32, 64)})
+    steps = threading.Lock()
+    held = []
+    real = m._row
+    m._row = lambda rows: held.append(steps.locked()) or real(rows)
+    plan = _deferred_start(m)
+    tuner = PlanTuner(plan, idle=lambda: 60.0, steps=steps)
+    tuner.start()
+    tuner._thread.join(10)
+    assert held and all(held) and not plan.pending and not steps.locked()
+
+
 def test_a_deferred_timing_where_dense_copies_win_keeps_the_safe_plan_until_the_next_start(monkeypatch, plans):
     m = Machine(monkeypatch, UP_TO_4)
     plan = _deferred_start(m)
