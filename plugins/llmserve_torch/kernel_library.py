@@ -148,7 +148,7 @@ class Variant:
 _V3 = frozenset({"avx2", "fma", "f16c", "bmi1", "bmi2", "movbe"})  # x86-64-v3: Haswell, Zen 1, Alder Lake on
 _V4 = _V3 | {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"}  # x86-64-v4: Skylake-X on, Zen 4 on
 # per machine architecture, best first: each level the kernels have a path for (AVX-512 tiles with VNNI and BF16,
-# without them, AVX2 rows, scalar; NEON with and without the dot product)
+# without them, AVX2 tiles, scalar; NEON with and without the dot product)
 VARIANTS = {
     "x86_64": (Variant("avx512-vnni-bf16", "x86-64-v4", ("-mavx512vnni", "-mavx512bf16"),
                        _V4 | {"avx512_vnni", "avx512_bf16"}),

@@ -221,7 +221,8 @@ def own_kernel_isa() -> str | None:
 
 
 def own_quant_tile() -> int:
-    """The row tile of our group kernel's weight layout on this CPU: 16 with AVX-512, else 1 (rows in order)."""
+    """The row tile of our group kernel's weight layout on this CPU: 16 with AVX-512, 8 with AVX2, else 1 (rows in
+    order)."""
     return _own_kernels().llmserve_quant_tile()
 
 
@@ -293,7 +294,7 @@ def _pack_rows(qw: QuantWeight) -> torch.Tensor:
     Per group of 32 inputs a row's values (4 * bits bytes, _bit_planes), its scales (one, or two with scales per 16)
     and its offsets (as many, or none for a symmetric weight): float16, or for a K-quant (qw.factors) int8 multiples
     of a float16 factor per 256 inputs, which then follow: 4.5 bits a weight for Q4_0, 5 for Q4_1, 4.625 for Q4_K,
-    6.5625 for Q6_K, 8.5 for Q8_0. With tiles of t > 1 rows (AVX-512), the rows are padded to a whole tile with zeros
+    6.5625 for Q6_K, 8.5 for Q8_0. With tiles of t > 1 rows (AVX-512, AVX2), the rows are padded to a whole tile with zeros
     and each tile's group is its values as 4-byte chunks, chunk c holding each row's chunk c in turn, then its scales
     [parts, t], then its offsets [parts, t], each 256 inputs' groups after their factors (d [t], then dneg [t]); with
     t = 1 (rows in order) a row's groups' values follow each other, then its scales [parts, groups], its offsets,

@@ -151,7 +151,7 @@ def _check_library(so: Path, threads: int) -> None:
     assert not missing, missing
     n, k, rows = 48, 512, 5
     x = torch.randn(rows, k)
-    # pack_own asks this library for its tile and format codes (16 with AVX-512, else 1)
+    # pack_own asks this library for its tile and format codes (16 with AVX-512, 8 with AVX2, else 1)
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(quant, "_own_kernels", lambda: lib)
         qw = quant.kernel_form(_group_weights(n, k, 0)["Q4_K"])

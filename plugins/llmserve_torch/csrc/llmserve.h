@@ -139,7 +139,7 @@ LLMSERVE_API void llmserve_quant_matmul(int fmt, const void* x, int64_t xs, int 
 LLMSERVE_API int llmserve_quant_format(int bits, int offsets, int half, int sup);
 /* Bytes of an [N, K] weight in format fmt as pack_own lays it out for this build (rows padded to a whole tile) */
 LLMSERVE_API int64_t llmserve_quant_bytes(int fmt, int N, int K);
-/* The group formats' row tile of this build: 16 (AVX-512) or 1 (rows in their natural packing) */
+/* The group formats' row tile of this build: 16 (AVX-512), 8 (AVX2) or 1 (rows in their natural packing) */
 LLMSERVE_API int llmserve_quant_tile(void);
 /* The integer SIMD this build's quantized kernels run on: avx512-vnni, avx512bw, avx2, neon-dotprod, neon, scalar */
 LLMSERVE_API const char* llmserve_quant_isa(void);

@@ -22,9 +22,14 @@ constexpr int kG = 32;  // a group: 32 inputs, llama.cpp's Q4_0 ... Q8_0 block a
 // (xh = (q + 128) >> 8 stays <= 127) for the AVX-512 path
 constexpr float kQMax = 32639.f;
 
-// Rows a tile of the weights' layout holds: 16 with AVX-512 (one output per lane), else 1 (rows in order)
+// Rows a tile of the weights' layout holds: one output per 32-bit lane, 16 with AVX-512, 8 with AVX2; else 1 (rows in
+// order: the NEON and scalar paths)
 #if defined(__AVX512BW__)
 constexpr int kTile = 16;
+#define QUANT_TILES 1
+#elif defined(__AVX2__)
+constexpr int kTile = 8;
+#define QUANT_TILES 1
 #else
 constexpr int kTile = 1;
 #endif
@@ -54,19 +59,19 @@ struct Fmt {
 
 inline float to_float(int8_t v) { return static_cast<float>(v); }
 
-// Tile t of pack_own's layout. In tiles of 16 rows, group after group: the group's values as chunks of 64 bytes,
+// Tile t of pack_own's layout. In tiles of kTile rows, group after group: the group's values as chunks of 4 * kTile bytes,
 // dword r of chunk c holding row r's 4-byte chunk c (so a tile's group is read in one sequential stream: values,
-// scales and offsets in three regions of a tile were three streams, and slower), then its scales [parts][16], then its
-// offsets [parts][16]; with Sup each super-block of 8 groups starts with its factors d [16], then dneg [16]. Rows in
-// order (kTile 1): a row's groups' values, then its scales [parts][groups], then its offsets [parts][groups] (the
-// AVX2 path reads eight groups' scales at once), then with Sup its factors d [groups / 8], then dneg.
+// scales and offsets in three regions of a tile were three streams, and slower), then its scales [parts][kTile], then
+// its offsets [parts][kTile]; with Sup each super-block of 8 groups starts with its factors d [kTile], then dneg
+// [kTile]. Rows in order (kTile 1): a row's groups' values, then its scales [parts][groups], then its offsets
+// [parts][groups], then with Sup its factors d [groups / 8], then dneg.
 template <typename F>
 struct Block {
   const uint8_t* base;
   int ng;
   static constexpr int64_t kSuperBytes = kTile * (F::kHeadBytes + F::kSuperGroups * F::kRowBytes);
   Block(const uint8_t* w, int64_t t, int K) : base(w + t * (K / kG / F::kSuperGroups) * kSuperBytes), ng(K / kG) {}
-#if defined(__AVX512BW__)
+#if defined(QUANT_TILES)
   const uint8_t* head(int g) const { return base + (g / F::kSuperGroups) * kSuperBytes; }
   const uint8_t* values(int g) const {
     return head(g) + kTile * F::kHeadBytes + (g % F::kSuperGroups) * kTile * F::kRowBytes;

@@ -4,21 +4,26 @@
 // groups of 32 inputs with float16 scales (and offsets): a GGUF file's Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K and
 // Q8_0 blocks each map onto one of them at the file's own bits (gguf_quant.py), so no value is rounded twice.
 // Activations are quantized to int16 per group of 32, so the inner products run on integer SIMD: with AVX-512, weight
-// rows in tiles of 16 meet each int16's two bytes in vpdpbusd (vpmaddubsw without VNNI); with AVX2, one row at a time
-// through vpmaddwd; on ARM64 the same rows through NEON (vdotq_s32 on the two bytes with the dot product); a scalar
-// loop without any (-march=native picks; pack_own in quant.py lays the weights out for the build's path).
+// rows in tiles of 16 meet each int16's two bytes in vpdpbusd (vpmaddubsw without VNNI); with AVX2, rows in tiles of
+// 8 meet pairs of int16 in vpmaddwd; on ARM64 rows in order through NEON (vdotq_s32 on the two bytes with the dot
+// product); a scalar loop without any (-march=native picks; pack_own in quant.py lays the weights out for the build's
+// path).
 // Not int8 as llama.cpp's Q8_1: SmolLM2's activations have outliers, a group's small values then round to zero, and
 // greedy answers changed with a prefix-cache hit (the last prompt rows taking this kernel instead of the dense copy).
 //
 // Plain C ABI, loaded with ctypes together with the other CPU kernels (one library).
 
-// Each ISA's path in its own file: arch/x86/quant_avx512.h (tiles), else quant_rows.h (rows in order, with
-// arch/x86/quant_avx2.h or arch/arm/quant_neon.h); the formats and layout they share in quant_format.h.
+// Each ISA's path in its own file: arch/x86/quant_avx512.h or arch/x86/quant_avx2.h (tiles, run by quant_tiles.h),
+// else quant_rows.h (rows in order, with arch/arm/quant_neon.h); the formats and layout they share in quant_format.h.
 
 #include <cstdint>
 
 #if defined(__AVX512BW__)
 #include "arch/x86/quant_avx512.h"
+#include "quant_tiles.h"
+#elif defined(__AVX2__)
+#include "arch/x86/quant_avx2.h"
+#include "quant_tiles.h"
 #else
 #include "quant_rows.h"
 #endif
@@ -82,7 +87,7 @@ extern "C" {
 
 // The integer SIMD this build's quantized kernels run on (for /stats and the start-up log): the group kernel
 // vpdpbusd on weight tiles where AVX512-VNNI exists (vpmaddubsw with AVX512BW alone), the int8 one vpdpwssd; both
-// vpmaddwd with AVX2. On ARM64 the group kernel's rows in order run on NEON, with vdotq_s32 where the build has the
+// vpmaddwd with AVX2 (the group kernel on tiles of 8 rows). On ARM64 the group kernel's rows in order run on NEON, with vdotq_s32 where the build has the
 // dot product (-march=armv8.2-a+dotprod and later); the int8 kernel stays scalar there. Scalar code elsewhere.
 const char* llmserve_quant_isa() {
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)

@@ -1,6 +1,6 @@
 // The group kernel one weight row at a time, in its natural packing (quant_matmul.cpp includes it where the build
-// has no AVX-512): activations quantized to int16 per group, then each row's groups through the CPU's SIMD path
-// (arch/x86/quant_avx2.h, arch/arm/quant_neon.h), or one value at a time.
+// has neither AVX-512 nor AVX2): activations quantized to int16 per group, then each row's groups through the CPU's
+// SIMD path (arch/arm/quant_neon.h), or one value at a time.
 #pragma once
 
 #include <vector>
@@ -53,10 +53,8 @@ float groups_term(const Block<F>& b, const int16_t* x, const float* d, const int
 
 }  // namespace quant
 
-// the ISA paths use group_term above
-#if defined(__AVX2__)
-#include "arch/x86/quant_avx2.h"
-#elif defined(__ARM_NEON) && defined(__aarch64__)
+// the NEON path (arch/arm), for the rows in order
+#if defined(__ARM_NEON) && defined(__aarch64__)
 #include "arch/arm/quant_neon.h"
 #endif
 
@@ -97,16 +95,14 @@ const Acts& quantize_rows(const T* x, int64_t xs, int rows, int K) {
 }
 
 
-// One output: the groups' terms, as far as the CPU's SIMD path takes them (avx2_groups_term, neon_groups_term), the
-// rest one value at a time (groups_term)
+// One output: the groups' terms, through the CPU's SIMD path where it has one (neon_groups_term), else one value at
+// a time (groups_term)
 template <typename F>
 HOT_INLINE float row_dot(const Block<F>& b, const int16_t* x, const float* d, const int32_t* qs0, const int32_t* qs,
                      const float* xs0, const float* xs, int ng) {
   int g = 0;
   float sum = 0.f;
-#if defined(__AVX2__)
-  sum = avx2_groups_term(b, x, d, qs0, qs, xs0, xs, ng, g);
-#elif defined(__ARM_NEON) && defined(__aarch64__)
+#if defined(__ARM_NEON) && defined(__aarch64__)
   sum = neon_groups_term(b, x, d, xs0, xs, ng), g = ng;  // every group: none left for groups_term
 #endif
   return sum + groups_term(b, x, d, qs0, qs, xs0, xs, g, ng);

@@ -1,124 +1,184 @@
-// The rows path's AVX2 helpers (quant_rows.h includes them where the build has AVX2): one weight row at a time
-// through vpmaddwd. Reads group_term (quant_rows.h, which includes this after it).
+// The group kernel on AVX2 (quant_matmul.cpp includes it where the build has AVX2 but not AVX512BW): weight rows in
+// tiles of 8, one output per 32-bit lane, as the AVX-512 path's tiles of 16 (quant_tiles.h runs the tiles). Each
+// pair of int16 activations, broadcast, meets a pair of weights of all 8 rows in one vpmaddwd: no horizontal sums,
+// one scale vector per group for 8 rows, the 5- and 6-bit planes unpacked by shifts for 8 rows at once, and several
+// rows of x share one unpacking. One row at a time (a weight row's 32 inputs in one vpmaddwd, then a horizontal sum
+// per row and group) spent twice as many instructions per weight (docs/benchmarks.md, "The kernels' choices").
 #pragma once
 
 #include <immintrin.h>
+
+#include <vector>
 
 #include "quant_format.h"
 
 namespace quant {
 
+// Rows of activations, per group of 32: x ≈ d * q with q int16 in -kQMax..kQMax, each 4 inputs 4c..4c+3 stored as
+// (4c, 4c + 2, 4c + 1, 4c + 3): a tile's 32-bit lane holds a row's 4 weight bytes of those inputs, whose even bytes
+// (4c, 4c + 2) and odd bytes (4c + 1, 4c + 3) become int16 pairs by a mask and a shift, each meeting one broadcast
+// pair. qs and xs: the sums of q and the exact sums of x over inputs 0..15 (qs0, xs0) and 16..31 (qs1, xs1), or with
+// whole groups (no Half) over all 32 in qs0 and xs0
+struct Pairs {
+  std::vector<int16_t> q;
+  std::vector<float> d, xs0, xs1;
+  std::vector<int32_t> qs0, qs1;
+};
+
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const uint16_t* p) {  // 8 bfloat16 as float: the 16 bits become the top half
+  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(b), 16));
+}
+
 inline float hsum(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
 }
 
-// lane i: the sum of v[i]'s eight lanes
-inline __m256i hsum8(const __m256i* v) {
-  const __m256i ab = _mm256_hadd_epi32(_mm256_hadd_epi32(v[0], v[1]), _mm256_hadd_epi32(v[2], v[3]));
-  const __m256i cd = _mm256_hadd_epi32(_mm256_hadd_epi32(v[4], v[5]), _mm256_hadd_epi32(v[6], v[7]));
-  return _mm256_add_epi32(_mm256_permute2x128_si256(ab, cd, 0x20), _mm256_permute2x128_si256(ab, cd, 0x31));
+inline float hmax(__m256 v) {
+  __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_max_ss(s, _mm_movehdup_ps(s)));
 }
 
-inline __m256 load8_half(const uint16_t* p) {  // 8 float16 as float
-#if defined(__F16C__)
-  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-#else
-  alignas(32) float f[8];
-  for (int i = 0; i < 8; ++i) f[i] = load_half(p[i]);
-  return _mm256_load_ps(f);
-#endif
-}
-
-// Groups g..g+7's scales (kind 0) or offsets (1) of a part (with Sup g is a super-block's first group)
-template <typename F>
-HOT_INLINE __m256 row_scales8(const Block<F>& b, int g, int part, int kind) {
-  const uint8_t* p = kind ? b.offsets(g, part) : b.scales(g, part);
-  if (!F::kSup) return load8_half(reinterpret_cast<const uint16_t*>(p));
-  const __m256 v = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
-  return _mm256_mul_ps(v, _mm256_set1_ps(load_half(*b.factors(g, kind))));
-}
-
-// One group's values as bytes: lo inputs 0..15, hi 16..31
-template <typename F>
-HOT_INLINE void unpack_row(const uint8_t* v, __m128i& lo, __m128i& hi) {
-  if (F::kBits == 8) {
-    lo = _mm_loadu_si128(reinterpret_cast<const __m128i*>(v));
-    hi = _mm_loadu_si128(reinterpret_cast<const __m128i*>(v + 16));
-    return;
-  }
-  const __m128i m4 = _mm_set1_epi8(0x0F), p = _mm_loadu_si128(reinterpret_cast<const __m128i*>(v));
-  lo = _mm_and_si128(p, m4), hi = _mm_and_si128(_mm_srli_epi16(p, 4), m4);
-  // input 4c + j's bit is bit c of plane byte j: byte i of the spread plane is byte i % 4, tested against bit i / 4
-  const __m128i spread = _mm_setr_epi8(0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3);
-  const __m128i sel = _mm_setr_epi8(1, 1, 1, 1, 2, 2, 2, 2, 4, 4, 4, 4, 8, 8, 8, 8), sel_hi = _mm_slli_epi16(sel, 4);
-  for (int pl = 0; pl < F::kBits - 4; ++pl) {
-    int32_t bits;
-    std::memcpy(&bits, v + 16 + 4 * pl, 4);
-    const __m128i b = _mm_shuffle_epi8(_mm_cvtsi32_si128(bits), spread), bit = _mm_set1_epi8(static_cast<char>(16 << pl));
-    lo = _mm_or_si128(lo, _mm_and_si128(_mm_cmpeq_epi8(_mm_and_si128(b, sel), sel), bit));
-    hi = _mm_or_si128(hi, _mm_and_si128(_mm_cmpeq_epi8(_mm_and_si128(b, sel_hi), sel_hi), bit));
-  }
-}
-
-// One group's products with the int16 activations xg: eight int32 partial sums over inputs 0..15 (lo) and 16..31 (hi)
-template <typename F>
-HOT_INLINE void group_dots(const uint8_t* v, const int16_t* xg, __m256i& lo_sums, __m256i& hi_sums) {
-  __m128i lo, hi;
-  unpack_row<F>(v, lo, hi);
-  lo_sums = _mm256_madd_epi16(_mm256_cvtepu8_epi16(lo), _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xg)));
-  hi_sums = _mm256_madd_epi16(_mm256_cvtepu8_epi16(hi), _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xg + 16)));
-}
-
-inline int hsum_i32(__m256i v) {
+inline int32_t hsum_i32(__m256i v) {
   __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
   s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
   return _mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1)));
 }
 
-// What an output's groups add, eight at a time: their int32 sums meet their eight scales in one vector (not one
-// broadcast each); the groups left over (576 inputs are 18 groups) one at a time, their sums still in SIMD. g: the
-// groups done (all of them)
-template <typename F>
-HOT_INLINE float avx2_groups_term(const Block<F>& b, const int16_t* x, const float* d, const int32_t* qs0,
-                                  const int32_t* qs, const float* xs0, const float* xs, int ng, int& g) {
-  float sum = 0.f;
-  constexpr int P = F::kParts;
-  __m256 acc = _mm256_setzero_ps();
-  for (; g + 8 <= ng; g += 8) {
-    __m256i v[P][8];  // per part, per group: eight int32 partial sums of q * xq (exact: at most 32 * 255 * 32767)
-    for (int j = 0; j < 8; ++j) {
-      __m256i dl, dh;
-      group_dots<F>(b.values(g + j), x + (g + j) * kG, dl, dh);
-      if (P == 2)
-        v[0][j] = dl, v[P - 1][j] = dh;
+template <bool Half, typename T>
+const Pairs& tile_acts(const T* x, int64_t xs, int rows, int K) {
+  thread_local Pairs a;  // grown once: a step calls this ~120 times
+  const int ng = K / kG;
+  a.q.resize(static_cast<size_t>(rows) * K);
+  a.d.resize(static_cast<size_t>(rows) * ng), a.xs0.resize(a.d.size()), a.xs1.resize(a.d.size());
+  a.qs0.resize(a.d.size()), a.qs1.resize(a.d.size());
+  const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+  // within each 4 int16 (8 bytes): inputs 0, 2, 1, 3
+  const __m256i pairs = _mm256_setr_epi8(0, 1, 4, 5, 2, 3, 6, 7, 8, 9, 12, 13, 10, 11, 14, 15,  //
+                                         0, 1, 4, 5, 2, 3, 6, 7, 8, 9, 12, 13, 10, 11, 14, 15);
+  for (int r = 0; r < rows; ++r)
+    for (int g = 0; g < ng; ++g) {
+      const T* xg = x + r * xs + g * kG;
+      __m256 v[4];
+      for (int i = 0; i < 4; ++i) v[i] = load8(xg + 8 * i);
+      const __m256 m = _mm256_max_ps(_mm256_max_ps(_mm256_and_ps(v[0], abs_mask), _mm256_and_ps(v[1], abs_mask)),
+                                     _mm256_max_ps(_mm256_and_ps(v[2], abs_mask), _mm256_and_ps(v[3], abs_mask)));
+      const float mx = hmax(m);
+      const int64_t at = static_cast<int64_t>(r) * ng + g;
+      const __m256 inv = _mm256_set1_ps(mx > 0.f ? kQMax / mx : 0.f);
+      __m256i q[4];  // rounded to nearest, ties to even, as lrintf and the AVX-512 path round
+      for (int i = 0; i < 4; ++i) q[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], inv));
+      a.d[at] = mx / kQMax;
+      const float x0 = hsum(_mm256_add_ps(v[0], v[1])), x1 = hsum(_mm256_add_ps(v[2], v[3]));
+      const int32_t q0 = hsum_i32(_mm256_add_epi32(q[0], q[1])), q1 = hsum_i32(_mm256_add_epi32(q[2], q[3]));
+      if (Half)
+        a.xs0[at] = x0, a.xs1[at] = x1, a.qs0[at] = q0, a.qs1[at] = q1;
       else
-        v[0][j] = _mm256_add_epi32(dl, dh);
+        a.xs0[at] = x0 + x1, a.qs0[at] = q0 + q1;
+      int16_t* qg = a.q.data() + static_cast<int64_t>(r) * K + g * kG;
+      for (int h = 0; h < 2; ++h) {  // packs interleaves 128-bit lanes: the permute puts inputs back in order
+        const __m256i w = _mm256_permute4x64_epi64(_mm256_packs_epi32(q[2 * h], q[2 * h + 1]), 0xD8);
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(qg + 16 * h), _mm256_shuffle_epi8(w, pairs));
+      }
     }
-    const __m256i q_all = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + g));
-    const __m256i q_lo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs0 + g));
-    const __m256 x_all = _mm256_loadu_ps(xs + g), x_lo = _mm256_loadu_ps(xs0 + g), dg = _mm256_loadu_ps(d + g);
+  return a;
+}
+
+// v's 16-bit lanes shifted left by n (right by -n): a plane's bits moved to their place within each byte
+inline __m256i shift16(__m256i v, int n) { return n >= 0 ? _mm256_slli_epi16(v, n) : _mm256_srli_epi16(v, -n); }
+
+// Chunk c of a tile's group unpacked: lo lane r holds row r's values of inputs 4c..4c+3 as bytes, hi those of
+// 16 + 4c..16 + 4c + 3 (one chunk at a time: the whole group's 8 vectors and the pairs made of them overflow the 16
+// registers AVX2 has)
+template <typename F>
+HOT_INLINE void unpack_chunk(const uint8_t* wg, int c, __m256i& lo, __m256i& hi) {
+  if (F::kBits == 8) {
+    lo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wg + 32 * c));
+    hi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wg + 32 * (c + 4)));
+    return;
+  }
+  const __m256i m4 = _mm256_set1_epi8(0x0F), p = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wg + 32 * c));
+  lo = _mm256_and_si256(p, m4), hi = _mm256_and_si256(_mm256_srli_epi16(p, 4), m4);
+  for (int pl = 0; pl < F::kBits - 4; ++pl) {  // plane pl: bit c of a byte to bit 4 + pl of lo, bit 4 + c of hi
+    const __m256i plane = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wg + 128 + 32 * pl));
+    const __m256i bit = _mm256_set1_epi8(static_cast<char>(16 << pl));
+    lo = _mm256_or_si256(lo, _mm256_and_si256(shift16(plane, 4 + pl - c), bit));
+    hi = _mm256_or_si256(hi, _mm256_and_si256(shift16(plane, pl - c), bit));
+  }
+}
+
+// A tile's 8 scales (kind 0) or offsets (1) of group g's part
+template <typename F>
+HOT_INLINE __m256 tile_scales(const Block<F>& b, int g, int part, int kind) {
+  const uint8_t* p = kind ? b.offsets(g, part) : b.scales(g, part);
+  if (!F::kSup) return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  const __m256 v = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+  return _mm256_mul_ps(v, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b.factors(g, kind)))));
+}
+
+// acc + a pair of int16 activations (broadcast) times the int16 weight pairs of every lane
+HOT_INLINE __m256i dot2(__m256i acc, __m256i w, const int16_t* x2) {
+  int32_t v;
+  std::memcpy(&v, x2, 4);
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(w, _mm256_set1_epi32(v)));
+}
+
+// One tile against RB rows of x from row r0: y[r0.., n0..n0+7] (outputs past N are padding, not stored); the weights
+// asked for `ahead` bytes on (prefetch_distance), as the AVX-512 path does
+template <typename F, int RB, typename U>
+void tile_rows(const Block<F>& b, const Pairs& a, int r0, int K, U* y, int64_t ys, int n0, int N, int ahead) {
+  const int ng = K / kG;
+  constexpr int P = F::kParts;
+  const __m256i even = _mm256_set1_epi16(0x00FF);
+  __m256 acc[RB], zacc[RB];  // two chains per row: the scale and the zero terms
+  for (int r = 0; r < RB; ++r) acc[r] = _mm256_setzero_ps(), zacc[r] = _mm256_setzero_ps();
+  for (int g = 0; g < ng; ++g) {
+    const uint8_t* wg = b.values(g);
+    for (int c = 0; c < kTile * F::kRowBytes; c += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(wg) + ahead + c, _MM_HINT_T0);
+    __m256i s[RB][P];  // per row and part: sum(q * xq), exact in int32 (at most 32 * 255 * 32639 < 2^28)
+    for (int r = 0; r < RB; ++r)
+      for (int p = 0; p < P; ++p) s[r][p] = _mm256_setzero_si256();
+    for (int c = 0; c < 4; ++c) {
+      __m256i lo, hi;
+      unpack_chunk<F>(wg, c, lo, hi);
+      // the bytes as int16 pairs: even inputs 4c, 4c + 2 and odd 4c + 1, 4c + 3 of each lane's row
+      const __m256i lo_e = _mm256_and_si256(lo, even), lo_o = _mm256_srli_epi16(lo, 8);
+      const __m256i hi_e = _mm256_and_si256(hi, even), hi_o = _mm256_srli_epi16(hi, 8);
+      for (int r = 0; r < RB; ++r) {
+        const int16_t* xq = a.q.data() + static_cast<int64_t>(r0 + r) * K + g * kG + 4 * c;
+        s[r][0] = dot2(dot2(s[r][0], lo_e, xq), lo_o, xq + 2);
+        s[r][P - 1] = dot2(dot2(s[r][P - 1], hi_e, xq + 16), hi_o, xq + 18);
+      }
+    }
+    __m256 sc[P], zc[P];
     for (int p = 0; p < P; ++p) {
-      const __m256i qp = P == 1 ? q_all : (p ? _mm256_sub_epi32(q_all, q_lo) : q_lo);
-      const __m256i s = _mm256_sub_epi32(hsum8(v[p]), _mm256_mullo_epi32(qp, _mm256_set1_epi32(F::kCentre)));
-      const __m256 scale = row_scales8(b, g, p, 0);
-      acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(scale, dg), acc);
-      if (F::kOff) {
-        const __m256 zero = _mm256_fmadd_ps(_mm256_set1_ps(F::kCentre), scale, row_scales8(b, g, p, 1));
-        acc = _mm256_fmadd_ps(zero, P == 1 ? x_all : (p ? _mm256_sub_ps(x_all, x_lo) : x_lo), acc);
+      sc[p] = tile_scales<F>(b, g, p, 0);
+      if (F::kOff)  // the zero point
+        zc[p] = _mm256_fmadd_ps(_mm256_set1_ps(F::kCentre), sc[p], tile_scales<F>(b, g, p, 1));
+    }
+    for (int r = 0; r < RB; ++r) {
+      const int64_t at = static_cast<int64_t>(r0 + r) * ng + g;
+      const __m256 d = _mm256_set1_ps(a.d[at]);
+      for (int p = 0; p < P; ++p) {
+        // sum((q - centre) * xq), then scale * d times it
+        const int qs = p ? a.qs1[at] : a.qs0[at];
+        const __m256i q = _mm256_sub_epi32(s[r][p], _mm256_set1_epi32(F::kCentre * qs));
+        acc[r] = _mm256_fmadd_ps(sc[p], _mm256_mul_ps(_mm256_cvtepi32_ps(q), d), acc[r]);
+        if (F::kOff) zacc[r] = _mm256_fmadd_ps(zc[p], _mm256_set1_ps(p ? a.xs1[at] : a.xs0[at]), zacc[r]);
       }
     }
   }
-  sum = hsum(acc);
-  for (; g < ng; ++g) {  // the groups left over
-    __m256i dl, dh;
-    group_dots<F>(b.values(g), x + g * kG, dl, dh);
-    const int s[2] = {hsum_i32(dl), hsum_i32(dh)};
-    sum += group_term(b, g, s, d, qs0, qs, xs0, xs);
+  const int valid = N - n0 < kTile ? N - n0 : kTile;
+  for (int r = 0; r < RB; ++r) {
+    alignas(32) float out[kTile];
+    _mm256_store_ps(out, _mm256_add_ps(acc[r], zacc[r]));
+    for (int i = 0; i < valid; ++i) store(y + (r0 + r) * ys + n0 + i, out[i]);
   }
-  return sum;
 }
 
 }  // namespace quant

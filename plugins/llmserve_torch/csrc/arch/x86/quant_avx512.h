@@ -1,5 +1,5 @@
 // The group kernel on AVX-512 (quant_matmul.cpp includes it where the build has AVX512BW): weight rows in tiles of
-// 16, one output per lane; vpdpbusd with AVX512-VNNI, vpmaddubsw without.
+// 16, one output per lane (quant_tiles.h runs the tiles); vpdpbusd with AVX512-VNNI, vpmaddubsw without.
 #pragma once
 
 #include <immintrin.h>
@@ -13,8 +13,6 @@ namespace quant {
 // A 4-byte piece of the activations, broadcast, meets all 16 rows in one vpdpbusd: no horizontal sums, no per-row
 // tails (576 inputs are 18 groups: a per-row layout had 2 left over after blocks of four), one scale vector per
 // group. A per-row layout was bound by its own arithmetic, not by memory (docs/benchmarks.md, "The kernels' choices").
-constexpr int kRowBlock = 4;  // rows of x that share one unpacking of a tile's group
-
 // Rows of activations, per group of 32: x ≈ d * q with q in -kQMax..kQMax, each q as two signed bytes q = 256 * h +
 // l (vpdpbusd multiplies unsigned by signed bytes: the weights 64 at a time, no widening, the same integer sums); qs
 // and xs: the sums of q and the exact sums of x over inputs 0..15 (qs0, xs0) and 16..31 (qs1, xs1), or with whole
@@ -35,7 +33,7 @@ inline __m512 load16(const uint16_t* p) {  // 16 bfloat16 as float: the 16 bits 
 }
 
 template <bool Half, typename T>
-const Split& split_rows(const T* x, int64_t xs, int rows, int K) {
+const Split& tile_acts(const T* x, int64_t xs, int rows, int K) {
   thread_local Split a;  // grown once: a step calls this ~120 times
   const int ng = K / kG;
   a.h.resize(static_cast<size_t>(rows) * K), a.l.resize(a.h.size());
@@ -173,29 +171,6 @@ void tile_rows(const Block<F>& b, const Split& a, int r0, int K, U* y, int64_t y
     alignas(64) float out[kTile];
     _mm512_store_ps(out, _mm512_add_ps(acc[r], zacc[r]));
     for (int i = 0; i < valid; ++i) store(y + (r0 + r) * ys + n0 + i, out[i]);
-  }
-}
-
-// This member's tiles; every member quantizes x itself into its own buffers, at the same time (one thread did it
-// before the others started, which took as long, and a shared copy would need a barrier)
-template <typename F, typename T, typename U>
-void group_matmul(const Team& tm, const T* x, int64_t xs, int rows, const uint8_t* w, U* y, int64_t ys, int N, int K) {
-  const int tiles = quant_tiles(N);
-  const Split& a = split_rows<F::kHalf>(x, xs, rows, K);
-  // 8 KiB ahead with up to four rows of x (a kernel reading few rows reads fastest, so it needs more bytes in
-  // flight), 4 KiB with more, where the farther distance no longer paid (docs/benchmarks.md, "Prefetch distances")
-  const int ahead = prefetch_distance(rows, 8192);
-  const int t0 = tm.share_begin(tiles), t1 = tm.share_end(tiles);
-  for (int t = t0; t < t1; ++t) {
-    const Block<F> b(w, t, K);
-    int r0 = 0;
-    for (; r0 + kRowBlock <= rows; r0 += kRowBlock) tile_rows<F, kRowBlock>(b, a, r0, K, y, ys, t * kTile, N, ahead);
-    switch (rows - r0) {
-      case 3: tile_rows<F, 3>(b, a, r0, K, y, ys, t * kTile, N, ahead); break;
-      case 2: tile_rows<F, 2>(b, a, r0, K, y, ys, t * kTile, N, ahead); break;
-      case 1: tile_rows<F, 1>(b, a, r0, K, y, ys, t * kTile, N, ahead); break;
-      default: break;
-    }
   }
 }
 

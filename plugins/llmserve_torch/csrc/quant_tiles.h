@@ -1,0 +1,35 @@
+// The group kernel over weight tiles (quant_matmul.cpp includes it after the ISA's path where the build has tiles:
+// arch/x86/quant_avx512.h, arch/x86/quant_avx2.h). The path supplies tile_acts (each row of x quantized its way) and
+// tile_rows (one tile against a block of rows of x); this shares the tiles out and blocks the rows.
+#pragma once
+
+#include "quant_format.h"
+
+namespace quant {
+
+constexpr int kRowBlock = 4;  // rows of x that share one unpacking of a tile's group
+
+// This member's tiles; every member quantizes x itself into its own buffers, at the same time (one thread did it
+// before the others started, which took as long, and a shared copy would need a barrier)
+template <typename F, typename T, typename U>
+void group_matmul(const Team& tm, const T* x, int64_t xs, int rows, const uint8_t* w, U* y, int64_t ys, int N, int K) {
+  const int tiles = quant_tiles(N);
+  const auto& a = tile_acts<F::kHalf>(x, xs, rows, K);
+  // 8 KiB ahead with up to four rows of x (a kernel reading few rows reads fastest, so it needs more bytes in
+  // flight), 4 KiB with more, where the farther distance no longer paid (docs/benchmarks.md, "Prefetch distances")
+  const int ahead = prefetch_distance(rows, 8192);
+  const int t0 = tm.share_begin(tiles), t1 = tm.share_end(tiles);
+  for (int t = t0; t < t1; ++t) {
+    const Block<F> b(w, t, K);
+    int r0 = 0;
+    for (; r0 + kRowBlock <= rows; r0 += kRowBlock) tile_rows<F, kRowBlock>(b, a, r0, K, y, ys, t * kTile, N, ahead);
+    switch (rows - r0) {
+      case 3: tile_rows<F, 3>(b, a, r0, K, y, ys, t * kTile, N, ahead); break;
+      case 2: tile_rows<F, 2>(b, a, r0, K, y, ys, t * kTile, N, ahead); break;
+      case 1: tile_rows<F, 1>(b, a, r0, K, y, ys, t * kTile, N, ahead); break;
+      default: break;
+    }
+  }
+}
+
+}  // namespace quant
