@@ -14,7 +14,7 @@ constexpr int kRowBlock = 4;  // rows of x that share one unpacking of a tile's 
 template <typename F, typename T, typename U>
 void group_matmul(const Team& tm, const T* x, int64_t xs, int rows, const uint8_t* w, U* y, int64_t ys, int N, int K) {
   const int tiles = quant_tiles(N);
-  const auto& a = tile_acts<F::kHalf>(x, xs, rows, K);
+  const auto& a = tile_acts<F>(x, xs, rows, K);
   // 8 KiB ahead with up to four rows of x (a kernel reading few rows reads fastest, so it needs more bytes in
   // flight), 4 KiB with more, where the farther distance no longer paid (docs/benchmarks.md, "Prefetch distances")
   const int ahead = prefetch_distance(rows, 8192);

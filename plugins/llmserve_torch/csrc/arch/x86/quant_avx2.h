@@ -14,12 +14,16 @@
 
 namespace quant {
 
-// Rows of activations, per group of 32: x ≈ d * q with q int16 in -kQMax..kQMax, each 4 inputs 4c..4c+3 stored as
-// (4c, 4c + 2, 4c + 1, 4c + 3): a tile's 32-bit lane holds a row's 4 weight bytes of those inputs, whose even bytes
-// (4c, 4c + 2) and odd bytes (4c + 1, 4c + 3) become int16 pairs by a mask and a shift, each meeting one broadcast
-// pair. qs and xs: the sums of q and the exact sums of x over inputs 0..15 (qs0, xs0) and 16..31 (qs1, xs1), or with
-// whole groups (no Half) over all 32 in qs0 and xs0
+// Rows of activations, per group of 32: x ≈ d * q with q int16 in -kQMax..kQMax, laid out for the format's products
+// (split): for 8-bit weights each 4 inputs 4c..4c+3 as int16 (4c, 4c + 2, 4c + 1, 4c + 3): a tile's 32-bit lane
+// holds a row's 4 weight bytes of those inputs, whose even bytes (4c, 4c + 2) and odd bytes (4c + 1, 4c + 3) become
+// int16 pairs by a mask and a shift, each meeting one broadcast pair in vpmaddwd. Narrower weights meet the q's two
+// signed bytes q = 256 * h + l (h = (q + 128) >> 8 <= 127, l in -128..127, as the AVX-512 path splits them) in
+// vpmaddubsw, four inputs' bytes broadcast: the group's 64 bytes hold its 32 h, then its 32 l. qs and xs: the sums of
+// q and the exact sums of x over inputs 0..15 (qs0, xs0) and 16..31 (qs1, xs1), or with whole groups (no Half) over
+// all 32 in qs0 and xs0
 struct Pairs {
+  bool split;  // h and l bytes (split_rows), else int16 pairs
   std::vector<int16_t> q;
   std::vector<float> d, xs0, xs1;
   std::vector<int32_t> qs0, qs1;
@@ -49,10 +53,19 @@ inline int32_t hsum_i32(__m256i v) {
   return _mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1)));
 }
 
-template <bool Half, typename T>
+// vpmaddubsw's products for weights of fewer than 8 bits: two of (2^Bits - 1) * 128 make an int16 sum (8-bit
+// weights would saturate it). With scales per 16 (two parts) each row of a block holds four int16 sums: at four rows
+// of x they overflow AVX2's 16 registers, and vpmaddwd on pairs ran faster there (Q6_K: 0.79x)
+template <typename F>
+inline bool split_rows(int rows) {
+  return F::kBits < 8 && (F::kParts == 1 || rows <= 2);
+}
+
+template <typename F, typename T>
 const Pairs& tile_acts(const T* x, int64_t xs, int rows, int K) {
   thread_local Pairs a;  // grown once: a step calls this ~120 times
   const int ng = K / kG;
+  a.split = split_rows<F>(rows);
   a.q.resize(static_cast<size_t>(rows) * K);
   a.d.resize(static_cast<size_t>(rows) * ng), a.xs0.resize(a.d.size()), a.xs1.resize(a.d.size());
   a.qs0.resize(a.d.size()), a.qs1.resize(a.d.size());
@@ -75,11 +88,25 @@ const Pairs& tile_acts(const T* x, int64_t xs, int rows, int K) {
       a.d[at] = mx / kQMax;
       const float x0 = hsum(_mm256_add_ps(v[0], v[1])), x1 = hsum(_mm256_add_ps(v[2], v[3]));
       const int32_t q0 = hsum_i32(_mm256_add_epi32(q[0], q[1])), q1 = hsum_i32(_mm256_add_epi32(q[2], q[3]));
-      if (Half)
+      if (F::kHalf)
         a.xs0[at] = x0, a.xs1[at] = x1, a.qs0[at] = q0, a.qs1[at] = q1;
       else
         a.xs0[at] = x0 + x1, a.qs0[at] = q0 + q1;
       int16_t* qg = a.q.data() + static_cast<int64_t>(r) * K + g * kG;
+      if (a.split) {
+        __m256i h[4], l[4];
+        for (int i = 0; i < 4; ++i) {
+          h[i] = _mm256_srai_epi32(_mm256_add_epi32(q[i], _mm256_set1_epi32(128)), 8);
+          l[i] = _mm256_sub_epi32(q[i], _mm256_slli_epi32(h[i], 8));
+        }
+        // the packs interleave 128-bit lanes by 4-byte pieces: the permute puts the 32 bytes back in order
+        const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+        const __m256i hb = _mm256_packs_epi16(_mm256_packs_epi32(h[0], h[1]), _mm256_packs_epi32(h[2], h[3]));
+        const __m256i lb = _mm256_packs_epi16(_mm256_packs_epi32(l[0], l[1]), _mm256_packs_epi32(l[2], l[3]));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(qg), _mm256_permutevar8x32_epi32(hb, order));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(qg + 16), _mm256_permutevar8x32_epi32(lb, order));
+        continue;
+      }
       for (int h = 0; h < 2; ++h) {  // packs interleaves 128-bit lanes: the permute puts inputs back in order
         const __m256i w = _mm256_permute4x64_epi64(_mm256_packs_epi32(q[2 * h], q[2 * h + 1]), 0xD8);
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(qg + 16 * h), _mm256_shuffle_epi8(w, pairs));
@@ -120,11 +147,49 @@ HOT_INLINE __m256 tile_scales(const Block<F>& b, int g, int part, int kind) {
   return _mm256_mul_ps(v, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b.factors(g, kind)))));
 }
 
+HOT_INLINE __m256i broadcast4(const void* p) {  // 4 bytes into every 32-bit lane
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm256_set1_epi32(v);
+}
+
 // acc + a pair of int16 activations (broadcast) times the int16 weight pairs of every lane
 HOT_INLINE __m256i dot2(__m256i acc, __m256i w, const int16_t* x2) {
-  int32_t v;
-  std::memcpy(&v, x2, 4);
-  return _mm256_add_epi32(acc, _mm256_madd_epi16(w, _mm256_set1_epi32(v)));
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(w, broadcast4(x2)));
+}
+
+// int16 sums of vpmaddubsw's outputs (each at most 2 * (2^Bits - 1) * 128) that stay below 2^15
+template <typename F>
+constexpr int kSums = 32767 / (2 * ((1 << F::kBits) - 1) * 128);
+
+// One tile's group against RB rows, with the activations' bytes (split_rows): per row and part, the h bytes' and l bytes'
+// products summed in int16 as far as kSums allows, then 256 * sum(h products) + sum(l products) in int32
+template <typename F, int RB>
+HOT_INLINE void split_sums(const uint8_t* wg, const int8_t* const* xg, __m256i (*s)[F::kParts]) {
+  constexpr int P = F::kParts, kPerChunk = P == 1 ? 2 : 1;  // products a chunk adds to a part's sums
+  const __m256i ones = _mm256_set1_epi16(1), h_weight = _mm256_set1_epi16(256);
+  __m256i sh[RB][P], sl[RB][P];
+  for (int r = 0; r < RB; ++r)
+    for (int p = 0; p < P; ++p) sh[r][p] = sl[r][p] = _mm256_setzero_si256();
+  for (int c = 0; c < 4; ++c) {
+    __m256i lo, hi;
+    unpack_chunk<F>(wg, c, lo, hi);
+    for (int r = 0; r < RB; ++r) {
+      const int8_t* h = xg[r] + 4 * c;
+      const int8_t* l = h + kG;
+      sh[r][0] = _mm256_add_epi16(sh[r][0], _mm256_maddubs_epi16(lo, broadcast4(h)));
+      sl[r][0] = _mm256_add_epi16(sl[r][0], _mm256_maddubs_epi16(lo, broadcast4(l)));
+      sh[r][P - 1] = _mm256_add_epi16(sh[r][P - 1], _mm256_maddubs_epi16(hi, broadcast4(h + 16)));
+      sl[r][P - 1] = _mm256_add_epi16(sl[r][P - 1], _mm256_maddubs_epi16(hi, broadcast4(l + 16)));
+    }
+    if (((c + 1) * kPerChunk) % kSums<F> == 0 || c == 3)  // int16 sums full, or the group done: into int32
+      for (int r = 0; r < RB; ++r)
+        for (int p = 0; p < P; ++p) {
+          const __m256i t = _mm256_add_epi32(_mm256_madd_epi16(sh[r][p], h_weight), _mm256_madd_epi16(sl[r][p], ones));
+          s[r][p] = _mm256_add_epi32(s[r][p], t);
+          sh[r][p] = sl[r][p] = _mm256_setzero_si256();
+        }
+  }
 }
 
 // One tile against RB rows of x from row r0: y[r0.., n0..n0+7] (outputs past N are padding, not stored); the weights
@@ -143,7 +208,17 @@ void tile_rows(const Block<F>& b, const Pairs& a, int r0, int K, U* y, int64_t y
     __m256i s[RB][P];  // per row and part: sum(q * xq), exact in int32 (at most 32 * 255 * 32639 < 2^28)
     for (int r = 0; r < RB; ++r)
       for (int p = 0; p < P; ++p) s[r][p] = _mm256_setzero_si256();
-    for (int c = 0; c < 4; ++c) {
+    bool done = false;
+    if constexpr (F::kBits < 8) {
+      if (a.split) {
+        const int8_t* xg[RB];
+        for (int r = 0; r < RB; ++r)
+          xg[r] = reinterpret_cast<const int8_t*>(a.q.data() + static_cast<int64_t>(r0 + r) * K + g * kG);
+        split_sums<F, RB>(wg, xg, s);
+        done = true;
+      }
+    }
+    for (int c = 0; c < 4 && !done; ++c) {
       __m256i lo, hi;
       unpack_chunk<F>(wg, c, lo, hi);
       // the bytes as int16 pairs: even inputs 4c, 4c + 2 and odd 4c + 1, 4c + 3 of each lane's row

@@ -32,7 +32,7 @@ inline __m512 load16(const uint16_t* p) {  // 16 bfloat16 as float: the 16 bits 
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16));
 }
 
-template <bool Half, typename T>
+template <typename F, typename T>
 const Split& tile_acts(const T* x, int64_t xs, int rows, int K) {
   thread_local Split a;  // grown once: a step calls this ~120 times
   const int ng = K / kG;
@@ -49,7 +49,7 @@ const Split& tile_acts(const T* x, int64_t xs, int rows, int K) {
       const __m512 inv = _mm512_set1_ps(mx > 0.f ? kQMax / mx : 0.f);
       const __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, inv)), q1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, inv));
       a.d[at] = mx / kQMax;
-      if (Half) {
+      if (F::kHalf) {
         a.xs0[at] = _mm512_reduce_add_ps(v0), a.xs1[at] = _mm512_reduce_add_ps(v1);
         a.qs0[at] = _mm512_reduce_add_epi32(q0), a.qs1[at] = _mm512_reduce_add_epi32(q1);
       } else {
