@@ -110,6 +110,7 @@ def main() -> None:
     ap.add_argument("--march", default="x86-64-v3", help="-march both builds take (default x86-64-v3: AVX2 only)")
     ap.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
     ap.add_argument("--rows", nargs="+", type=int, default=[1])
+    ap.add_argument("--min-n", type=int, default=0, help="only the linears of at least this many outputs")
     ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=4, help="A B B A rounds")
@@ -124,6 +125,8 @@ def main() -> None:
         results = []
         for model in args.models:
             for seed, (t, n, k, times) in enumerate(MODELS[model]):
+                if n < args.min_n:
+                    continue
                 qw = random_weight(t, n, k, seed)
                 packs = {s: packed_for(lib, qw) for s, lib in libs.items()}
                 for rows in args.rows:

@@ -9,15 +9,20 @@ namespace quant {
 
 constexpr int kRowBlock = 4;  // rows of x that share one unpacking of a tile's group
 
+// How far ahead a member asks for its weights with up to four rows of x: 8 KiB for AVX-512's tiles of 16 (a kernel
+// reading few rows reads fastest, so it needs more bytes in flight), 4 KiB for AVX2's tiles of 8, which read about
+// half as fast (the head of the Qwen2.5-0.5B file 3-6 % faster at one row than with 8 KiB)
+constexpr int kFewRowsAhead = kTile == 16 ? 8192 : 4096;
+
 // This member's tiles; every member quantizes x itself into its own buffers, at the same time (one thread did it
 // before the others started, which took as long, and a shared copy would need a barrier)
 template <typename F, typename T, typename U>
 void group_matmul(const Team& tm, const T* x, int64_t xs, int rows, const uint8_t* w, U* y, int64_t ys, int N, int K) {
   const int tiles = quant_tiles(N);
   const auto& a = tile_acts<F>(x, xs, rows, K);
-  // 8 KiB ahead with up to four rows of x (a kernel reading few rows reads fastest, so it needs more bytes in
-  // flight), 4 KiB with more, where the farther distance no longer paid (docs/benchmarks.md, "Prefetch distances")
-  const int ahead = prefetch_distance(rows, 8192);
+  // kFewRowsAhead with up to four rows of x, 4 KiB with more, where the farther distance no longer paid
+  // (docs/benchmarks.md, "Prefetch distances")
+  const int ahead = prefetch_distance(rows, kFewRowsAhead);
   const int t0 = tm.share_begin(tiles), t1 = tm.share_end(tiles);
   for (int t = t0; t < t1; ++t) {
     const Block<F> b(w, t, K);

@@ -1,9 +1,10 @@
 // The group kernel on AVX2 (quant_matmul.cpp includes it where the build has AVX2 but not AVX512BW): weight rows in
 // tiles of 8, one output per 32-bit lane, as the AVX-512 path's tiles of 16 (quant_tiles.h runs the tiles). Each
-// pair of int16 activations, broadcast, meets a pair of weights of all 8 rows in one vpmaddwd: no horizontal sums,
-// one scale vector per group for 8 rows, the 5- and 6-bit planes unpacked by shifts for 8 rows at once, and several
-// rows of x share one unpacking. One row at a time (a weight row's 32 inputs in one vpmaddwd, then a horizontal sum
-// per row and group) spent twice as many instructions per weight (docs/benchmarks.md, "The kernels' choices").
+// piece of the activations, broadcast, meets all 8 rows' weights of those inputs: 4-6-bit weights with the int16
+// activations' two bytes in vpmaddubsw, 8-bit ones in int16 pairs in vpmaddwd. No horizontal sums, one scale vector
+// per group for 8 rows, the 5- and 6-bit planes unpacked by shifts for 8 rows at once, and several rows of x share
+// one unpacking. One row at a time (a weight row's 32 inputs in one vpmaddwd, then a horizontal sum per row and
+// group) took about twice as long a decode step (docs/benchmarks.md, "The group kernel on AVX2").
 #pragma once
 
 #include <immintrin.h>
