@@ -121,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--concurrency", type=int, nargs="+", default=[64, 1])
     ap.add_argument("--requests", type=int, default=64, help="requests at concurrency > 1")
     ap.add_argument("--requests-c1", type=int, default=8, help="requests at concurrency 1")
-    ap.add_argument("--clients", nargs="+", default=["httpx", "openai"], choices=["httpx", "openai"])
+    ap.add_argument("--clients", nargs="+", default=["raw", "openai"], choices=["raw", "httpx", "openai"])
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)

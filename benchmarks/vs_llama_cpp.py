@@ -715,7 +715,7 @@ def client_args(concurrency: int, requests: int, prompt_len, output_len, seed: i
     """The namespace llmserve_bench.workload.make_workload and llmserve_bench.clients.run_http read."""
     return argparse.Namespace(requests=requests, prompt_len=list(prompt_len), output_len=list(output_len),
                               shared_prefix=0, workload_seed=seed, concurrency=concurrency, timeout=args.timeout,
-                              client="httpx", ignore_eos=True, json=args.json, no_progress=args.no_progress)
+                              client="raw", ignore_eos=True, json=args.json, no_progress=args.no_progress)
 
 
 def measure(url: str, case: Case, vocab: int, seed: int, args) -> dict[str, Any]:

@@ -11,6 +11,7 @@ from typing import Any
 
 import httpx
 
+from llmserve_bench.raw_http import RawConnection
 from llmserve_bench.report import Result, Timing, progress_bar
 from llmserve_bench.workload import Item
 
@@ -32,15 +33,73 @@ def _events(buf: bytes) -> tuple[list[bytes], bytes]:
                 out.append(line[5:].lstrip())
 
 
-async def _one(client: httpx.AsyncClient, url: str, headers: dict, model: str | None, item: Item,
-               ignore_eos: bool = True) -> Result:
-    """One streamed completion over raw SSE."""
+def _body(item: Item, model: str | None, ignore_eos: bool) -> dict[str, Any]:
+    """One streamed, greedy completion request for item."""
     body: dict[str, Any] = {"prompt": item.prompt, "max_tokens": item.max_tokens, "temperature": 0.0,
                             "stream": True, "stream_options": {"include_usage": True}}
     if ignore_eos:
         body["ignore_eos"] = True
     if model:
         body["model"] = model
+    return body
+
+
+class _Arrivals:
+    """A streamed completion's SSE bytes read into token arrivals: raw bytes, split into events here, and JSON parsed
+    only for the usage and error events (the client shares the machine with the server, so it should cost little)."""
+
+    def __init__(self, timing: Timing):
+        self.timing, self.rest, self.tokens = timing, b"", 0
+        self.error: str | None = None
+
+    def feed(self, data: bytes, now: float) -> bool:
+        """Bytes that arrived at `now`; False once the stream is over ([DONE] or an error event)."""
+        payloads, self.rest = _events(self.rest + data)
+        for p in payloads:
+            if p == b"[DONE]":
+                return False
+            if p.startswith(b'{"error"'):
+                self.error = json.loads(p)["error"].get("message", "error event")
+                return False
+            if b'"completion_tokens"' in p:  # a chunk carrying usage
+                chunk = json.loads(p)
+                self.tokens = (chunk.get("usage") or {}).get("completion_tokens", self.tokens)
+                # no choices, or (as `transformers serve` sends it) a last choice with
+                # finish_reason and empty text: not a token arrival
+                if not any(c.get("text") for c in chunk.get("choices") or ()):
+                    continue
+            self.timing.token(now)
+        return True
+
+    def result(self) -> Result:
+        """The request's Result, now that its stream ended."""
+        if self.error is not None:
+            return Result(False, error=self.error)
+        return self.timing.result(time.perf_counter(), self.tokens)
+
+
+async def _one_raw(conn: RawConnection, headers: dict, body: dict[str, Any], timeout: float) -> Result:
+    """One streamed completion on the worker's own connection (raw_http: the lightest client)."""
+    timing = Timing(time.perf_counter())
+    try:
+        async with asyncio.timeout(timeout):
+            status, chunks = await conn.post("/v1/completions", json.dumps(body).encode(), headers)
+            if status != 200:
+                return Result(False, error=f"HTTP {status}: {b''.join([c async for c in chunks]).decode()[:200]}")
+            arrivals = _Arrivals(timing)
+            async for data in chunks:
+                if not arrivals.feed(data, time.perf_counter()):
+                    async for _ in chunks:  # the rest of the body (the chunked end), so the connection is reusable
+                        pass
+                    break
+            return arrivals.result()
+    except Exception as e:  # noqa: BLE001 - every failure is counted and reported
+        conn.close()  # (whatever it was in the middle of is unreadable now)
+        return Result(False, error=f"{type(e).__name__}: {e}")
+
+
+async def _one(client: httpx.AsyncClient, url: str, headers: dict, body: dict[str, Any]) -> Result:
+    """One streamed completion through httpx."""
     for attempt in range(2):
         timing = Timing(time.perf_counter())
         try:
@@ -59,31 +118,14 @@ async def _one(client: httpx.AsyncClient, url: str, headers: dict, model: str | 
 
 async def _stream(client: httpx.AsyncClient, url: str, headers: dict, body: dict[str, Any], timing: Timing) -> Result:
     """Send one streamed completion and time its token arrivals; transport errors propagate."""
-    tokens = 0
-    rest = b""
     async with client.stream("POST", url, json=body, headers=headers) as r:
         if r.status_code != 200:
             return Result(False, error=f"HTTP {r.status_code}: {(await r.aread()).decode()[:200]}")
-        # raw bytes, split into events here, and JSON parsed only for the usage and error
-        # events: the client shares the machine with the server, so it should cost little
+        arrivals = _Arrivals(timing)
         async for data in r.aiter_raw():
-            now = time.perf_counter()
-            payloads, rest = _events(rest + data)
-            for p in payloads:
-                if p == b"[DONE]":
-                    break
-                if p.startswith(b'{"error"'):
-                    err = json.loads(p)["error"]
-                    return Result(False, error=err.get("message", "error event"))
-                if b'"completion_tokens"' in p:  # a chunk carrying usage
-                    chunk = json.loads(p)
-                    tokens = (chunk.get("usage") or {}).get("completion_tokens", tokens)
-                    # no choices, or (as `transformers serve` sends it) a last choice with
-                    # finish_reason and empty text: not a token arrival
-                    if not any(c.get("text") for c in chunk.get("choices") or ()):
-                        continue
-                timing.token(now)
-    return timing.result(time.perf_counter(), tokens)
+            if not arrivals.feed(data, time.perf_counter()):
+                break
+    return arrivals.result()
 
 
 async def _one_openai(client, model: str | None, item: Item, ignore_eos: bool = True) -> Result:
@@ -116,22 +158,31 @@ async def run_http(args: argparse.Namespace, base_url: str, items: list[Item], m
     results: list[Result] = []
     queue = list(reversed(items))
     limits = httpx.Limits(max_connections=args.concurrency, max_keepalive_connections=args.concurrency)
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    client = getattr(args, "client", "raw")
     async with httpx.AsyncClient(timeout=args.timeout, limits=limits) as http:
-        if getattr(args, "client", "httpx") == "openai":
+        if client == "openai":
             import openai  # the dev extra; imported only when asked for
 
             sdk = openai.AsyncOpenAI(base_url=base_url.rstrip("/") + "/v1", api_key=api_key or "unused",
                                      max_retries=0, http_client=http)
-            one = lambda item: _one_openai(sdk, model, item, ignore_eos)  # noqa: E731
-        else:
-            headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-            url = base_url.rstrip("/") + "/v1/completions"
-            one = lambda item: _one(http, url, headers, model, item, ignore_eos)  # noqa: E731
 
         async def worker():
-            while queue:
-                results.append(await one(queue.pop()))
-                bar.update(1)
+            conn = RawConnection(base_url) if client == "raw" else None
+            try:
+                while queue:
+                    item = queue.pop()
+                    if client == "openai":
+                        results.append(await _one_openai(sdk, model, item, ignore_eos))
+                    elif conn is not None:
+                        results.append(await _one_raw(conn, headers, _body(item, model, ignore_eos), args.timeout))
+                    else:
+                        results.append(await _one(http, base_url.rstrip("/") + "/v1/completions", headers,
+                                                  _body(item, model, ignore_eos)))
+                    bar.update(1)
+            finally:
+                if conn is not None:
+                    conn.close()
 
         t0 = time.perf_counter()
         await asyncio.gather(*(worker() for _ in range(min(args.concurrency, len(items)))))

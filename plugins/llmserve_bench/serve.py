@@ -48,9 +48,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-ignore-eos", dest="ignore_eos", action="store_false",
                    help="do not send the non-OpenAI `ignore_eos` field (servers that reject unknown fields); "
                         "check output_tokens to see whether EOS ended requests early")
-    p.add_argument("--client", choices=["httpx", "openai"], default="httpx",
-                   help="httpx: a light raw-SSE client (the default: it leaves the cores to the server); "
-                        "openai: the official SDK's AsyncOpenAI, as applications stream")
+    p.add_argument("--client", choices=["raw", "httpx", "openai"], default="raw",
+                   help="raw: a minimal HTTP/1.1 client reading raw SSE (the default: it leaves the cores to the "
+                        "server); httpx: the same reading through httpx; openai: the official SDK's AsyncOpenAI, as "
+                        "applications stream")
     p.add_argument("--vocab-size", type=int, default=None,
                    help="draw prompt token ids below this (default: the server's vocabulary from /stats)")
     p.add_argument("--timeout", type=float, default=600.0, help="per-request client timeout (s)")

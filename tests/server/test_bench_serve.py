@@ -87,6 +87,7 @@ def test_bench_serve_text_prompts_without_ignore_eos_for_a_strict_peer(capsys, m
                          "--text-prompts", "--no-ignore-eos", "--no-progress"])
     assert args.concurrency == [2]
     args.concurrency = 2  # one point of the sweep: what main() sets before run_http
+    args.client = "httpx"  # (the mock transport is httpx's)
     items = make_workload(args, 50257)
     assert all(isinstance(it.prompt, str) and 5 <= len(it.prompt.split()) <= 9 for it in items)
     assert items == make_workload(args, 50257)  # seeded
@@ -137,3 +138,61 @@ def test_bench_serve_resends_a_request_the_server_dropped_unanswered(monkeypatch
     assert calls == [2, 2, 3, 3]
     assert [(r.ok, r.output_tokens) for r in results] == [(True, 2), (False, 0)]
     assert "without sending a response" in results[1].error
+
+
+def test_the_raw_client_reads_chunked_streams_errors_and_resends_on_a_dropped_keep_alive():
+    """The default client (llmserve_bench.raw_http) against a bare asyncio server: chunked SSE with one network write
+    per event, a 404 with a Content-Length body, and a kept-alive connection the server closes after an answer (the
+    next request on it is sent again on a new one); a connection that drops a fresh request is a failure."""
+    import argparse
+
+    from llmserve_bench.clients import run_http
+    from llmserve_bench.workload import Item
+
+    seen = []
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while head := await reader.readuntil(b"\r\n\r\n"):
+            length = int(next(h.split(b":")[1] for h in head.split(b"\r\n") if h.lower().startswith(b"content-length")))
+            body = json.loads(await reader.readexactly(length))
+            n = body["max_tokens"]
+            seen.append(n)
+            if n == 7:  # drop every request for 7 unanswered
+                writer.close()
+                return
+            if n == 404:
+                msg = b'{"error": {"message": "no such model"}}'
+                writer.write(b"HTTP/1.1 404 Not Found\r\ncontent-length: %d\r\n\r\n%s" % (len(msg), msg))
+                await writer.drain()
+                continue
+            writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n")
+            events = [b"data: " + json.dumps({"choices": [{"index": 0, "text": f" w{i}"}]}).encode() + b"\n\n"
+                      for i in range(n)]
+            events.append(b"data: " + json.dumps({"choices": [], "usage": {"completion_tokens": n}}).encode()
+                          + b"\n\ndata: [DONE]\n\n")
+            for e in events:
+                writer.write(b"%x\r\n%s\r\n" % (len(e), e))
+                await writer.drain()
+                await asyncio.sleep(0.002)
+            writer.write(b"0\r\n\r\n")
+            await writer.drain()
+            if n == 2:  # a keep-alive connection the server then closes: the next request on it goes out again
+                writer.close()
+                return
+
+    async def main():
+        server = await asyncio.start_server(serve, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        args = argparse.Namespace(concurrency=1, timeout=10.0, no_progress=True, json=True, client="raw",
+                                  ignore_eos=True)
+        items = [Item([1], 4), Item([1], 2), Item([1], 5), Item([1], 404), Item([1], 3), Item([1], 7)]
+        async with server:
+            return await run_http(args, f"http://127.0.0.1:{port}", items, None)
+
+    results, _ = asyncio.run(main())
+    assert [(r.ok, r.output_tokens) for r in results[:3]] == [(True, 4), (True, 2), (True, 5)]
+    assert [len(r.itl) for r in results[:3]] == [3, 1, 4]  # one arrival per token event, none for the usage
+    assert not results[3].ok and results[3].error.startswith("HTTP 404") and "no such model" in results[3].error
+    assert results[4].ok and results[4].output_tokens == 3  # the connection after the 404 was reused
+    assert not results[5].ok  # dropped on a reused connection, then on a new one: reported, not retried again
+    assert seen == [4, 2, 5, 404, 3, 7, 7]
