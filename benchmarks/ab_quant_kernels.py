@@ -9,6 +9,7 @@ q|k|v where v is Q8_0 and the tied head; Q4_K and Q6_K down) and the SmolLM2-135
 
     python benchmarks/ab_quant_kernels.py --march x86-64-v3            # HEAD against the tree, as an AVX2-only CPU
     python benchmarks/ab_quant_kernels.py --base HEAD~2 --rows 1 4 --json
+    python benchmarks/ab_quant_kernels.py --extra "-mavx512vnni -mavx512vl"  # the AVX2 path's vpdpbusd (AVX-VNNI)
 """
 
 from __future__ import annotations
@@ -49,9 +50,10 @@ MODELS = {
 }
 
 
-def build(src: Path, march: str, so: Path) -> ctypes.CDLL:
-    """quant_matmul.cpp of `src` compiled as the backend compiles the library, for `march`."""
-    subprocess.run(["g++", *cxx_flags(march), f"-I{src}", str(src / "quant_matmul.cpp"), "-o", str(so)], check=True)
+def build(src: Path, march: str, extra: tuple[str, ...], so: Path) -> ctypes.CDLL:
+    """quant_matmul.cpp of `src` compiled as the backend compiles the library, for `march` (and `extra` flags)."""
+    subprocess.run(["g++", *cxx_flags(march, extra), f"-I{src}", str(src / "quant_matmul.cpp"), "-o", str(so)],
+                   check=True)
     lib = ctypes.CDLL(str(so))
     for name in ("llmserve_quant_tile", "llmserve_quant_format", "llmserve_quant_bytes", "llmserve_quant_matmul"):
         getattr(lib, name).restype, getattr(lib, name).argtypes = api().functions[name]
@@ -108,6 +110,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--base", default="HEAD", help="git revision whose csrc/ is A (default HEAD)")
     ap.add_argument("--march", default="x86-64-v3", help="-march both builds take (default x86-64-v3: AVX2 only)")
+    ap.add_argument("--extra", default="", help="more compiler flags for both builds (e.g. -mavx512vnni -mavx512vl: "
+                    "the AVX2 path's vpdpbusd, as AVX-VNNI runs it)")
     ap.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
     ap.add_argument("--rows", nargs="+", type=int, default=[1])
     ap.add_argument("--min-n", type=int, default=0, help="only the linears of at least this many outputs")
@@ -121,7 +125,9 @@ def main() -> None:
         archive = subprocess.run(["git", "-C", str(ROOT), "archive", args.base, CSRC], check=True,
                                  capture_output=True).stdout
         subprocess.run(["tar", "-x", "-C", str(tmp)], input=archive, check=True)
-        libs = {"A": build(tmp / CSRC, args.march, tmp / "a.so"), "B": build(ROOT / CSRC, args.march, tmp / "b.so")}
+        extra = tuple(args.extra.split())
+        libs = {"A": build(tmp / CSRC, args.march, extra, tmp / "a.so"),
+                "B": build(ROOT / CSRC, args.march, extra, tmp / "b.so")}
         results = []
         for model in args.models:
             for seed, (t, n, k, times) in enumerate(MODELS[model]):
@@ -151,7 +157,8 @@ def main() -> None:
     if args.json:
         print(json.dumps(results, indent=1))
         return
-    print(f"A = {args.base}, B = this tree; -march={args.march}, {args.dtype}, {args.threads} threads; µs a call")
+    print(f"A = {args.base}, B = this tree; -march={args.march} {args.extra}, {args.dtype}, {args.threads} threads; "
+          "µs a call")
     for r in results:
         shape = f"{r['n']}x{r['k']}" if "n" in r else "a step's linears"
         extra = f"  |A-B|/max {r['rel_diff']:.1e}" if "rel_diff" in r else ""

@@ -148,12 +148,13 @@ class Variant:
 _V3 = frozenset({"avx2", "fma", "f16c", "bmi1", "bmi2", "movbe"})  # x86-64-v3: Haswell, Zen 1, Alder Lake on
 _V4 = _V3 | {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"}  # x86-64-v4: Skylake-X on, Zen 4 on
 # per machine architecture, best first: each level the kernels have a path for (AVX-512 tiles with VNNI and BF16,
-# without them, AVX2 tiles, scalar; NEON with and without the dot product)
+# without them, AVX2 tiles with AVX-VNNI and without, scalar; NEON with and without the dot product)
 VARIANTS = {
     "x86_64": (Variant("avx512-vnni-bf16", "x86-64-v4", ("-mavx512vnni", "-mavx512bf16"),
                        _V4 | {"avx512_vnni", "avx512_bf16"}),
                Variant("avx512-vnni", "x86-64-v4", ("-mavx512vnni",), _V4 | {"avx512_vnni"}),
                Variant("avx512", "x86-64-v4", (), _V4),
+               Variant("avx2-vnni", "x86-64-v3", ("-mavxvnni",), _V3 | {"avx_vnni"}),
                Variant("avx2", "x86-64-v3", (), _V3),
                Variant("x86-64", "x86-64")),
     "aarch64": (Variant("armv8.2-dotprod", "armv8.2-a+dotprod", (), frozenset({"asimddp"})),

@@ -214,8 +214,8 @@ def _own_int8_kernel():
 
 
 def own_kernel_isa() -> str | None:
-    """The integer SIMD our kernels run on this CPU (avx512-vnni, avx512bw, avx2, scalar), or None where they do not
-    build."""
+    """The integer SIMD our kernels run on this CPU (avx512-vnni, avx512bw, avx2-vnni, avx2, scalar), or None where
+    they do not build."""
     lib = _own_kernels()
     return None if lib is None else lib.llmserve_quant_isa().decode()
 
@@ -294,11 +294,11 @@ def _pack_rows(qw: QuantWeight) -> torch.Tensor:
     Per group of 32 inputs a row's values (4 * bits bytes, _bit_planes), its scales (one, or two with scales per 16)
     and its offsets (as many, or none for a symmetric weight): float16, or for a K-quant (qw.factors) int8 multiples
     of a float16 factor per 256 inputs, which then follow: 4.5 bits a weight for Q4_0, 5 for Q4_1, 4.625 for Q4_K,
-    6.5625 for Q6_K, 8.5 for Q8_0. With tiles of t > 1 rows (AVX-512, AVX2), the rows are padded to a whole tile with zeros
-    and each tile's group is its values as 4-byte chunks, chunk c holding each row's chunk c in turn, then its scales
-    [parts, t], then its offsets [parts, t], each 256 inputs' groups after their factors (d [t], then dneg [t]); with
-    t = 1 (rows in order) a row's groups' values follow each other, then its scales [parts, groups], its offsets,
-    its factors d [groups / 8], its dneg."""
+    6.5625 for Q6_K, 8.5 for Q8_0. With tiles of t > 1 rows (AVX-512, AVX2), the rows are padded to a whole tile with
+    zeros and each tile's group is its values as 4-byte chunks, chunk c holding each row's chunk c in turn, then its
+    scales [parts, t], then its offsets [parts, t], each 256 inputs' groups after their factors (d [t], then dneg
+    [t]); with t = 1 (rows in order) a row's groups' values follow each other, then its scales [parts, groups], its
+    offsets, its factors d [groups / 8], its dneg."""
     fmt = weight_format(qw)
     if fmt is None:
         raise ValueError(f"no kernel for {qw.kind} with{'' if qw.offset is not None else 'out'} offsets")

@@ -12,7 +12,7 @@ from llmserve_torch import kernel_library
 if platform.machine() != "x86_64" or shutil.which("g++") is None:
     pytest.skip("prebuilds x86-64 variants: needs an x86-64 host with g++", allow_module_level=True)
 
-HAS_AVX2 = kernel_library.VARIANTS["x86_64"][3].needs <= kernel_library.cpu_features()
+HAS_AVX2 = next(v for v in kernel_library.VARIANTS["x86_64"] if v.name == "avx2").needs <= kernel_library.cpu_features()
 
 
 @pytest.fixture(scope="module")

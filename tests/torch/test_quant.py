@@ -241,28 +241,36 @@ def test_group_kinds_meet_exactly_when_fused():
         torch.testing.assert_close(fused.dequantize(), torch.cat([p.dequantize() for p in parts]), atol=1e-6, rtol=1e-5)
 
 
-# each SIMD path of the group kernel, with the CPU flags it needs: scalar, AVX2, AVX-512 without VNNI (the build here
-# takes one path, -march=native: an AVX512-VNNI machine's CI would never run the others)
-MARCHES = {"x86-64": set(), "x86-64-v3": {"avx2", "fma", "bmi2", "f16c"},
-           "x86-64-v4": {"avx2", "fma", "bmi2", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq"}}
+_V3 = {"avx2", "fma", "bmi2", "f16c"}
+# each SIMD path of the group kernel: its -march and extra flags, the CPU flags it needs, the ISA it reports: scalar,
+# AVX2, AVX2 with vpdpbusd (AVX-VNNI's instruction, here in its AVX512-VL form, so that a CPU without AVX-VNNI runs
+# that path), AVX-512 without VNNI (the build here takes one path, -march=native: an AVX512-VNNI machine's CI would
+# never run the others)
+MARCHES = {"x86-64": ("x86-64", (), set(), "scalar"), "x86-64-v3": ("x86-64-v3", (), _V3, "avx2"),
+           "x86-64-v3+vnni": ("x86-64-v3", ("-mavx512vnni", "-mavx512vl"), _V3 | {"avx512_vnni", "avx512vl"},
+                              "avx2-vnni"),
+           "x86-64-v4": ("x86-64-v4", (), _V3 | {"avx512f", "avx512bw", "avx512vl", "avx512dq"}, "avx512bw")}
 
 
 @pytest.mark.parametrize("march", MARCHES)
 def test_every_simd_path_of_the_group_kernel_matches_the_reference(tmp_path, monkeypatch, march):
     """The kernel built for another ISA, run here in every format on the layout pack_own makes for that build's
     tile."""
+    level, extra, needs, isa = MARCHES[march]
     flags = set(" ".join(ln for ln in cpu_id().splitlines() if ln.startswith("flags")).split())
-    if platform.machine() != "x86_64" or shutil.which("g++") is None or not MARCHES[march] <= flags:
-        pytest.skip(f"needs an x86-64 CPU with {sorted(MARCHES[march])} and g++")
+    if platform.machine() != "x86_64" or shutil.which("g++") is None or not needs <= flags:
+        pytest.skip(f"needs an x86-64 CPU with {sorted(needs)} and g++")
     csrc = Path(quant.__file__).with_name("csrc")
     so = tmp_path / f"quant_{march}.so"
-    subprocess.run(["g++", *cxx_flags(march), f"-I{csrc}", str(csrc / "quant_matmul.cpp"), "-o", str(so)], check=True,
-                   capture_output=True)
+    subprocess.run(["g++", *cxx_flags(level, extra), f"-I{csrc}", str(csrc / "quant_matmul.cpp"), "-o", str(so)],
+                   check=True, capture_output=True)
     lib = ctypes.CDLL(str(so))
-    for name in ("llmserve_quant_tile", "llmserve_quant_format", "llmserve_quant_bytes", "llmserve_quant_matmul"):
+    for name in ("llmserve_quant_isa", "llmserve_quant_tile", "llmserve_quant_format", "llmserve_quant_bytes",
+                 "llmserve_quant_matmul"):
         getattr(lib, name).restype, getattr(lib, name).argtypes = api().functions[name]
     monkeypatch.setattr(quant, "_own_kernels", lambda: lib)
-    assert lib.llmserve_quant_tile() == (16 if "avx512bw" in MARCHES[march] else 8 if "avx2" in MARCHES[march] else 1)
+    assert lib.llmserve_quant_isa().decode() == isa
+    assert lib.llmserve_quant_tile() == (16 if "avx512bw" in needs else 8 if "avx2" in needs else 1)
     for rows, n, k in [(1, 40, 576), (2, 37, 256), (7, 96, 512), (9, 16, 1536)]:
         x = torch.randn(rows, k)
         for name, qw in _group_weights(n, k, rows).items():

@@ -65,8 +65,8 @@ inline bool is_group_format(int kind) { return (kind & kGroupFormat) != 0; }
 // tiles of outputs (share_begin / share_end)
 void team_quant_matmul(const Team& tm, int fmt, const void* x, int64_t xs, int rows, const uint8_t* w, void* y,
                        int64_t ys, int N, int K, int elem_size, int out_size);
-// The group layout's rows a tile (16 with AVX-512, 8 with AVX2, else 1), its tiles for N outputs (a member's share is whole tiles)
-// and one tile's bytes for K inputs
+// The group layout's rows a tile (16 with AVX-512, 8 with AVX2, else 1), its tiles for N outputs (a member's share is
+// whole tiles) and one tile's bytes for K inputs
 int quant_tile();
 int quant_tiles(int N);
 int64_t quant_tile_bytes(int fmt, int K);

@@ -59,8 +59,8 @@ struct Fmt {
 
 inline float to_float(int8_t v) { return static_cast<float>(v); }
 
-// Tile t of pack_own's layout. In tiles of kTile rows, group after group: the group's values as chunks of 4 * kTile bytes,
-// dword r of chunk c holding row r's 4-byte chunk c (so a tile's group is read in one sequential stream: values,
+// Tile t of pack_own's layout. In tiles of kTile rows, group after group: the group's values as chunks of 4 * kTile
+// bytes, dword r of chunk c holding row r's 4-byte chunk c (so a tile's group is read in one sequential stream: values,
 // scales and offsets in three regions of a tile were three streams, and slower), then its scales [parts][kTile], then
 // its offsets [parts][kTile]; with Sup each super-block of 8 groups starts with its factors d [kTile], then dneg
 // [kTile]. Rows in order (kTile 1): a row's groups' values, then its scales [parts][groups], then its offsets

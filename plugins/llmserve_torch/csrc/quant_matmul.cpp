@@ -86,14 +86,18 @@ void team_quant_matmul(const Team& tm, int fmt, const void* x, int64_t xs, int r
 extern "C" {
 
 // The integer SIMD this build's quantized kernels run on (for /stats and the start-up log): the group kernel
-// vpdpbusd on weight tiles where AVX512-VNNI exists (vpmaddubsw with AVX512BW alone), the int8 one vpdpwssd; both
-// vpmaddwd with AVX2 (the group kernel on tiles of 8 rows). On ARM64 the group kernel's rows in order run on NEON, with vdotq_s32 where the build has the
-// dot product (-march=armv8.2-a+dotprod and later); the int8 kernel stays scalar there. Scalar code elsewhere.
+// vpdpbusd on weight tiles where AVX512-VNNI exists (vpmaddubsw with AVX512BW alone), the int8 one vpdpwssd. With
+// AVX2 the group kernel's tiles of 8 rows run vpmaddubsw and vpmaddwd, or vpdpbusd where the build has AVX-VNNI
+// (avx2-vnni); the int8 one vpmaddwd. On ARM64 the group kernel's rows in order run on NEON, with vdotq_s32 where the
+// build has the dot product (-march=armv8.2-a+dotprod and later); the int8 kernel stays scalar there. Scalar code
+// elsewhere.
 const char* llmserve_quant_isa() {
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
   return "avx512-vnni";
 #elif defined(__AVX512BW__)
   return "avx512bw";
+#elif defined(__AVX2__) && defined(QUANT_DPBUSD256)
+  return "avx2-vnni";
 #elif defined(__AVX2__)
   return "avx2";
 #elif defined(__aarch64__) && defined(__ARM_FEATURE_DOTPROD)

@@ -13,7 +13,22 @@
 
 #include "quant_format.h"
 
+// AVX-VNNI's vpdpbusd (Intel client CPUs since Alder Lake; -mavxvnni), or its AVX512-VL form where the build has that
+// (how a CPU without AVX-VNNI tests it): four unsigned-by-signed byte products a lane summed into int32, for 8-bit
+// weights too, in one instruction. x86-64-v3 has neither: vpmaddubsw and vpmaddwd then
+#if defined(__AVXVNNI__)
+#define QUANT_DPBUSD256(acc, u, s) _mm256_dpbusd_avx_epi32(acc, u, s)
+#elif defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define QUANT_DPBUSD256(acc, u, s) _mm256_dpbusd_epi32(acc, u, s)
+#endif
+
 namespace quant {
+
+#if defined(QUANT_DPBUSD256)
+constexpr bool kDpbusd = true;
+#else
+constexpr bool kDpbusd = false;
+#endif
 
 // Rows of activations, per group of 32: x ≈ d * q with q int16 in -kQMax..kQMax, laid out for the format's products
 // (split): for 8-bit weights each 4 inputs 4c..4c+3 as int16 (4c, 4c + 2, 4c + 1, 4c + 3): a tile's 32-bit lane
@@ -54,12 +69,13 @@ inline int32_t hsum_i32(__m256i v) {
   return _mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1)));
 }
 
-// vpmaddubsw's products for weights of fewer than 8 bits: two of (2^Bits - 1) * 128 make an int16 sum (8-bit
-// weights would saturate it). With scales per 16 (two parts) each row of a block holds four int16 sums: at four rows
-// of x they overflow AVX2's 16 registers, and vpmaddwd on pairs ran faster there (Q6_K: 0.79x)
+// Whether the activations are split into bytes for these weights and rows: for vpdpbusd always, for vpmaddubsw with
+// weights of fewer than 8 bits (two products of (2^Bits - 1) * 128 make an int16 sum; 8-bit weights would saturate
+// it). With scales per 16 (two parts) each row of a block holds four sums: at four rows of x they overflow AVX2's 16
+// registers, and vpmaddwd on pairs ran faster there (Q6_K: 0.79x)
 template <typename F>
 inline bool split_rows(int rows) {
-  return F::kBits < 8 && (F::kParts == 1 || rows <= 2);
+  return (kDpbusd || F::kBits < 8) && (F::kParts == 1 || rows <= 2);
 }
 
 template <typename F, typename T>
@@ -163,10 +179,31 @@ HOT_INLINE __m256i dot2(__m256i acc, __m256i w, const int16_t* x2) {
 template <typename F>
 constexpr int kSums = 32767 / (2 * ((1 << F::kBits) - 1) * 128);
 
-// One tile's group against RB rows, with the activations' bytes (split_rows): per row and part, the h bytes' and l bytes'
-// products summed in int16 as far as kSums allows, then 256 * sum(h products) + sum(l products) in int32
+// One tile's group against RB rows, with the activations' bytes (split_rows): per row and part, the h bytes' and l
+// bytes' products summed (vpdpbusd: in int32; vpmaddubsw: in int16 as far as kSums allows), then 256 * sum(h
+// products) + sum(l products) in int32
 template <typename F, int RB>
 HOT_INLINE void split_sums(const uint8_t* wg, const int8_t* const* xg, __m256i (*s)[F::kParts]) {
+#if defined(QUANT_DPBUSD256)
+  constexpr int P = F::kParts;
+  __m256i sh[RB][P], sl[RB][P];
+  for (int r = 0; r < RB; ++r)
+    for (int p = 0; p < P; ++p) sh[r][p] = sl[r][p] = _mm256_setzero_si256();
+  for (int c = 0; c < 4; ++c) {
+    __m256i lo, hi;
+    unpack_chunk<F>(wg, c, lo, hi);
+    for (int r = 0; r < RB; ++r) {
+      const int8_t* h = xg[r] + 4 * c;
+      const int8_t* l = h + kG;
+      sh[r][0] = QUANT_DPBUSD256(sh[r][0], lo, broadcast4(h));
+      sl[r][0] = QUANT_DPBUSD256(sl[r][0], lo, broadcast4(l));
+      sh[r][P - 1] = QUANT_DPBUSD256(sh[r][P - 1], hi, broadcast4(h + 16));
+      sl[r][P - 1] = QUANT_DPBUSD256(sl[r][P - 1], hi, broadcast4(l + 16));
+    }
+  }
+  for (int r = 0; r < RB; ++r)
+    for (int p = 0; p < P; ++p) s[r][p] = _mm256_add_epi32(_mm256_slli_epi32(sh[r][p], 8), sl[r][p]);
+#else
   constexpr int P = F::kParts, kPerChunk = P == 1 ? 2 : 1;  // products a chunk adds to a part's sums
   const __m256i ones = _mm256_set1_epi16(1), h_weight = _mm256_set1_epi16(256);
   __m256i sh[RB][P], sl[RB][P];
@@ -191,6 +228,7 @@ HOT_INLINE void split_sums(const uint8_t* wg, const int8_t* const* xg, __m256i (
           sh[r][p] = sl[r][p] = _mm256_setzero_si256();
         }
   }
+#endif
 }
 
 // One tile against RB rows of x from row r0: y[r0.., n0..n0+7] (outputs past N are padding, not stored); the weights
@@ -210,7 +248,7 @@ void tile_rows(const Block<F>& b, const Pairs& a, int r0, int K, U* y, int64_t y
     for (int r = 0; r < RB; ++r)
       for (int p = 0; p < P; ++p) s[r][p] = _mm256_setzero_si256();
     bool done = false;
-    if constexpr (F::kBits < 8) {
+    if constexpr (kDpbusd || F::kBits < 8) {
       if (a.split) {
         const int8_t* xg[RB];
         for (int r = 0; r < RB; ++r)
