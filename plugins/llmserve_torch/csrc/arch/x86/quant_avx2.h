@@ -177,14 +177,28 @@ HOT_INLINE __m256i dot2(__m256i acc, __m256i w, const int16_t* x2) {
 
 // int16 sums of vpmaddubsw's outputs (each at most 2 * (2^Bits - 1) * 128) that stay below 2^15
 template <typename F>
-constexpr int kSums = 32767 / (2 * ((1 << F::kBits) - 1) * 128);
+constexpr int kSums = F::kBits < 8 ? 32767 / (2 * ((1 << F::kBits) - 1) * 128) : 0;
+
+// Chunks of a group whose products a part's sums hold before they are widened into int32: every chunk with vpdpbusd
+// (int32 already), else as many as kSums allows (a chunk adds two products a part with whole groups, one per 16)
+template <typename F>
+constexpr int kChunksHeld = kDpbusd ? 4 : kSums<F> / (F::kParts == 1 ? 2 : 1);
+
+// acc + a lane's 4 weight bytes u times 4 activation bytes s4 (broadcast), summed: in int32 with vpdpbusd, else
+// vpmaddubsw's two int16 pair sums a lane
+HOT_INLINE __m256i dot_bytes(__m256i acc, __m256i u, const int8_t* s4) {
+#if defined(QUANT_DPBUSD256)
+  return QUANT_DPBUSD256(acc, u, broadcast4(s4));
+#else
+  return _mm256_add_epi16(acc, _mm256_maddubs_epi16(u, broadcast4(s4)));
+#endif
+}
 
 // One tile's group against RB rows, with the activations' bytes (split_rows): per row and part, the h bytes' and l
-// bytes' products summed (vpdpbusd: in int32; vpmaddubsw: in int16 as far as kSums allows), then 256 * sum(h
-// products) + sum(l products) in int32
+// bytes' products summed (dot_bytes) for kChunksHeld chunks at a time, then 256 * sum(h products) + sum(l products)
+// in int32
 template <typename F, int RB>
 HOT_INLINE void split_sums(const uint8_t* wg, const int8_t* const* xg, __m256i (*s)[F::kParts]) {
-#if defined(QUANT_DPBUSD256)
   constexpr int P = F::kParts;
   __m256i sh[RB][P], sl[RB][P];
   for (int r = 0; r < RB; ++r)
@@ -195,40 +209,22 @@ HOT_INLINE void split_sums(const uint8_t* wg, const int8_t* const* xg, __m256i (
     for (int r = 0; r < RB; ++r) {
       const int8_t* h = xg[r] + 4 * c;
       const int8_t* l = h + kG;
-      sh[r][0] = QUANT_DPBUSD256(sh[r][0], lo, broadcast4(h));
-      sl[r][0] = QUANT_DPBUSD256(sl[r][0], lo, broadcast4(l));
-      sh[r][P - 1] = QUANT_DPBUSD256(sh[r][P - 1], hi, broadcast4(h + 16));
-      sl[r][P - 1] = QUANT_DPBUSD256(sl[r][P - 1], hi, broadcast4(l + 16));
+      sh[r][0] = dot_bytes(sh[r][0], lo, h), sl[r][0] = dot_bytes(sl[r][0], lo, l);
+      sh[r][P - 1] = dot_bytes(sh[r][P - 1], hi, h + 16), sl[r][P - 1] = dot_bytes(sl[r][P - 1], hi, l + 16);
     }
-  }
-  for (int r = 0; r < RB; ++r)
-    for (int p = 0; p < P; ++p) s[r][p] = _mm256_add_epi32(_mm256_slli_epi32(sh[r][p], 8), sl[r][p]);
+    if ((c + 1) % kChunksHeld<F> != 0 && c != 3) continue;
+    for (int r = 0; r < RB; ++r)  // into int32
+      for (int p = 0; p < P; ++p) {
+#if defined(QUANT_DPBUSD256)
+        const __m256i t = _mm256_add_epi32(_mm256_slli_epi32(sh[r][p], 8), sl[r][p]);
 #else
-  constexpr int P = F::kParts, kPerChunk = P == 1 ? 2 : 1;  // products a chunk adds to a part's sums
-  const __m256i ones = _mm256_set1_epi16(1), h_weight = _mm256_set1_epi16(256);
-  __m256i sh[RB][P], sl[RB][P];
-  for (int r = 0; r < RB; ++r)
-    for (int p = 0; p < P; ++p) sh[r][p] = sl[r][p] = _mm256_setzero_si256();
-  for (int c = 0; c < 4; ++c) {
-    __m256i lo, hi;
-    unpack_chunk<F>(wg, c, lo, hi);
-    for (int r = 0; r < RB; ++r) {
-      const int8_t* h = xg[r] + 4 * c;
-      const int8_t* l = h + kG;
-      sh[r][0] = _mm256_add_epi16(sh[r][0], _mm256_maddubs_epi16(lo, broadcast4(h)));
-      sl[r][0] = _mm256_add_epi16(sl[r][0], _mm256_maddubs_epi16(lo, broadcast4(l)));
-      sh[r][P - 1] = _mm256_add_epi16(sh[r][P - 1], _mm256_maddubs_epi16(hi, broadcast4(h + 16)));
-      sl[r][P - 1] = _mm256_add_epi16(sl[r][P - 1], _mm256_maddubs_epi16(hi, broadcast4(l + 16)));
-    }
-    if (((c + 1) * kPerChunk) % kSums<F> == 0 || c == 3)  // int16 sums full, or the group done: into int32
-      for (int r = 0; r < RB; ++r)
-        for (int p = 0; p < P; ++p) {
-          const __m256i t = _mm256_add_epi32(_mm256_madd_epi16(sh[r][p], h_weight), _mm256_madd_epi16(sl[r][p], ones));
-          s[r][p] = _mm256_add_epi32(s[r][p], t);
-          sh[r][p] = sl[r][p] = _mm256_setzero_si256();
-        }
-  }
+        const __m256i t = _mm256_add_epi32(_mm256_madd_epi16(sh[r][p], _mm256_set1_epi16(256)),
+                                           _mm256_madd_epi16(sl[r][p], _mm256_set1_epi16(1)));
 #endif
+        s[r][p] = _mm256_add_epi32(s[r][p], t);
+        sh[r][p] = sl[r][p] = _mm256_setzero_si256();
+      }
+  }
 }
 
 // One tile against RB rows of x from row r0: y[r0.., n0..n0+7] (outputs past N are padding, not stored); the weights
