@@ -73,8 +73,11 @@ class SchedulerConfig:
     num_scheduler_steps: int = 8
     # of those forwards' tokens, how many a stream gets at a time (vLLM's --stream-interval): 1 each as its forward
     # ends (smoothest); more: fewer, larger deliveries, less CPU a token. 2: inter-token latency within 2x the time a
-    # token takes, at a measured cost of ~15 % of one stream's speed on 2 cores (docs/configuration.md)
+    # token takes, for ~2 % of one stream's speed on 2 cores where 1 cost 1-12 % (docs/configuration.md)
     stream_interval: int = 2
+    # but a token made by a forward that took this long or longer goes out at once: a wait for the next forward
+    # would be visible, and a delivery costs little beside such a forward (64 streams, a larger model)
+    stream_hold_ms: float = 10.0
     options: dict[str, Any] = field(default_factory=dict)
 
 
@@ -196,6 +199,8 @@ class EngineConfig:
         need(1 <= s.num_scheduler_steps <= 64, "scheduler.num_scheduler_steps",
              f"must be 1 to 64, got {s.num_scheduler_steps}")
         need(1 <= s.stream_interval <= 64, "scheduler.stream_interval", f"must be 1 to 64, got {s.stream_interval}")
+        need(0 <= s.stream_hold_ms <= 60_000, "scheduler.stream_hold_ms",
+             f"must be 0 to 60000 (milliseconds), got {s.stream_hold_ms}")
         need(c.block_size >= 1 and (c.block_size & (c.block_size - 1)) == 0, "cache.block_size",
              f"must be a power of two, got {c.block_size}")
         need(c.num_blocks is None or c.num_blocks >= 1, "cache.num_blocks", f"must be >= 1, got {c.num_blocks}")

@@ -33,6 +33,8 @@ CONFIG_FLAGS: dict[str, tuple[str, type, str]] = {
                               "forwards a step may run on a batch of decodes when nothing waits (1: one)"),
     "--stream-interval": ("scheduler.stream_interval", int,
                           "tokens a stream gets at a time from a step of several forwards (1: each as it is made)"),
+    "--stream-hold-ms": ("scheduler.stream_hold_ms", float,
+                         "a forward this long or longer sends its tokens at once, whatever --stream-interval says"),
     "--cache": ("cache.name", str, "KV-cache allocator plugin"),
     "--block-size": ("cache.block_size", int, "tokens per KV block"),
     "--eviction": ("cache.eviction", str, "lru | fifo: which cached KV block goes first"),

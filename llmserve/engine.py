@@ -124,6 +124,8 @@ class _Relay:
         self.handed = 0  # forwards replayed here; the step replays the rest
         self.sampled = 0
         self.every = engine.config.scheduler.stream_interval
+        self.hold = engine.config.scheduler.stream_hold_ms / 1000  # a forward this long delivers at once
+        self.last = t0  # when the forward before ended
         self.held: list[RequestOutput] = []  # replayed, not yet delivered (every `every` forwards)
         self.error: BaseException | None = None  # raised on the engine's thread once execute() returns
 
@@ -140,7 +142,9 @@ class _Relay:
                 self.sampled += len(part[1].sampled_token_ids)
                 e._postprocess(*part, time.perf_counter(), self.t0, self.held)
             self.handed = j + 1
-            if self.held and self.handed % self.every == 0:
+            now = time.perf_counter()
+            slow, self.last = now - self.last >= self.hold, now
+            if self.held and (self.handed % self.every == 0 or slow):
                 held, self.held = _one_delta_each(self.held), []
                 e.early(held)
         except Exception as exc:  # noqa: BLE001 - the step fails as it would have failed replaying this forward

@@ -33,7 +33,7 @@ def _events(buf: bytes) -> tuple[list[bytes], bytes]:
                 out.append(line[5:].lstrip())
 
 
-def _body(item: Item, model: str | None, ignore_eos: bool) -> dict[str, Any]:
+def completion_body(item: Item, model: str | None, ignore_eos: bool) -> dict[str, Any]:
     """One streamed, greedy completion request for item."""
     body: dict[str, Any] = {"prompt": item.prompt, "max_tokens": item.max_tokens, "temperature": 0.0,
                             "stream": True, "stream_options": {"include_usage": True}}
@@ -78,24 +78,19 @@ class _Arrivals:
         return self.timing.result(time.perf_counter(), self.tokens)
 
 
-async def _one_raw(conn: RawConnection, headers: dict, body: dict[str, Any], timeout: float) -> Result:
+async def stream_raw(conn: RawConnection, headers: dict, body: dict[str, Any], timeout: float) -> Result:
     """One streamed completion on the worker's own connection (raw_http: the lightest client)."""
-    timing = Timing(time.perf_counter())
+    arrivals = _Arrivals(Timing(time.perf_counter()))
     try:
         async with asyncio.timeout(timeout):
-            status, chunks = await conn.post("/v1/completions", json.dumps(body).encode(), headers)
-            if status != 200:
-                return Result(False, error=f"HTTP {status}: {b''.join([c async for c in chunks]).decode()[:200]}")
-            arrivals = _Arrivals(timing)
-            async for data in chunks:
-                if not arrivals.feed(data, time.perf_counter()):
-                    async for _ in chunks:  # the rest of the body (the chunked end), so the connection is reusable
-                        pass
-                    break
-            return arrivals.result()
+            status, error_body = await conn.post("/v1/completions", json.dumps(body).encode(), headers,
+                                                 arrivals.feed)
     except Exception as e:  # noqa: BLE001 - every failure is counted and reported
         conn.close()  # (whatever it was in the middle of is unreadable now)
         return Result(False, error=f"{type(e).__name__}: {e}")
+    if status != 200:
+        return Result(False, error=f"HTTP {status}: {error_body.decode(errors='replace')[:200]}")
+    return arrivals.result()
 
 
 async def _one(client: httpx.AsyncClient, url: str, headers: dict, body: dict[str, Any]) -> Result:
@@ -175,10 +170,11 @@ async def run_http(args: argparse.Namespace, base_url: str, items: list[Item], m
                     if client == "openai":
                         results.append(await _one_openai(sdk, model, item, ignore_eos))
                     elif conn is not None:
-                        results.append(await _one_raw(conn, headers, _body(item, model, ignore_eos), args.timeout))
+                        body = completion_body(item, model, ignore_eos)
+                        results.append(await stream_raw(conn, headers, body, args.timeout))
                     else:
                         results.append(await _one(http, base_url.rstrip("/") + "/v1/completions", headers,
-                                                  _body(item, model, ignore_eos)))
+                                                  completion_body(item, model, ignore_eos)))
                     bar.update(1)
             finally:
                 if conn is not None:

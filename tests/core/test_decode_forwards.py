@@ -121,6 +121,23 @@ def test_a_stream_gets_a_runs_tokens_stream_interval_at_a_time():
         stream([1, 2, 3], 9)[1:]
 
 
+def test_a_forward_as_long_as_stream_hold_ms_sends_its_tokens_at_once():
+    """stream_interval 8 holds a run's tokens for one delivery, unless a forward took stream_hold_ms or longer: then
+    what it made goes out at once (here every forward: a hold of 0)."""
+    got = {}
+    for hold in (60_000.0, 0.0):
+        eng = engine(8)
+        eng.config.scheduler.stream_interval, eng.config.scheduler.stream_hold_ms = 8, hold
+        early: list[list] = []
+        eng.early = early.append
+        eng.add_request([1, 2, 3], SamplingParams(max_tokens=17, ignore_eos=True), request_id="r")
+        eng.step()  # the prompt, and its first token
+        so = eng.step()  # a run of 8: the fake backend hands on the first 7 before execute returns
+        got[hold] = [len(b[0].new_token_ids) for b in early], [len(o.new_token_ids) for o in so.outputs]
+    assert got[60_000.0] == ([], [8])  # all eight with the step
+    assert got[0.0] == ([1] * 7, [1])  # one a forward, the eighth replayed with the step
+
+
 def test_a_step_run_by_a_relay_that_fails_fails_like_any_step():
     eng = engine(8)
     eng.early = lambda outputs: None
