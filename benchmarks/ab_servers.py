@@ -15,7 +15,6 @@ started first (the server started first ran slower in some runs). The client is 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import shlex
 import socket
@@ -31,7 +30,7 @@ for p in (ROOT, ROOT / "plugins"):
     if str(p) not in sys.path:
         sys.path.insert(0, str(p))
 
-from llmserve_bench.clients import completion_body, stream_raw  # noqa: E402
+from llmserve_bench.clients import completion_body, run_client, stream_raw  # noqa: E402
 from llmserve_bench.raw_http import RawConnection  # noqa: E402
 from llmserve_bench.report import Result, summarize_results  # noqa: E402
 from llmserve_bench.workload import Item, make_workload  # noqa: E402
@@ -115,7 +114,7 @@ def main() -> None:
         procs = [launch(args.config, getattr(args, side.lower()), ports[side], Path(f"/tmp/ab_servers_{side}.log"))
                  for side in order]
         try:
-            out["orders"].append({"started_first": first} | asyncio.run(measure(args, ports, items)))
+            out["orders"].append({"started_first": first} | run_client(measure(args, ports, items)))
         finally:
             for p in procs:
                 p.terminate()

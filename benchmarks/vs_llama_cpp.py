@@ -28,7 +28,6 @@ AVX-512 (a second cached build) and llmserve with AVX2_ENV.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import logging
 import os
@@ -720,19 +719,19 @@ def client_args(concurrency: int, requests: int, prompt_len, output_len, seed: i
 
 def measure(url: str, case: Case, vocab: int, seed: int, args) -> dict[str, Any]:
     """A warm-up, then the case's workload (seed) through the server at url: the summary and its checks."""
-    from llmserve_bench.clients import run_http
+    from llmserve_bench.clients import run_client, run_http
     from llmserve_bench.report import summarize_results
     from llmserve_bench.serve import _server_facts
     from llmserve_bench.workload import make_workload
 
     model = _server_facts(url, None).get("model")
     warm = client_args(case.concurrency, max(2, min(case.concurrency, 8)), (16, 32), (8, 8), 1_000_000 + seed, args)
-    res, _ = asyncio.run(run_http(warm, url, make_workload(warm, vocab), model))
+    res, _ = run_client(run_http(warm, url, make_workload(warm, vocab), model))
     if not all(r.ok for r in res):
         raise RuntimeError(f"the warm-up failed at {url}: {next(r.error for r in res if not r.ok)}")
     ca = client_args(case.concurrency, case.requests, case.prompt_len, case.output_len, seed, args)
     items = make_workload(ca, vocab)
-    res, elapsed = asyncio.run(run_http(ca, url, items, model))
+    res, elapsed = run_client(run_http(ca, url, items, model))
     s = summarize_results(res, elapsed)
     ok = [r for r in res if r.ok]
     s["expected_tokens"] = sum(i.max_tokens for i in items)

@@ -33,6 +33,17 @@ def _events(buf: bytes) -> tuple[list[bytes], bytes]:
                 out.append(line[5:].lstrip())
 
 
+def run_client(coro):
+    """Run a client coroutine to its end on uvloop where installed (uvicorn[standard] brings it): its C event loop
+    costs the client less per SSE event than asyncio's, CPU the measured server would otherwise lose."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(coro)
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        return runner.run(coro)
+
+
 def completion_body(item: Item, model: str | None, ignore_eos: bool) -> dict[str, Any]:
     """One streamed, greedy completion request for item."""
     body: dict[str, Any] = {"prompt": item.prompt, "max_tokens": item.max_tokens, "temperature": 0.0,

@@ -11,7 +11,6 @@ ratio of the two output-token throughputs (the HTTP + SSE overhead).
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import logging
 import os
@@ -229,7 +228,7 @@ def _run_point(args: argparse.Namespace, concurrency: int, seed: int, base_url: 
                key: str | None, engine, vocab: int) -> dict[str, Any]:
     """The workload's rounds at one concurrency (HTTP, and offline with --compare-offline); its report part,
     with the HTTP results under "results" for the plots."""
-    from llmserve_bench.clients import run_http
+    from llmserve_bench.clients import run_client, run_http
 
     args.concurrency = concurrency  # what run_http reads
     rounds: list[dict[str, Any]] = []
@@ -239,7 +238,7 @@ def _run_point(args: argparse.Namespace, concurrency: int, seed: int, base_url: 
     for k in range(args.rounds):
         args.workload_seed = seed + k
         items = make_workload(args, vocab)
-        res, el = asyncio.run(run_http(args, base_url, items, model, key))
+        res, el = run_client(run_http(args, base_url, items, model, key))
         served += res
         t_served += el
         rnd: dict[str, Any] = {"workload_seed": args.workload_seed,
