@@ -4,7 +4,7 @@
 The VM this project is measured on changes its speed between runs (its memory bandwidth moved 2x within minutes),
 so two `bench serve --launch` runs one after the other compare moments as much as settings. Here both servers are
 up at once (one idle while the other answers) and each round sends `--per` requests to A, 2 x `--per` to B, then
-`--per` to A again (B A A B the next round), so a change of machine falls on both; then all of it again with B
+`--per` to A again (B A A B the next round), so a change of machine falls on both, and both get the same requests; then all of it again with B
 started first (the server started first ran slower in some runs). The client is `bench serve`'s raw one
 (llmserve_bench.raw_http), one connection a server.
 
@@ -64,10 +64,9 @@ async def measure(args, ports: dict[str, int], items: list[Item]) -> dict:
     conns = {k: RawConnection(f"http://127.0.0.1:{p}") for k, p in ports.items()}
     results: dict[str, list[Result]] = {"A": [], "B": []}
     ratios = []  # A's speed over B's, a round each (tokens are alike: the time they took, inverted)
-    queue = list(items)
 
-    async def send(side: str) -> float:
-        r = await stream_raw(conns[side], {}, completion_body(queue.pop(), None, True), 600.0)
+    async def send(side: str, item: Item) -> float:
+        r = await stream_raw(conns[side], {}, completion_body(item, None, True), 600.0)
         if not r.ok:
             raise SystemExit(f"server {side}: {r.error}")
         results[side].append(r)
@@ -76,10 +75,14 @@ async def measure(args, ports: dict[str, int], items: list[Item]) -> dict:
     for side in ("A", "B"):  # a warm-up request each, not counted
         await stream_raw(conns[side], {}, completion_body(Item([1, 2, 3, 4], 8), None, True), 600.0)
     for rnd in range(args.rounds):
+        # both servers get the round's same requests (prompt lengths differ, and so does TTFT): the first turn's
+        # items, then the second's
+        turns = [items[(2 * rnd + k) * args.per:(2 * rnd + k + 1) * args.per] for k in (0, 1)]
         spent = {"A": 0.0, "B": 0.0}
-        for side in ("A", "B", "B", "A") if rnd % 2 == 0 else ("B", "A", "A", "B"):
-            for _ in range(args.per):
-                spent[side] += await send(side)
+        order = ("A", "B", "B", "A") if rnd % 2 == 0 else ("B", "A", "A", "B")
+        for side, turn in zip(order, (turns[0], turns[0], turns[1], turns[1])):
+            for item in turn:
+                spent[side] += await send(side, item)
         ratios.append(spent["B"] / spent["A"])
         print(f"round {rnd + 1}/{args.rounds}: A/B speed {ratios[-1]:.3f}", file=sys.stderr)
     for c in conns.values():
@@ -102,10 +105,10 @@ def main() -> None:
     ap.add_argument("--once", action="store_true", help="one launch order (A first), not both")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
-    n = args.rounds * args.per * 4
+    n = args.rounds * args.per * 2
     w = argparse.Namespace(requests=n, prompt_len=args.prompt_len, output_len=(args.output_len, args.output_len),
                            workload_seed=0, shared_prefix=0, text_prompts=False)
-    items = list(reversed(make_workload(w, args.vocab_size)))
+    items = make_workload(w, args.vocab_size)
     out = {"flags": {"A": args.a, "B": args.b}, "orders": []}
     # the server started first ran slower in some runs (TTFT +20 ms at the same flags): each order once, unless --once
     for first in ("A",) if args.once else ("A", "B"):
