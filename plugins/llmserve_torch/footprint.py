@@ -56,7 +56,7 @@ def memory_by_part(model: Any, kv: Any) -> dict[str, int | None]:
         "quantized_weights": sum(x.nbytes for x in quant),
         "dense_copies": sum(x.dense.nbytes for x in quant if x.dense is not None),
         "dense_linears": sum(x.nbytes for x in lin if not isinstance(x, QuantLinear)),
-        "embedding": embed.nbytes if isinstance(embed, torch.Tensor) else 0,
+        "embedding": getattr(embed, "nbytes", 0),  # (a quantized table that is the LM head's weight: 0)
         "kv_reserved": kv.nbytes if kv is not None else 0,
         "rss": _status_kib("VmRSS"),
         "peak_rss": _status_kib("VmHWM"),

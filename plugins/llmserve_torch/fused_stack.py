@@ -20,6 +20,7 @@ from llmserve_torch.forward_relay import ForwardRelay, Listener
 from llmserve_torch.fused import CpuOps
 from llmserve_torch.models.family import family_of
 from llmserve_torch.quant import OWN_INT8_MAX_ROWS, QuantLinear
+from llmserve_torch.quant_embedding import QuantEmbedding
 
 FUSE_LAYERS = ("auto", "off")
 # the most of its share of the next matmul's weights a member asks for while it waits at a barrier (csrc/team.h's
@@ -53,7 +54,7 @@ def _why_not(model, attention, lib) -> str | None:
         return "it needs the cpu decoder ops and the cpu attention kernel"
     if model.dtype not in (torch.float32, torch.bfloat16):
         return f"it runs float32 and bfloat16, not {model.dtype}"
-    if model.embed.dtype != model.dtype or not model.embed.is_contiguous():
+    if isinstance(model.embed, torch.Tensor) and (model.embed.dtype != model.dtype or not model.embed.is_contiguous()):
         return "it copies embedding rows as they are: the table must be contiguous, in the activations' dtype"
     for lin in (L[k] for L in model.layers for k in ("qkv", "o", "gate_up", "down")):
         if not _ours(lin):
@@ -92,8 +93,10 @@ class FusedStack:
         head = model.lm_head
         self.head_rows = (min(head.max_quantized_rows(), OWN_INT8_MAX_ROWS if head.kind == "int8" else self.max_rows)
                           if _ours(head) and head.bias is None else 0)
-        # the embedding rows are copied in the call too (a torch embedding was ~25 us of a step's Python)
+        # the embedding rows are copied (or dequantized) in the call too (a torch embedding was ~25 us of a step's
+        # Python)
         embed = model.embed
+        quantized = isinstance(embed, QuantEmbedding)
         # forwards one call runs on a batch of decodes (decode_ahead), each on the greedy tokens of the one before:
         # where the head makes them and its every row is a row of the embedding
         self.max_forwards = MAX_FORWARDS if self.head_rows and head.out_features <= embed.shape[0] else 1
@@ -103,7 +106,8 @@ class FusedStack:
         self._model = _Model(a.num_layers, a.hidden_size, a.num_heads, a.num_kv_heads, a.head_dim,
                              a.intermediate_size, kv.block_size, model.dtype.itemsize, a.norm_eps, attention.scale,
                              ctypes.addressof(layers), self._linear(head) if self.head_rows else _QLinear(), model.norm.data_ptr(),
-                             embed.data_ptr(), embed.shape[0], self._balance.data_ptr(), WAIT_AHEAD)
+                             (embed.packed if quantized else embed).data_ptr(), embed.fmt if quantized else 0,
+                             embed.shape[0], self._balance.data_ptr(), WAIT_AHEAD)
         self._widest_int8 = max((lin.out_features for lin in linears if lin.kind == "int8"), default=0)
         # RoPE's cos/sin at every position, in the form the Python path's rows take: the call reads each token's
         # row itself (no per-step gather)

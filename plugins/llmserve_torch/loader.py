@@ -98,16 +98,18 @@ def apply_quantization(sd: dict, mode: str, arch: ArchConfig) -> dict:
 
     auto keeps every tensor as the source gave it; none dequantizes; int8 / int4 round the linears to
     nearest (int4 keeps the LM head at int8, as llama.cpp's Q4 files keep their output tensor finer).
-    Tensors that feed no linear (embedding tables, norms) are always floats.
+    Tensors that feed no linear (norms, embedding tables) are floats, except with auto the tables the model keeps
+    quantized (a GGUF's embedding: ModelFamily.quantized_tables).
     """
     if mode not in MODES:
         raise ConfigError(f"model.quantization: must be one of {', '.join(MODES)}, got {mode!r}")
     fam = family_of(arch)
     linears, head = fam.linear_weights(arch), fam.head_weight(arch)
+    kept = fam.quantized_tables(arch) if mode == "auto" else set()
     out = {}
     for name, t in sd.items():
         transposed = linears.get(name)
-        if transposed is None or mode == "none":
+        if (transposed is None and name not in kept) or mode == "none":
             if isinstance(t, QuantWeight):
                 t = t.dequantize().t() if transposed else t.dequantize()
         elif mode != "auto":

@@ -136,11 +136,15 @@ class GGUFSource(ModelSource):
             fam = family_of(arch)
             normalize = fam.normalize_name
             packed = PackedCache(meta_dir, meta_dir.name, fam.name) if mc.quantization == "auto" else None
-            # linear weights (not a tied embedding: the lookup needs it whole) stand in the state dict until the model
-            # makes their linears: read back from the packed cache where it holds every one, else read from the file
-            # then, one layer at a time (with model.quantization auto: rounding to int8/int4 reads everything first)
-            linears = set(fam.linear_weights(arch)) - ({fam.head_weight(arch)} if arch.tie_word_embeddings else set())
-            cached = packed is not None and linears <= packed.covers()
+            # linear weights and the tables the model keeps quantized (a tied head is its embedding: one of them) stand
+            # in the state dict until the model makes their linears: read back from the packed cache where it holds
+            # every quantized one, else read from the file then, one layer at a time (with model.quantization auto:
+            # rounding to int8/int4 reads everything first)
+            linears = (set(fam.linear_weights(arch)) - ({fam.head_weight(arch)} if arch.tie_word_embeddings else set())
+                       | fam.quantized_tables(arch))
+            quantized = {normalize(hf) for n, t in ckpt.tensors.items()
+                         if t.tensor_type.name in KINDS and (hf := ckpt.hf_name(n)) is not None}
+            cached = packed is not None and (linears & quantized) <= packed.covers()
 
             def placeholder(hf: str, t) -> QuantWeight | None:
                 n = normalize(hf)

@@ -5,6 +5,7 @@ over prompt chunks and decodes."""
 from __future__ import annotations
 
 import time
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -14,6 +15,7 @@ from torch_helpers import Driver, batch_of, make_backend, make_llama
 from llmserve.errors import ConfigError
 from llmserve.request import SamplingParams
 from llmserve_torch.fused_stack import STAGES
+from llmserve_torch.quant_embedding import QuantEmbedding
 
 
 @pytest.fixture(scope="module")
@@ -363,28 +365,34 @@ def test_two_rows_of_one_sequence_read_each_others_keys(llama_dir):
 
 
 # a Q4_K_M-like file: each tensor in its own type (q|k|v meet in int6 with offsets and scales per 16, gate|up in int5
-# with offsets), the LM head in Q6_K
+# with offsets), the LM head in Q6_K, the embedding (not tied) in Q4_K
 MIXED_TYPES = {"attn_q": "Q4_K", "attn_k": "Q5_0", "attn_v": "Q6_K", "attn_output": "Q5_1", "ffn_gate": "Q5_K",
-               "ffn_up": "Q5_0", "ffn_down": "Q8_0", "output": "Q6_K"}
+               "ffn_up": "Q5_0", "ffn_down": "Q8_0", "output": "Q6_K", "token_embd": "Q4_K"}
 
 
 @pytest.fixture(scope="module")
 def mixed_gguf(tmp_path_factory):
-    from gguf_helpers import gguf_tensors, make_decoder, quantize, write_gguf
+    from gguf_helpers import dequantize, gguf_tensors, make_decoder, quantize, write_gguf
 
     hf = make_decoder("llama", hidden=256, seed=5)  # K-quants need 256 inputs per row
     tensors = {}
     for name, t in gguf_tensors(hf).items():
         qtype = MIXED_TYPES.get(name.split(".")[-2])
         tensors[name] = (quantize(t, qtype), qtype) if qtype and t.ndim == 2 else t.astype(np.float32)
-    return write_gguf(tmp_path_factory.mktemp("mixed") / "mixed.gguf", hf, tensors=tensors)
+    path = write_gguf(tmp_path_factory.mktemp("mixed") / "mixed.gguf", hf, tensors=tensors)
+    return SimpleNamespace(path=path, embed=dequantize(*tensors["token_embd.weight"]))
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_a_file_of_mixed_group_kinds_runs_fused_with_its_own_head(mixed_gguf, dtype):
-    """Every GGUF type at its own bits in one call, the Q6_K LM head included: hidden states, logits and greedy
-    tokens equal the Python path's."""
-    fused, plain = _backend(mixed_gguf, dtype, "auto", "auto"), _backend(mixed_gguf, dtype, "auto", "off")
+    """Every GGUF type at its own bits in one call, the Q6_K LM head included, the Q4_K embedding kept quantized:
+    hidden states, logits and greedy tokens equal the Python path's, and the embedding's rows the file's."""
+    fused, plain = _backend(mixed_gguf.path, dtype, "auto", "auto"), _backend(mixed_gguf.path, dtype, "auto", "off")
+    ids = torch.tensor([0, 5, 17, 200, 255])
+    for b in (fused, plain):
+        assert isinstance(b.model.embed, QuantEmbedding) and b.describe()["memory"]["embedding"] > 0
+        want = torch.from_numpy(mixed_gguf.embed.reshape(-1, 256)).to(b.model.dtype)[ids]
+        assert torch.equal(b.model.embed(ids), want)
     kinds = fused.describe()["quantization"]["linears"]
     assert kinds == {"int6 (Q4_K+Q5_0+Q6_K)": 2, "int5 (Q5_1)": 2, "int5 (Q5_0+Q5_K)": 2, "int8g (Q8_0)": 2,
                      "int6 (Q6_K)": 1}

@@ -26,6 +26,7 @@ from llmserve_torch.kernel_library import api, cpu_id, cxx_flags
 from llmserve_torch.gguf_quant import KINDS as GGUF_KINDS
 from llmserve_torch.gguf_quant import repack
 from llmserve_torch.kernel_plan import NEVER, KernelPlan, KindPlan, plan_kernels
+from llmserve_torch.quant_embedding import QuantEmbedding
 from llmserve_torch.models.common import Linear
 from llmserve_torch.quant import (GROUP, QuantLinear, QuantWeight, cat_rows, own_kernel_isa, quantize_int4,
                                   quantize_int8)
@@ -206,6 +207,26 @@ def test_our_group_kernel_matches_the_reference_in_every_format_at_any_rows(rows
         assert got.dtype == serving and got.shape == (rows, 40)
         slack = 0.01 * want.abs().max().item() if serving == torch.bfloat16 else 2e-5 * want.abs().max().item()
         assert ((got.float() - want).abs() <= _rounding_bound(x, held) + slack).all(), name
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_an_embedding_kept_quantized_looks_up_the_dense_tables_rows(dtype):
+    """QuantEmbedding's rows, dequantized from the packed weight by llmserve_quant_rows, equal the dense table's
+    exactly in every group format, at every position of a tile (a padded last tile too, and past 64 rows, where the
+    call shares them out); an id past the table, or below it, raises IndexError as torch's embedding does."""
+    if own_kernel_isa() is None:
+        pytest.skip("the kernel library does not build here (no C++ compiler): the table is dense")
+    few = torch.tensor([0, 39, 17, 16, 15, 1, 39, 8, 32])
+    many = torch.randint(0, 40, (2, 70))
+    for name, qw in _group_weights(40, 256, 0).items():
+        table = QuantEmbedding(QuantLinear(qw, None, _plan(qw.kind, dtype, NEVER)), dtype, shared=True)
+        dense = _as_packed(qw).dequantize(dtype)
+        for ids in (few, many):
+            got = table(ids)
+            assert got.dtype == dtype and torch.equal(got, F.embedding(ids, dense)), name
+        for bad in (40, -1):
+            with pytest.raises(IndexError):
+                table(torch.tensor([3, bad]))
 
 
 def test_the_bits_read_are_the_files_own():

@@ -298,10 +298,13 @@ void run(const Team& tm, const Model& m, const Scratch& s, const Step& st, float
   const int R = st.rows, E = sizeof(T), H = m.hidden;
   const int q = m.heads * m.head_dim, kv = m.kv_heads * m.head_dim, qkv_w = q + 2 * kv;
   rebalance(tm, balance_of(m));  // before the step's first barrier: the others read the share after it
-  // x = the ids' embedding rows (llmserve_decode_layers checked them)
-  for (int r = tm.begin(R); r < tm.end(R); ++r)
-    std::memcpy(static_cast<char*>(st.x) + static_cast<int64_t>(r) * H * E,
-                static_cast<const char*>(m.embed) + st.ids[r] * H * E, static_cast<size_t>(H) * E);
+  // x = the ids' embedding rows (llmserve_decode_layers checked them): copied, or dequantized from the head's weight
+  if (m.embed_format)
+    team_quant_rows(tm, m.embed_format, static_cast<const uint8_t*>(m.embed), H, st.ids, R, st.x, H, E);
+  else
+    for (int r = tm.begin(R); r < tm.end(R); ++r)
+      std::memcpy(static_cast<char*>(st.x) + static_cast<int64_t>(r) * H * E,
+                  static_cast<const char*>(m.embed) + st.ids[r] * H * E, static_cast<size_t>(H) * E);
   tm.sync();
   const Team mt = matmul_team(tm, balance_of(m));
   Flow<T> f(tm, s, st, m);

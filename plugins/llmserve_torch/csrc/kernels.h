@@ -65,6 +65,10 @@ inline bool is_group_format(int kind) { return (kind & kGroupFormat) != 0; }
 // tiles of outputs (share_begin / share_end)
 void team_quant_matmul(const Team& tm, int fmt, const void* x, int64_t xs, int rows, const uint8_t* w, void* y,
                        int64_t ys, int N, int K, int elem_size, int out_size);
+// Rows ids[0, rows) of an [N, K] group-format weight dequantized into y [rows, K] (row stride ys elements), float32
+// (out_size 4) or bf16 (2) (quant_matmul.cpp); rows shared out. The caller has checked the ids
+void team_quant_rows(const Team& tm, int fmt, const uint8_t* w, int K, const int64_t* ids, int rows, void* y,
+                     int64_t ys, int out_size);
 // The group layout's rows a tile (16 with AVX-512, 8 with AVX2, else 1), its tiles for N outputs (a member's share is
 // whole tiles) and one tile's bytes for K inputs
 int quant_tile();

@@ -71,7 +71,9 @@ struct llmserve_model {
   const struct llmserve_layer* layer;
   struct llmserve_qlinear head;  /* the LM head, or kind 0 where the caller never asks for logits */
   const void* final_norm;
-  const void* embed;  /* [vocab, hidden] in the activations' dtype: the step's ids' rows */
+  const void* embed;  /* [vocab, hidden]: the step's ids' rows, in the activations' dtype, or with embed_format */
+  int32_t embed_format; /* 0: embed is that dense table; else a group format: embed is a weight in it (the tied LM
+                         * head's own packed bytes), its rows dequantized as they are read */
   int32_t vocab;
   void* balance;      /* LLMSERVE_BALANCE_BYTES of the caller's, kept between calls (null: equal shares) */
   int64_t wait_ahead; /* bytes of its next matmul's share a member asks for at most while it waits (0: none) */
@@ -134,6 +136,11 @@ LLMSERVE_API int llmserve_decode_layers(const struct llmserve_model* m, const st
  * bf16 (2, with bf16 x) */
 LLMSERVE_API void llmserve_quant_matmul(int fmt, const void* x, int64_t xs, int rows, const uint8_t* w, void* y,
                                         int64_t ys, int N, int K, int elem_size, int out_size, int th);
+/* Rows ids[0, rows) of an [N, K] weight in group format fmt (as pack_own lays it out), dequantized into y [rows, K]
+ * (row stride ys elements), float32 (out_size 4) or bf16 (2): an embedding table kept quantized. 0, or -1 (nothing
+ * written) where an id is not a row */
+LLMSERVE_API int llmserve_quant_rows(int fmt, const uint8_t* w, int N, int K, const int64_t* ids, int rows, void* y,
+                                     int64_t ys, int out_size, int th);
 /* The code of the group format with values of `bits` bits, offsets or not, scales per 16 inputs or per 32, float16
  * or int8 multiples of a float16 factor per 256 inputs (sup); -1 where the kernel has no such format */
 LLMSERVE_API int llmserve_quant_format(int bits, int offsets, int half, int sup);

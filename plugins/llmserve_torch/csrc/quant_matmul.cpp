@@ -54,9 +54,51 @@ bool with_format(int fmt, Fn&& fn) {
   }
 }
 
+// Group g's scale (kind 0) or offset (1) of a part, for row r of the block's tile (0 where rows are in order)
+template <typename F>
+float row_param(const Block<F>& b, int g, int part, int kind, int r) {
+  const uint8_t* p = (kind ? b.offsets(g, part) : b.scales(g, part)) + r * F::kScaleBytes;
+  if (F::kSup) return to_float(static_cast<int8_t>(*p)) * load_half(b.factors(g, kind)[r]);
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  return load_half(h);
+}
+
+// Row n of an [N, K] weight as pack_own lays it out, as T: each value as QuantWeight.dequantize computes it in
+// float32 (q * scale is exact there, so a fused multiply-add rounds the same), then rounded to T
+template <typename F, typename T>
+void dequant_row(const uint8_t* w, int K, int64_t n, T* y) {
+  const Block<F> b(w, n / kTile, K);
+  const int r = static_cast<int>(n % kTile);
+  for (int g = 0; g < K / kG; ++g) {
+    uint8_t v[F::kValueBytes];  // row r's 4-byte chunks of the group, gathered from the tile's interleaving
+    for (int c = 0; c < F::kBits; ++c) std::memcpy(v + 4 * c, b.values(g) + (c * kTile + r) * 4, 4);
+    int q[kG];
+    group_values<F>(v, q);
+    for (int p = 0; p < F::kParts; ++p) {
+      const float scale = row_param(b, g, p, 0, r), offset = F::kOff ? row_param(b, g, p, 1, r) : 0.f;
+      for (int i = p * kG / F::kParts; i < (p + 1) * kG / F::kParts; ++i)
+        store(y + g * kG + i, F::kOff ? static_cast<float>(q[i]) * scale + offset
+                                      : static_cast<float>(q[i] - F::kCentre) * scale);
+    }
+  }
+}
+
 }  // namespace quant
 
 using namespace quant;
+
+void team_quant_rows(const Team& tm, int fmt, const uint8_t* w, int K, const int64_t* ids, int rows, void* y,
+                     int64_t ys, int out_size) {
+  with_format(fmt, [&](auto f) {
+    using F = decltype(f);
+    for (int r = tm.begin(rows); r < tm.end(rows); ++r)
+      if (out_size == 4)
+        dequant_row<F>(w, K, ids[r], static_cast<float*>(y) + r * ys);
+      else
+        dequant_row<F>(w, K, ids[r], static_cast<uint16_t*>(y) + r * ys);
+  });
+}
 
 int quant_tile() { return kTile; }
 int quant_tiles(int N) { return (N + kTile - 1) / kTile; }
@@ -128,6 +170,17 @@ int64_t llmserve_quant_bytes(int fmt, int N, int K) { return quant_tiles(N) * qu
 void llmserve_quant_matmul(int fmt, const void* x, int64_t xs, int rows, const uint8_t* w, void* y, int64_t ys, int N,
                            int K, int elem_size, int out_size, int th) {
   on_team(th, true, [&](const Team& tm) { team_quant_matmul(tm, fmt, x, xs, rows, w, y, ys, N, K, elem_size, out_size); });
+}
+
+// Rows ids[0, rows) of an [N, K] group-format weight, dequantized into y (float32 or bf16): the embedding lookup of a
+// table kept in its file's format. 0, or -1 (nothing written) where an id is not a row or fmt is unknown
+int llmserve_quant_rows(int fmt, const uint8_t* w, int N, int K, const int64_t* ids, int rows, void* y, int64_t ys,
+                        int out_size, int th) {
+  for (int r = 0; r < rows; ++r)
+    if (ids[r] < 0 || ids[r] >= N) return -1;
+  if (quant_tile_bytes(fmt, K) < 0) return -1;
+  on_team(th, rows > 64, [&](const Team& tm) { team_quant_rows(tm, fmt, w, K, ids, rows, y, ys, out_size); });
+  return 0;
 }
 
 }  // extern "C"

@@ -9,7 +9,8 @@ import torch
 import torch.nn.functional as F
 
 from llmserve_torch.packed_cache import Deferred, Packed, cat_packed
-from llmserve_torch.quant import QuantLinear, QuantWeight, cat_rows, to_kind
+from llmserve_torch.quant import QuantLinear, QuantWeight, cat_rows, kernel_form, to_kind, weight_format
+from llmserve_torch.quant_embedding import QuantEmbedding
 
 log = logging.getLogger("llmserve.torch")
 
@@ -100,7 +101,7 @@ class LinearMaker:
         self.names: dict[int, tuple[str, ...]] = {}
         self.made: list[tuple[tuple[str, ...], QuantLinear]] = []
 
-    def _read(self, w):
+    def read(self, w):
         """A Deferred weight read from its file now (its names kept for the packed cache); anything else as it is."""
         if not isinstance(w, Deferred):
             return w
@@ -112,6 +113,15 @@ class LinearMaker:
         """Remember the name of each QuantWeight in sd (the packed cache keys linears by their weights' names)."""
         self.names.update({id(v): (k,) for k, v in sd.items() if isinstance(v, QuantWeight)})
 
+    def embedding(self, w, shared: bool):
+        """An embedding table: a quantized one kept packed where our kernels hold its format on this CPU (a
+        QuantEmbedding over the linear of w; `shared`: that linear is the tied LM head), else a float tensor."""
+        w = self.read(w)
+        if isinstance(w, Packed) or (isinstance(w, QuantWeight) and self.device.type == "cpu"
+                                     and weight_format(kernel_form(w)) is not None):
+            return QuantEmbedding(self(w), self.dtype, shared)
+        return self.tensor(w)
+
     def tensor(self, t: torch.Tensor | QuantWeight) -> torch.Tensor:
         """A float tensor in the model's dtype and device (a QuantWeight dequantized: an embedding table)."""
         if isinstance(t, QuantWeight):
@@ -122,7 +132,7 @@ class LinearMaker:
         """Weights stacked along the output axis (fused q|k|v, gate|up), quantized or not."""
         if all(isinstance(p, Packed) for p in parts):
             return cat_packed(parts)
-        parts = [self._read(p) for p in parts]
+        parts = [self.read(p) for p in parts]
         if any(isinstance(p, QuantWeight) for p in parts):
             names = [self.names.pop(id(p), None) for p in parts]
             out = cat_rows([p if isinstance(p, QuantWeight) else to_kind(p, "int8") for p in parts])
@@ -143,7 +153,7 @@ class LinearMaker:
         # a dense copy only when the kernel plan uses one (made then, from the packed weight): none at load
         densify = (lambda weight: Linear(weight.to(self.dtype).contiguous(), b, self.pack, self.batch_hint)) \
             if self.dense_copy else None
-        w = self._read(w)
+        w = self.read(w)
         names = w.names if isinstance(w, Packed) else self.names.pop(id(w), None)
         lin = self.packed.linear(names, b, self.plan, densify) if self.packed is not None and names else None
         if lin is None:

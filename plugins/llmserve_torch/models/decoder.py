@@ -10,7 +10,6 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from llmserve.errors import ConfigError
 from llmserve_torch.arch import FREQ_FACTORS, ArchConfig, config_dtype, first_int, rope_from_hf
@@ -19,6 +18,7 @@ from llmserve_torch.models.common import LinearMaker, lm_head
 from llmserve_torch.models.family import GGUFNames, GGUFView, ModelFamily, register_family
 from llmserve_torch.models.rope import rope_tables
 from llmserve_torch.quant import QuantWeight
+from llmserve_torch.quant_embedding import QuantEmbedding, embedding_rows
 
 _ROPE_FREQS = "rope_freqs.weight"
 # GGUF (llama.cpp) tensor names → the HF checkpoint's (a layer's part comes after model.layers.N.)
@@ -101,6 +101,10 @@ class DecoderFamily(ModelFamily):
             "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")]
         return dict.fromkeys(names + [self.head_weight(a)], False)
 
+    def quantized_tables(self, a: ArchConfig) -> set[str]:
+        """The embedding table: DecoderModel keeps a quantized file's packed (make.embedding)."""
+        return {"model.embed_tokens.weight"}
+
     def head_weight(self, a: ArchConfig) -> str:
         """The LM head's weight: the embedding table when tied."""
         return "model.embed_tokens.weight" if a.tie_word_embeddings else "lm_head.weight"
@@ -181,7 +185,10 @@ class DecoderModel:
         self.arch = arch
         self.dtype = make.dtype
         self.ops = ops  # the elementwise steps: fused C kernels on CPU, or torch
-        self.embed = make.tensor(sd["model.embed_tokens.weight"])  # float for the lookup, even when quantized
+        # a quantized file's table stays packed (its rows dequantized as they are looked up); then, where tied, it is
+        # the LM head's weight too. (A Deferred one is read now: the head may be the same weight.)
+        embed_w = make.read(sd["model.embed_tokens.weight"])
+        self.embed = make.embedding(embed_w, shared=arch.tie_word_embeddings)
         self.layers = []
         for n in range(arch.num_layers):
             p = f"model.layers.{n}.self_attn."
@@ -205,9 +212,12 @@ class DecoderModel:
                 L["k_norm"] = make.tensor(sd[p + "k_norm.weight"])
             self.layers.append(L)
         self.norm = make.tensor(sd["model.norm.weight"])
-        head = sd[FAMILY.head_weight(arch)]
-        # tied and float: the lookup table itself (packing makes its own copy); quantized: a copy in its kind
-        self.lm_head = make(self.embed if arch.tie_word_embeddings and isinstance(head, torch.Tensor) else head)
+        if arch.tie_word_embeddings and isinstance(self.embed, QuantEmbedding):
+            self.lm_head = self.embed.linear
+        else:
+            head = embed_w if arch.tie_word_embeddings else sd[FAMILY.head_weight(arch)]
+            # tied and float: the lookup table itself (packing makes its own copy); quantized: a copy in its kind
+            self.lm_head = make(self.embed if arch.tie_word_embeddings and isinstance(head, torch.Tensor) else head)
         self.cos, self.sin = rope_tables(arch.rope, arch.head_dim, max_len, make.device)
 
     def linears(self) -> list:
@@ -247,7 +257,7 @@ class DecoderModel:
 
     def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
         """The embedding rows of the step's tokens: [T, hidden] (a family that scales them overrides this)."""
-        return F.embedding(input_ids, self.embed)
+        return embedding_rows(self.embed, input_ids)
 
     def gate_up_act(self, gu: torch.Tensor, inter: int) -> torch.Tensor:
         """The MLP's activation on gate|up rows: SiLU(gate)·up (a family with another overrides this)."""

@@ -75,6 +75,10 @@ class ModelFamily(ABC):
     def linear_weights(self, arch: ArchConfig) -> dict[str, bool]:
         """The 2-D weights that feed linears (the LM head included), each with whether it is stored [in, out]."""
 
+    def quantized_tables(self, arch: ArchConfig) -> set[str]:
+        """Embedding tables the model keeps in a quantized file's form (LinearMaker.embedding), read like linears."""
+        return set()
+
     def head_weight(self, arch: ArchConfig) -> str | None:
         """The LM head's weight (the embedding table where tied), or None without a head."""
         return None

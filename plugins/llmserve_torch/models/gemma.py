@@ -23,6 +23,7 @@ from llmserve_torch.fused import decoder_ops
 from llmserve_torch.models.common import LinearMaker
 from llmserve_torch.models.decoder import DecoderFamily, DecoderModel
 from llmserve_torch.models.family import GGUFView, register_family
+from llmserve_torch.quant_embedding import embedding_rows
 
 # transformers' names for the tanh approximation of GELU, and the exact one
 _GELU = {"gelu_pytorch_tanh": "tanh", "gelu_new": "tanh", "gelu_fast": "tanh", "gelu": "none"}
@@ -83,7 +84,7 @@ class GemmaModel(DecoderModel):
 
     def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
         """The embedding rows times sqrt(hidden_size)."""
-        return F.embedding(input_ids, self.embed) * self.embed_scale
+        return embedding_rows(self.embed, input_ids) * self.embed_scale
 
     def gate_up_act(self, gu: torch.Tensor, inter: int) -> torch.Tensor:
         """GeGLU: gelu(gate)·up."""
