@@ -276,7 +276,7 @@ MARCHES = {"x86-64": ("x86-64", (), set(), "scalar"), "x86-64-v3": ("x86-64-v3",
 @pytest.mark.parametrize("march", MARCHES)
 def test_every_simd_path_of_the_group_kernel_matches_the_reference(tmp_path, monkeypatch, march):
     """The kernel built for another ISA, run here in every format on the layout pack_own makes for that build's
-    tile."""
+    tile; its row lookup (a quantized embedding's) gives each row exactly."""
     level, extra, needs, isa = MARCHES[march]
     flags = set(" ".join(ln for ln in cpu_id().splitlines() if ln.startswith("flags")).split())
     if platform.machine() != "x86_64" or shutil.which("g++") is None or not needs <= flags:
@@ -287,7 +287,7 @@ def test_every_simd_path_of_the_group_kernel_matches_the_reference(tmp_path, mon
                    check=True, capture_output=True)
     lib = ctypes.CDLL(str(so))
     for name in ("llmserve_quant_isa", "llmserve_quant_tile", "llmserve_quant_format", "llmserve_quant_bytes",
-                 "llmserve_quant_matmul"):
+                 "llmserve_quant_matmul", "llmserve_quant_rows"):
         getattr(lib, name).restype, getattr(lib, name).argtypes = api().functions[name]
     monkeypatch.setattr(quant, "_own_kernels", lambda: lib)
     assert lib.llmserve_quant_isa().decode() == isa
@@ -303,6 +303,11 @@ def test_every_simd_path_of_the_group_kernel_matches_the_reference(tmp_path, mon
             held = _as_packed(qw)
             bound = _rounding_bound(x, held) + 2e-5 * (x.abs().sum(-1, keepdim=True) * held.dequantize().abs().amax())
             assert ((y - F.linear(x, held.dequantize())).abs() <= bound).all(), (name, rows, n, k)
+            ids = torch.arange(n - 1, -1, -1)  # every row, each position of each tile
+            table = torch.full((n, k), float("nan"))
+            assert lib.llmserve_quant_rows(quant.weight_format(qw), packed.data_ptr(), n, k, ids.data_ptr(), n,
+                                           table.data_ptr(), k, 4, 2) == 0
+            assert torch.equal(table, held.dequantize()[ids]), (name, n, k)
 
 
 def test_the_plan_measures_a_crossover_or_drops_unused_dense_copies():
