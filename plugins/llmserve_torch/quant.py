@@ -12,7 +12,6 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -249,21 +248,15 @@ def kernel_form(qw: QuantWeight) -> QuantWeight:
 
 
 def _bit_planes(q: torch.Tensor, bits: int) -> torch.Tensor:
-    """[rows, groups, 32] values → [rows, groups, 4 * bits] bytes as csrc/quant_matmul.cpp's Fmt lays a group out:
-    8 bits as they are; else a nibble plane (byte j: value j low, j + 16 high), then for each bit above the fourth a
-    4-byte plane whose byte j's bit c is value 4c + j's and bit 4 + c value 16 + 4c + j's."""
+    """[rows, groups, 32] values → [rows, groups, 4 * bits] bytes as csrc/quant_format.h lays a group out
+    (llmserve_pack_values): 8 bits as they are; else a nibble plane (byte j: value j low, j + 16 high), then for each
+    bit above the fourth a 4-byte plane whose byte j's bit c is value 4c + j's and bit 4 + c value 16 + 4c + j's."""
     if bits == 8:
         return q
-    a = q.numpy()
-    out = [(a[..., :16] & 15) | ((a[..., 16:] & 15) << 4)]
-    if bits > 4:
-        # the bits above the fourth as [.., j, half, c], so byte j's eight bits are adjacent: numpy packs them in C
-        # (torch's uint8 arithmetic took seconds of a 0.5B model's start)
-        hi = np.ascontiguousarray(np.moveaxis((a >> 4).reshape(*a.shape[:-1], 2, 4, 4), -1, -3))
-        for p in range(bits - 4):
-            planes = ((hi >> p) & 1).reshape(*a.shape[:-1], 4, 8)
-            out.append(np.packbits(planes, axis=-1, bitorder="little")[..., 0])
-    return torch.from_numpy(np.concatenate(out, axis=-1))
+    q = q.contiguous()
+    out = torch.empty((*q.shape[:-1], 4 * bits), dtype=torch.uint8)
+    _own_kernels().llmserve_pack_values(q.data_ptr(), q.numel() // GROUP, bits, out.data_ptr())
+    return out
 
 
 def pack_own(qw: QuantWeight) -> torch.Tensor:

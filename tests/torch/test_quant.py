@@ -287,7 +287,7 @@ def test_every_simd_path_of_the_group_kernel_matches_the_reference(tmp_path, mon
                    check=True, capture_output=True)
     lib = ctypes.CDLL(str(so))
     for name in ("llmserve_quant_isa", "llmserve_quant_tile", "llmserve_quant_format", "llmserve_quant_bytes",
-                 "llmserve_quant_matmul", "llmserve_quant_rows"):
+                 "llmserve_quant_matmul", "llmserve_quant_rows", "llmserve_pack_values"):
         getattr(lib, name).restype, getattr(lib, name).argtypes = api().functions[name]
     monkeypatch.setattr(quant, "_own_kernels", lambda: lib)
     assert lib.llmserve_quant_isa().decode() == isa

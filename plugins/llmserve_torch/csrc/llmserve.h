@@ -141,6 +141,9 @@ LLMSERVE_API void llmserve_quant_matmul(int fmt, const void* x, int64_t xs, int 
  * written) where an id is not a row */
 LLMSERVE_API int llmserve_quant_rows(int fmt, const uint8_t* w, int N, int K, const int64_t* ids, int rows, void* y,
                                      int64_t ys, int out_size, int th);
+/* Groups of 32 values of `bits` bits (one byte each, 0 .. 2^bits - 1) → each group's 4 * bits bytes as the group
+ * formats lay them out (quant_format.h's group_values undoes it): pack_own's values, at load */
+LLMSERVE_API void llmserve_pack_values(const uint8_t* q, int64_t groups, int bits, uint8_t* out);
 /* The code of the group format with values of `bits` bits, offsets or not, scales per 16 inputs or per 32, float16
  * or int8 multiples of a float16 factor per 256 inputs (sup); -1 where the kernel has no such format */
 LLMSERVE_API int llmserve_quant_format(int bits, int offsets, int half, int sup);

@@ -103,6 +103,23 @@ struct Block {
   }
 };
 
+// One group's 32 values of `bits` bits as the format's 4 * bits bytes (what group_values reads back): a nibble plane,
+// then a 4-byte plane for each bit above the fourth; 8 bits as they are
+inline void pack_group_values(const uint8_t* q, int bits, uint8_t* v) {
+  if (bits == 8) {
+    std::memcpy(v, q, kG);
+    return;
+  }
+  for (int j = 0; j < 16; ++j) v[j] = static_cast<uint8_t>((q[j] & 15) | ((q[j + 16] & 15) << 4));
+  for (int p = 0; p < bits - 4; ++p)
+    for (int j = 0; j < 4; ++j) {
+      int b = 0;
+      for (int c = 0; c < 4; ++c)
+        b |= ((q[4 * c + j] >> (4 + p)) & 1) << c | ((q[16 + 4 * c + j] >> (4 + p)) & 1) << (4 + c);
+      v[16 + 4 * p + j] = static_cast<uint8_t>(b);
+    }
+}
+
 // One group's 32 values as integers (the scalar path and the AVX2 path's groups left over)
 template <typename F>
 inline void group_values(const uint8_t* v, int* q) {
