@@ -10,7 +10,9 @@ import logging
 import os
 import shutil
 import tempfile
+import threading
 import time
+from concurrent.futures import Future
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -147,17 +149,50 @@ def _build(root: Path, name: str, path: Path, what: str, fill) -> dict:
     return record
 
 
-def cached_metadata(path: Path) -> tuple[Path, bool]:
+def cached_metadata(path: Path, wait: bool = True) -> tuple[Path, bool | Future]:
     """The directory holding the GGUF's tokenizer files and generation config (written on the first call; no
-    weights: the quantized tensors are repacked from the file itself), and whether it holds a tokenizer."""
+    weights: the quantized tensors are repacked from the file itself), and whether it holds a tokenizer: a bool, or
+    with wait=False a Future of it. A first call writes the entry on a thread of its own (transformers builds the
+    tokenizer in seconds), so a caller that does not wait loads the weights meanwhile; a second caller of this
+    process waits for the same thread."""
     root = _root()
     sha = file_sha256(path, root / "sha256.json")
+    entry = root / sha
 
     def fill(tmp: Path) -> dict:
         (tmp / FILE).write_text(json.dumps(from_gguf(GGUFCheckpoint(path))))  # the EOS ids and sampling defaults
         return {"sha256": sha, "tokenizer": export_tokenizer(path, tmp)}
 
-    return root / sha, _build(root, sha, path, "tokenizer and metadata", fill)["tokenizer"]
+    def build() -> bool:
+        return _build(root, sha, path, "tokenizer and metadata", fill)["tokenizer"]
+
+    with _building_lock:
+        future = _building.get(entry)
+        if future is None:
+            future = Future()
+            if _marker(entry) is not None:  # written already: read at once
+                future.set_result(build())
+            else:
+                _building[entry] = future
+                threading.Thread(target=_settle, args=(future, entry, build), name="llmserve-gguf-metadata",
+                                 daemon=True).start()
+    return entry, future.result() if wait else future
+
+
+# cache entries a thread of this process is writing, and their results to come
+_building: dict[Path, Future] = {}
+_building_lock = threading.Lock()
+
+
+def _settle(future: Future, entry: Path, build) -> None:
+    """Run build() into future, then forget the entry's thread."""
+    try:
+        future.set_result(build())
+    except BaseException as e:  # (the waiter re-raises it)
+        future.set_exception(e)
+    finally:
+        with _building_lock:
+            _building.pop(entry, None)
 
 
 def cached_dense(path: Path) -> Path:

@@ -155,6 +155,7 @@ def load_model(mc: ModelConfig, linear: str = "auto", batch_hint: int = 64, max_
     except ValueError as e:
         raise ConfigError(str(e)) from None
     del sd
+    src.finish()  # (what the source ran beside the build: a GGUF's first tokenizer export)
     if src.packed is not None and not src.packed.entries:  # a first start: the next one reads these back
         src.packed.save(make.made)
     quant = [lin for lin in model.linears() if isinstance(lin, QuantLinear)]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -40,6 +41,10 @@ class SourceResult:
     # what the weights are called (a hub id, a file name, a GGUF's general.name): model_cards.py looks them up
     names: tuple[str, ...] = ()
     packed: PackedCache | None = None  # linears packed at an earlier start (a GGUF's), read instead of repacking
+    # the rest of the load where a source left some of it running in the background (a GGUF's first tokenizer
+    # export, beside the weights): call it before reading tokenizer_dir and generation (load_model does, once the
+    # model is built)
+    finish: Callable[[], None] = lambda: None
 
 
 class ModelSource(ABC):
@@ -126,7 +131,7 @@ class GGUFSource(ModelSource):
         if mc.load_format != "auto":
             raise ConfigError(f"model.load_format: {mc.load_format!r} does not apply to a GGUF file "
                               "(use auto, or dummy for random weights)")
-        meta_dir, has_tokenizer = gguf_cache.cached_metadata(path)
+        meta_dir, tokenizer = gguf_cache.cached_metadata(path, wait=False)  # (a first start's export runs on)
         if mc.quantization == "none":
             dense = gguf_cache.cached_dense(path)
             res = CheckpointSource().load(replace(mc, model=str(dense), load_format="safetensors"))
@@ -159,11 +164,17 @@ class GGUFSource(ModelSource):
             how = "read back from the packed cache" if cached else "repacked for the CPU kernels"
             res = SourceResult(arch, {k: v for k, v in sd.items() if k is not None}, str(path),
                                f"{path.name} (quantized tensors {how})", packed=packed)
-        res.generation = read(meta_dir)
-        if res.generation.source:  # the cache's generation_config.json holds what the file's metadata says
-            res.generation = replace(res.generation, source=f"{path.name}'s metadata (general.sampling.*)")
         res.source, res.names = str(path), names
-        res.tokenizer_dir = str(meta_dir) if has_tokenizer else None
+
+        def finish() -> None:
+            res.tokenizer_dir = str(meta_dir) if tokenizer.result() else None
+            res.generation = read(meta_dir)
+            if res.generation.source:  # the cache's generation_config.json holds what the file's metadata says
+                res.generation = replace(res.generation, source=f"{path.name}'s metadata (general.sampling.*)")
+
+        res.finish = finish
+        if mc.quantization == "none":
+            finish()  # (the dequantized cache took longer than the export)
         return res
 
 

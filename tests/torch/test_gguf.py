@@ -6,7 +6,9 @@ from __future__ import annotations
 import copy
 import logging
 import math
+import threading
 from dataclasses import replace
+from pathlib import Path
 
 import gguf
 import numpy as np
@@ -200,11 +202,45 @@ def test_a_quantized_load_writes_no_dequantized_weights(llama_gguf, cache, monke
     path, _ = llama_gguf
     calls = _counting(monkeypatch)
     res = sources.find_source(str(path)).load(ModelConfig(model=str(path)))
+    res.finish()  # (the tokenizer export ran beside the load)
     types = {t.name: t.tensor_type.name for t in gguf.GGUFReader(path).tensors}
     assert calls and all(types[n] == "F32" for n in calls)
     assert any(isinstance(v, QuantWeight) for v in res.state_dict.values())
     (entry,) = [p for p in (cache / "gguf").iterdir() if p.is_dir()]
     assert res.tokenizer_dir == str(entry) and not (entry / "model.safetensors").exists()
+
+
+def test_a_first_start_exports_the_tokenizer_beside_the_weights(llama_gguf, cache, monkeypatch):
+    """The first load of a file returns its weights while transformers still builds the tokenizer on a thread of its
+    own; finish() waits for it and gives the tokenizer directory and generation defaults. Another load meanwhile
+    waits for the same export (it runs once), and a failing export's error reaches the waiter."""
+    path, _ = llama_gguf
+    gate, calls, real = threading.Event(), [], gguf_cache.export_tokenizer
+
+    def slow_export(p, out):
+        calls.append(p)
+        assert gate.wait(30)
+        return real(p, out)
+
+    monkeypatch.setattr(gguf_cache, "export_tokenizer", slow_export)
+    res = sources.find_source(str(path)).load(ModelConfig(model=str(path)))
+    assert res.tokenizer_dir is None and any(isinstance(v, QuantWeight) for v in res.state_dict.values())
+    other = threading.Thread(target=lambda: sources.find_source(str(path)).load(ModelConfig(model=str(path))).finish())
+    other.start()
+    gate.set()
+    res.finish()
+    other.join(30)
+    assert calls == [path] and (Path(res.tokenizer_dir) / "tokenizer.json").is_file()
+    assert res.generation.eos_token_ids
+
+    def broken(p, out):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(gguf_cache, "export_tokenizer", broken)
+    monkeypatch.setenv("LLMSERVE_CACHE", str(cache.parent / "other"))
+    res = sources.find_source(str(path)).load(ModelConfig(model=str(path)))
+    with pytest.raises(OSError, match="disk full"):
+        res.finish()
 
 
 def test_a_later_start_reads_the_packed_linears_back_and_computes_the_same_logits(tmp_path, cache, monkeypatch):
