@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from llmserve_torch import kernel_library
 from llmserve_torch.quant import Factors, QuantWeight
 
 # each type's group kind, whether it has offsets (else symmetric) and its scales a block
@@ -37,7 +38,7 @@ def _bits(qh: np.ndarray, count: int) -> np.ndarray:
 
 
 def _parts(qtype: str, blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, tuple | None]:
-    """Blocks of one type → (q [n, values], scale [n, scales], offset like scale or None, factors): the group kind's
+    """(numpy, where the kernel library cannot be built: _unpacked does the same in C) Blocks of one type → (q [n, values], scale [n, scales], offset like scale or None, factors): the group kind's
     values (quant.QuantWeight's: w = q * scale + offset, or (q - centre) * scale); a K-quant's factors (d [n, 1],
     sc [n, scales], dneg, m: scale = d * sc, offset = dneg * m), else None."""
     if qtype == "Q4_0":  # d, 16 bytes: (q - 8) * d
@@ -72,6 +73,33 @@ def _parts(qtype: str, blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.n
     return q, d * sc.astype(np.float32), -dmin * m.astype(np.float32), (d, sc, -dmin, m)
 
 
+# each type's values and groups (scales) a block, and whether it has offsets
+_BLOCKS = {"Q4_0": (32, 1, False), "Q4_1": (32, 1, True), "Q5_0": (32, 1, False), "Q5_1": (32, 1, True),
+           "Q8_0": (32, 1, False), "Q4_K": (256, 8, True), "Q5_K": (256, 8, True), "Q6_K": (256, 16, False)}
+
+
+def _unpacked(qtype: str, blocks: np.ndarray) -> tuple | None:
+    """_parts by the kernel library (llmserve_gguf_unpack, many times faster), or None where it cannot be built."""
+    try:
+        lib = kernel_library.load()
+    except RuntimeError:
+        return None
+    from gguf import GGMLQuantizationType
+
+    n, (values, groups, offsets), k_quant = blocks.shape[0], _BLOCKS[qtype], qtype.endswith("_K")
+    blocks = np.ascontiguousarray(blocks)
+    q, scale = np.empty((n, values), np.uint8), np.empty((n, groups), np.float32)
+    offset = np.empty_like(scale) if offsets else None
+    factors = (np.empty((n, 1), np.float32), np.empty((n, groups), np.int8),
+               *((np.empty((n, 1), np.float32), np.empty((n, groups), np.int8)) if offsets else (None, None))) \
+        if k_quant else (None,) * 4
+    at = lambda a: None if a is None else a.ctypes.data  # noqa: E731
+    if lib.llmserve_gguf_unpack(GGMLQuantizationType[qtype].value, at(blocks), n, at(q), at(scale), at(offset),
+                                *map(at, factors)):
+        return None
+    return q, scale, offset, factors if k_quant else None
+
+
 def repack(tensor: Any) -> QuantWeight | None:
     """A GGUF reader tensor as a QuantWeight [out, in]; None for float types (F32, F16, BF16)."""
     from gguf import GGML_QUANT_SIZES
@@ -81,7 +109,8 @@ def repack(tensor: Any) -> QuantWeight | None:
         return None
     rows = tensor.data.shape[0]
     _, type_size = GGML_QUANT_SIZES[tensor.tensor_type]
-    q, scale, offset, factors = _parts(qtype, np.asarray(tensor.data).reshape(-1, type_size))
+    blocks = np.asarray(tensor.data).reshape(-1, type_size)
+    q, scale, offset, factors = _unpacked(qtype, blocks) or _parts(qtype, blocks)
     as_rows = lambda a: None if a is None else torch.from_numpy(np.ascontiguousarray(a)).reshape(rows, -1)  # noqa: E731
     return QuantWeight(KINDS[qtype], as_rows(q), as_rows(scale).float(), None if offset is None else
                        as_rows(offset).float(), qtype, None if factors is None else Factors(*map(as_rows, factors)))

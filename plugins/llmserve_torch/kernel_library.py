@@ -32,7 +32,8 @@ log = logging.getLogger("llmserve.torch")
 CSRC = Path(__file__).with_name("csrc")
 HEADER = CSRC / "llmserve.h"
 # one library (the longest to compile first: the sources compile side by side)
-SOURCES = ("quant_matmul.cpp", "decode_layers.cpp", "paged_attention.cpp", "decoder_ops.cpp", "race.cpp")
+SOURCES = ("quant_matmul.cpp", "decode_layers.cpp", "paged_attention.cpp", "decoder_ops.cpp", "race.cpp",
+           "gguf_unpack.cpp")
 
 
 def _library_files() -> list[Path]:

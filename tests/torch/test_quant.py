@@ -24,6 +24,7 @@ from llmserve.errors import ConfigError
 from llmserve_torch import quant
 from llmserve_torch.kernel_library import api, cpu_id, cxx_flags
 from llmserve_torch.gguf_quant import KINDS as GGUF_KINDS
+from llmserve_torch import gguf_quant
 from llmserve_torch.gguf_quant import repack
 from llmserve_torch.kernel_plan import NEVER, KernelPlan, KindPlan, plan_kernels
 from llmserve_torch.quant_embedding import QuantEmbedding
@@ -64,6 +65,22 @@ def test_gguf_blocks_repack_into_the_kernels_form(qtype):
     assert qw.kind == GGUF_KINDS[qtype] and qw.q.dtype == torch.uint8 and int(qw.q.max()) < 1 << qw.bits
     assert (qw.offset is None) == (qtype in ("Q4_0", "Q5_0", "Q6_K", "Q8_0")) and qw.half == (qtype == "Q6_K")
     torch.testing.assert_close(qw.dequantize(), ref, atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("qtype", GGUF_TYPES)
+def test_the_kernel_librarys_unpacking_equals_numpys(qtype):
+    """llmserve_gguf_unpack (what a load runs) gives the values, scales, offsets and K-quant factors the numpy
+    unpacking (the fallback without the library) gives, exactly."""
+    if own_kernel_isa() is None:
+        pytest.skip("the kernel library does not build here: numpy unpacks")
+    blocks = _gguf_tensor(_weights(96, 512, 3), qtype).data.reshape(-1, gguf.GGML_QUANT_SIZES[
+        gguf.GGMLQuantizationType[qtype]][1])
+    got, want = gguf_quant._unpacked(qtype, blocks), gguf_quant._parts(qtype, blocks)
+    flat = lambda parts: [p for x in parts for p in (x if isinstance(x, tuple) else (x,))]  # noqa: E731
+    assert len(flat(got)) == len(flat(want))
+    for a, b in zip(flat(got), flat(want)):
+        assert (a is None) == (b is None) and (a is None or (a.dtype == b.dtype and np.array_equal(
+            a.reshape(b.shape), b))), qtype
 
 
 def test_float_types_are_not_repacked():

@@ -141,6 +141,12 @@ LLMSERVE_API void llmserve_quant_matmul(int fmt, const void* x, int64_t xs, int 
  * written) where an id is not a row */
 LLMSERVE_API int llmserve_quant_rows(int fmt, const uint8_t* w, int N, int K, const int64_t* ids, int rows, void* y,
                                      int64_t ys, int out_size, int th);
+/* A GGUF tensor's n blocks of one type (ggml's type id: Q4_0 2, Q4_1 3, Q5_0 6, Q5_1 7, Q8_0 8, Q4_K 12, Q5_K 13,
+ * Q6_K 14) unpacked (gguf_unpack.cpp): a byte a value q [n, values a block], each group's float32 scale [n, groups]
+ * and offset (types with offsets) as QuantWeight holds them, and for a K-quant its factors: d [n], sc [n, groups],
+ * with offsets dneg [n] and m [n, groups] (null where the type has none). 0, or -1 for another type */
+LLMSERVE_API int llmserve_gguf_unpack(int type, const uint8_t* blocks, int64_t n, uint8_t* q, float* scale,
+                                      float* offset, float* d, int8_t* sc, float* dneg, int8_t* m);
 /* Groups of 32 values of `bits` bits (one byte each, 0 .. 2^bits - 1) → each group's 4 * bits bytes as the group
  * formats lay them out (quant_format.h's group_values undoes it): pack_own's values, at load */
 LLMSERVE_API void llmserve_pack_values(const uint8_t* q, int64_t groups, int bits, uint8_t* out);
