@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import inspect
 import json
+import logging
 import os
 import re
 from collections.abc import Sequence
@@ -12,8 +13,11 @@ from pathlib import Path
 from typing import Any
 
 from llmserve.config import check_options
-from llmserve.errors import ConfigError, InvalidRequestError
+from llmserve.errors import ConfigError
 from llmserve.interfaces import Tokenizer
+from llmserve_tokenizers import chat, snapshot
+
+log = logging.getLogger("llmserve.tokenizers")
 
 
 # tokenizer classes that are the tokenizers library's tokenizer.json itself, with nothing model-specific
@@ -49,10 +53,8 @@ class HFTokenizer(Tokenizer):
         self._special = set(tok.all_special_ids)
         if chat_template is not None:
             tok.chat_template = chat_template
-        t = getattr(tok, "chat_template", None)  # a checkpoint may name several templates (a dict)
-        self.chat_template = "\n".join(t.values()) if isinstance(t, dict) else t
-        # apply_chat_template's own arguments, which chat_template_kwargs may not set
-        self._own_args = set(inspect.signature(tok.apply_chat_template).parameters)
+        self.chat_template = chat.joined(getattr(tok, "chat_template", None))
+        self._own_args = _renderer_args(tok)
 
     @classmethod
     def from_config(cls, config) -> HFTokenizer:
@@ -67,9 +69,18 @@ class HFTokenizer(Tokenizer):
 
     @classmethod
     def load(cls, name: str, revision: str | None = None, trust_remote_code: bool = False,
-             chat_template: str | None = None) -> HFTokenizer:
-        """Load from a local directory, or from the hub cache / the hub for an id; chat_template replaces its own."""
+             chat_template: str | None = None) -> Tokenizer:
+        """Load from a local directory, or from the hub cache / the hub for an id; chat_template replaces its own.
+
+        A directory holding a snapshot (a GGUF's cache) is read without transformers; loading one of llmserve's
+        directories with transformers writes its snapshot, for the next start."""
         local = os.path.isdir(name)
+        if local and snapshot.path(name).is_file():
+            try:
+                return snapshot.SnapshotTokenizer.load(name, chat_template=chat_template)
+            except Exception as e:  # any damage: transformers still reads the tokenizer files beside it
+                log.warning("tokenizer snapshot %s is unreadable (%s: %s); loading with transformers and rewriting "
+                            "it", snapshot.path(name), type(e).__name__, e)
         AutoTokenizer = _loader(name if local else None)  # noqa: N806 (a class)
         try:
             # try the local files first: without internet a hub lookup only fails slowly
@@ -88,6 +99,8 @@ class HFTokenizer(Tokenizer):
                     f"provide it ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}). Without "
                     "internet access, pass a local directory holding tokenizer files (model.tokenizer or model.model)"
                 ) from None
+        if local and snapshot.writable(name):
+            _save_snapshot(tok, name)  # before chat_template replaces the checkpoint's own
         return cls(tok, name, chat_template)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
@@ -104,39 +117,61 @@ class HFTokenizer(Tokenizer):
 
     def vocab_bytes(self) -> list[bytes]:
         """Each id's bytes: byte-level BPE pieces mapped back to bytes, SentencePiece's "▁" and <0xNN> undone."""
-        pieces = self._tok.convert_ids_to_tokens(list(range(len(self._tok))))
-        added = {i: t.content for i, t in self._tok.added_tokens_decoder.items()}
-        decoder = json.loads(self._tok.backend_tokenizer.to_str()).get("decoder") or {}
-        if "ByteLevel" in json.dumps(decoder):
-            table = _byte_level_table()
-            return [added[i].encode() if i in added else bytes(table[c] for c in p or "")
-                    for i, p in enumerate(pieces)]
-        return [added[i].encode() if i in added else _sentencepiece_bytes(p or "") for i, p in enumerate(pieces)]
+        return _vocab_bytes(self._tok)
 
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
                             tools: list[dict] | None = None, continue_final_message: bool = False, **kwargs) -> str:
         """Render with the checkpoint's chat template (or model.chat_template); a 400 when there is none or it fails."""
-        if not self.chat_template:
-            raise InvalidRequestError(
-                f"the tokenizer {self.name!r} has no chat template; use /v1/completions, a checkpoint whose "
-                "tokenizer_config.json defines chat_template, or start the server with --chat-template FILE",
-                param="messages")
-        for k in kwargs.keys() & self._own_args:
-            raise InvalidRequestError(f"chat_template_kwargs may not set {k!r} (an argument of the renderer; "
-                                      "use the request field, if there is one)", param=f"chat_template_kwargs.{k}")
-        from jinja2 import TemplateError
-
-        try:
-            return self._tok.apply_chat_template(messages, tools=tools, tokenize=False,
-                                                 add_generation_prompt=add_generation_prompt,
-                                                 continue_final_message=continue_final_message, **kwargs)
-        except (TemplateError, ValueError) as e:  # the template's raise_exception, or no final message to continue
-            raise InvalidRequestError(f"the chat template could not render these messages: {e}",
-                                      param="messages") from None
+        return chat.apply(self.name, self.chat_template, self._own_args, kwargs, lambda: self._tok.apply_chat_template(
+            messages, tools=tools, tokenize=False, add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message, **kwargs))
 
     @property
     def all_special_ids(self) -> set[int]:
         return self._special
+
+
+def _renderer_args(tok: Any) -> frozenset[str]:
+    """apply_chat_template's own arguments, which chat_template_kwargs may not set."""
+    return frozenset(inspect.signature(tok.apply_chat_template).parameters)
+
+
+def _vocab_bytes(tok: Any) -> list[bytes]:
+    """Every id's bytes in one pass over the vocabulary (no decode call per id)."""
+    core = tok.backend_tokenizer
+    pieces = [core.id_to_token(i) or "" for i in range(len(tok))]  # an id the vocabulary skips has no bytes
+    added = {i: t.content for i, t in core.get_added_tokens_decoder().items()}
+    if core.decoder is not None and b"ByteLevel" in core.decoder.__getstate__():  # the decoder's JSON
+        table = {ord(c): chr(b) for c, b in _byte_level_table().items()}  # each symbol → its byte, as Latin-1
+        return [added[i].encode() if i in added else _latin1(p.translate(table)) for i, p in enumerate(pieces)]
+    return [added[i].encode() if i in added else _sentencepiece_bytes(p) for i, p in enumerate(pieces)]
+
+
+def _latin1(s: str) -> bytes:
+    """A byte-level piece mapped to bytes; a character outside the table (not one of GPT-2's) as its UTF-8."""
+    try:
+        return s.encode("latin-1")
+    except UnicodeEncodeError:
+        return s.encode()
+
+
+def _save_snapshot(tok: Any, directory: str) -> None:
+    """Write directory's snapshot of tok (as transformers loaded it); a failure only costs the next start time."""
+    clean_up = tok.clean_up_tokenization_spaces and not (
+        type(tok.backend_tokenizer.model).__name__ == "BPE"  # transformers skips it for BPE: it would remove spaces
+        and not tok.clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output)
+    record = {"eos_token_id": tok.eos_token_id, "vocab_size": len(tok), "all_special_ids": sorted(tok.all_special_ids),
+              "clean_up_tokenization_spaces": bool(clean_up), "split_special_tokens": bool(tok.split_special_tokens),
+              "special_tokens_map": tok.special_tokens_map, "chat_template": getattr(tok, "chat_template", None),
+              "renderer_args": sorted(_renderer_args(tok))}
+    try:
+        snapshot.save(directory, record, tok.backend_tokenizer.to_str(), _vocab_bytes(tok))
+    except (OSError, TypeError, ValueError) as e:  # a read-only cache, or a value JSON cannot hold
+        log.warning("could not write the tokenizer snapshot %s (%s: %s); later starts load with transformers",
+                    snapshot.path(directory), type(e).__name__, e)
+    else:
+        log.info("wrote the tokenizer snapshot %s (later starts read it without transformers)",
+                 snapshot.path(directory))
 
 
 @functools.cache
@@ -154,7 +189,8 @@ def _byte_level_table() -> dict[str, int]:
 
 
 def _sentencepiece_bytes(piece: str) -> bytes:
-    m = re.fullmatch(r"<0x([0-9A-Fa-f]{2})>", piece)
+    """A SentencePiece piece's bytes: <0xNN> is that byte, "▁" a space."""
+    m = len(piece) == 6 and re.fullmatch(r"<0x([0-9A-Fa-f]{2})>", piece)
     return bytes([int(m.group(1), 16)]) if m else piece.replace("\u2581", " ").encode()
 
 
