@@ -79,8 +79,8 @@ class HFTokenizer(Tokenizer):
             try:
                 return snapshot.SnapshotTokenizer.load(name, chat_template=chat_template)
             except Exception as e:  # any damage: transformers still reads the tokenizer files beside it
-                log.warning("tokenizer snapshot %s is unreadable (%s: %s); loading with transformers and rewriting "
-                            "it", snapshot.path(name), type(e).__name__, e)
+                log.warning("tokenizer snapshot %s not used (%s: %s); loading with transformers and rewriting it",
+                            snapshot.path(name), type(e).__name__, e)
         AutoTokenizer = _loader(name if local else None)  # noqa: N806 (a class)
         try:
             # try the local files first: without internet a hub lookup only fails slowly
@@ -119,7 +119,7 @@ class HFTokenizer(Tokenizer):
         """Each id's bytes: byte-level BPE pieces mapped back to bytes, SentencePiece's "▁" and <0xNN> undone."""
         return _vocab_bytes(self._tok)
 
-    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+    def apply_chat_template(self, messages: list[dict[str, Any]], /, add_generation_prompt: bool = True,
                             tools: list[dict] | None = None, continue_final_message: bool = False, **kwargs) -> str:
         """Render with the checkpoint's chat template (or model.chat_template); a 400 when there is none or it fails."""
         return chat.apply(self.name, self.chat_template, self._own_args, kwargs, lambda: self._tok.apply_chat_template(
@@ -163,7 +163,7 @@ def _save_snapshot(tok: Any, directory: str) -> None:
     record = {"eos_token_id": tok.eos_token_id, "vocab_size": len(tok), "all_special_ids": sorted(tok.all_special_ids),
               "clean_up_tokenization_spaces": bool(clean_up), "split_special_tokens": bool(tok.split_special_tokens),
               "special_tokens_map": tok.special_tokens_map, "chat_template": getattr(tok, "chat_template", None),
-              "renderer_args": sorted(_renderer_args(tok))}
+              "renderer_args": sorted(_renderer_args(tok)), "transformers": snapshot.transformers_version()}
     try:
         snapshot.save(directory, record, tok.backend_tokenizer.to_str(), _vocab_bytes(tok))
     except (OSError, TypeError, ValueError) as e:  # a read-only cache, or a value JSON cannot hold

@@ -58,6 +58,16 @@ def save(directory: str | os.PathLike, record: dict[str, Any], backend: str, voc
         raise
 
 
+def transformers_version() -> str | None:
+    """The installed transformers' version (from its metadata: no import), None without it."""
+    from importlib import metadata
+
+    try:
+        return metadata.version("transformers")
+    except metadata.PackageNotFoundError:
+        return None
+
+
 class SnapshotTokenizer(Tokenizer):
     """The "hf" tokenizer read from a snapshot: tokenizers and jinja2 only, the same ids, text and prompts."""
 
@@ -78,13 +88,16 @@ class SnapshotTokenizer(Tokenizer):
     def load(cls, directory: str | os.PathLike, name: str | None = None,
              chat_template: str | None = None) -> SnapshotTokenizer:
         """Read directory's snapshot; ValueError (or the tokenizers library's error) when it is missing parts or not
-        one of this version: the caller loads with transformers instead, and rewrites it."""
+        one of this version, or another transformers wrote it: the caller loads with transformers, and rewrites it."""
         from tokenizers import Tokenizer as Core
 
         with open(path(directory), encoding="utf-8") as f:
             data = json.load(f)
         if not isinstance(data, dict) or data.get("version") != VERSION:
             raise ValueError(f"not a version {VERSION} snapshot")
+        installed = transformers_version()
+        if installed is not None and data.get("transformers") != installed:  # its pipeline may differ now
+            raise ValueError(f"written with transformers {data.get('transformers')}, {installed} is installed")
         try:
             packed = data["vocab_bytes"]
             lengths = array("I")
@@ -127,7 +140,7 @@ class SnapshotTokenizer(Tokenizer):
         starts = itertools.chain((0,), itertools.accumulate(self._lengths))
         return [blob[a:b] for a, b in zip(starts, ends)]
 
-    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+    def apply_chat_template(self, messages: list[dict[str, Any]], /, add_generation_prompt: bool = True,
                             tools: list[dict] | None = None, continue_final_message: bool = False, **kwargs) -> str:
         """Render with the checkpoint's chat template (or model.chat_template); a 400 when there is none or it fails."""
         return chat.apply(self.name, self._template, self._own_args, kwargs, lambda: chat.render(

@@ -81,7 +81,7 @@ def _cache_copy(src: Path, dst: Path) -> Path:
 
 @pytest.fixture(scope="module")
 def caches(tmp_path_factory):
-    """arch → (the GGUF file, the cache root, its cache entry as the loader wrote it: tokenizer files, no snapshot)."""
+    """arch → (the GGUF file, the cache root, its cache entry as the loader wrote it: tokenizer files only)."""
     from llmserve_torch import gguf_cache
 
     out = {}
@@ -191,6 +191,8 @@ def test_template_errors_and_renderer_arguments_are_the_same_400s(pair):
            ([{"role": "user", "content": "x"}], {"tokenize": True}, "chat_template_kwargs.tokenize", "may not set"),
            ([{"role": "user", "content": "x"}], {"conversations": []}, "chat_template_kwargs.conversations",
             "may not set"),
+           # (messages is positional-only: a chat_template_kwargs key of that name reaches the check)
+           ([{"role": "user", "content": "x"}], {"messages": []}, "chat_template_kwargs.messages", "may not set"),
            ([{"role": "user"}], {"add_generation_prompt": False, "continue_final_message": True}, "messages",
             "no \"content\" to continue")]
     for msgs, kw, param, text in bad:
@@ -216,7 +218,8 @@ def test_several_named_templates_pick_tool_use_with_tools(caches, tmp_path):
         assert tok.apply_chat_template(msgs, tools=[WEATHER]) == "T1<|im_end|>"
 
 
-@pytest.mark.parametrize("damage", ["truncated", "other version", "short vocabulary", "bad pipeline"])
+@pytest.mark.parametrize("damage", ["truncated", "other version", "short vocabulary", "bad pipeline",
+                                    "another transformers"])
 def test_a_damaged_snapshot_falls_back_to_transformers_and_is_rewritten(pair, tmp_path, caplog, damage):
     hf, _ = pair
     d = _cache_copy(Path(hf.name), tmp_path / "c")
@@ -227,6 +230,8 @@ def test_a_damaged_snapshot_falls_back_to_transformers_and_is_rewritten(pair, tm
     else:
         if damage == "other version":
             data["version"] = 0
+        elif damage == "another transformers":
+            data["transformers"] = "4.0.0"
         elif damage == "short vocabulary":
             data["vocab_size"] -= 1
         else:
@@ -234,7 +239,7 @@ def test_a_damaged_snapshot_falls_back_to_transformers_and_is_rewritten(pair, tm
         snapshot.path(d).write_text(json.dumps(data))
     with caplog.at_level(logging.WARNING, logger="llmserve.tokenizers"):
         tok = _build(str(d))
-    assert isinstance(tok, HFTokenizer) and "unreadable" in caplog.text and snapshot.FILE in caplog.text
+    assert isinstance(tok, HFTokenizer) and "not used" in caplog.text and snapshot.FILE in caplog.text
     again = _build(str(d))
     assert isinstance(again, SnapshotTokenizer) and again.encode("hello world") == hf.encode("hello world")
 
@@ -272,7 +277,8 @@ def test_a_later_start_does_not_import_transformers(caches):
     if not snapshot.path(entry).exists():
         _build(str(entry))  # the first start's load
     code = ("import sys; from llmserve.engine import Engine; "
-            f"e = Engine.from_config({{'model': {{'model': {str(path)!r}}}, 'backend': {{'kv_cache_memory': '4MiB'}}}}); "
+            f"e = Engine.from_config({{'model': {{'model': {str(path)!r}}}, "
+            "'backend': {'kv_cache_memory': '4MiB'}}); "
             "assert type(e.tokenizer).__name__ == 'SnapshotTokenizer', type(e.tokenizer); "
             "print(e.tokenizer.encode('hello world')); "
             "print(sorted(m for m in sys.modules if m.split('.')[0] == 'transformers'))")
