@@ -271,6 +271,55 @@ def test_a_users_own_checkpoint_directory_gets_no_snapshot(pair, tmp_path):
     assert isinstance(_build(str(d)), HFTokenizer) and not snapshot.path(d).exists()
 
 
+@pytest.fixture(scope="module")
+def snapshot_server(caches):
+    """A server (fake backend: the model does not matter here) whose hf tokenizer is the Qwen2 cache's snapshot."""
+    from tests.server.conftest import start_server
+
+    entry = caches["qwen2"][2]
+    if not snapshot.path(entry).exists():
+        _build(str(entry))  # the first start's load
+    s = start_server({"backend": {"name": "fake", "options": {"vocab_size": VOCAB, "eos_token_id": 2}},
+                      "model": {"model": "embedded", "tokenizer": str(entry), "max_model_len": 4096,
+                                "served_model_name": "tiny", "chat_template": QWEN_TEMPLATE},
+                      "tokenizer": {"name": "hf"}})
+    yield s, entry
+    s.stop()
+
+
+def test_a_server_on_the_snapshot_renders_and_counts_as_transformers(snapshot_server):
+    import httpx
+
+    s, entry = snapshot_server
+    assert isinstance(s.engine.tokenizer, SnapshotTokenizer)
+    msgs = CHATS[1][:4] + [{"role": "user", "content": "and now?"}]
+    ref = _transformers(entry, QWEN_TEMPLATE)
+    want = ref.encode(ref.apply_chat_template(msgs, tools=[WEATHER], enable_thinking=False), add_special_tokens=False)
+    # on the wire a call's arguments are a JSON string (the server hands the template the object)
+    wire = json.loads(json.dumps(msgs))
+    wire[2]["tool_calls"][0]["function"]["arguments"] = json.dumps(CALL["function"]["arguments"])
+    msgs = wire
+    body = {"model": "tiny", "messages": msgs, "tools": [WEATHER], "chat_template_kwargs": {"enable_thinking": False}}
+    r = httpx.post(s.url + "/tokenize", json=body)
+    assert r.status_code == 200, r.text
+    assert r.json()["tokens"] == want
+    out = s.client().chat.completions.create(model="tiny", messages=msgs, tools=[WEATHER], max_tokens=2,
+                                             extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    assert out.usage.prompt_tokens == len(want)
+
+
+@pytest.mark.parametrize("kwargs, param", [({"messages": []}, "chat_template_kwargs.messages"),
+                                           ({"tokenize": True}, "chat_template_kwargs.tokenize")])
+def test_a_server_on_the_snapshot_refuses_renderer_arguments(snapshot_server, kwargs, param):
+    import openai
+
+    s, _ = snapshot_server
+    with pytest.raises(openai.BadRequestError) as e:
+        s.client().chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}],
+                                           max_tokens=2, extra_body={"chat_template_kwargs": kwargs})
+    assert e.value.body["param"] == param and "may not set" in e.value.body["message"]
+
+
 def test_a_later_start_does_not_import_transformers(caches):
     """The engine on a cached GGUF whose snapshot an earlier start wrote never imports transformers."""
     path, root, entry = caches["qwen2"]
