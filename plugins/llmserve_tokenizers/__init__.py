@@ -1,4 +1,5 @@
-"""Default tokenizers: "byte" (offline byte-level), "printable" (its ids, printable text) and "hf" (transformers).
+"""Default tokenizers: "byte" (offline byte-level), "printable" (its ids, printable text) and "hf" (transformers, or
+the snapshot of it a GGUF's cache holds).
 
 Tokenizer "auto" is the backend's choice (ModelBackend.default_tokenizer), not this plugin's.
 Heavy imports (tiktoken, transformers) happen inside the factories.

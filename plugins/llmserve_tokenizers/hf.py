@@ -1,4 +1,5 @@
-"""The "hf" tokenizer: transformers' AutoTokenizer from a local directory (or a hub id when online)."""
+"""The "hf" tokenizer: transformers' AutoTokenizer from a local directory (or a hub id when online), or, for a
+directory holding one (a GGUF's cache), its snapshot (snapshot.py), read without transformers."""
 
 from __future__ import annotations
 
@@ -57,7 +58,7 @@ class HFTokenizer(Tokenizer):
         self._own_args = _renderer_args(tok)
 
     @classmethod
-    def from_config(cls, config) -> HFTokenizer:
+    def from_config(cls, config) -> Tokenizer:
         """Load config.model.tokenizer (or config.model.model); a ConfigError says how to fix a failure."""
         check_options(config.tokenizer.options, {}, f"{config.source}: tokenizer.options (hf)")
         name = config.model.tokenizer or config.model.model
@@ -156,17 +157,18 @@ def _latin1(s: str) -> bytes:
 
 
 def _save_snapshot(tok: Any, directory: str) -> None:
-    """Write directory's snapshot of tok (as transformers loaded it); a failure only costs the next start time."""
-    clean_up = tok.clean_up_tokenization_spaces and not (
-        type(tok.backend_tokenizer.model).__name__ == "BPE"  # transformers skips it for BPE: it would remove spaces
-        and not tok.clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output)
-    record = {"eos_token_id": tok.eos_token_id, "vocab_size": len(tok), "all_special_ids": sorted(tok.all_special_ids),
-              "clean_up_tokenization_spaces": bool(clean_up), "split_special_tokens": bool(tok.split_special_tokens),
-              "special_tokens_map": tok.special_tokens_map, "chat_template": getattr(tok, "chat_template", None),
-              "renderer_args": sorted(_renderer_args(tok)), "transformers": snapshot.transformers_version()}
+    """Write directory's snapshot of tok (as transformers loaded it); a failure only costs later starts time."""
     try:
+        clean_up = tok.clean_up_tokenization_spaces and not (
+            type(tok.backend_tokenizer.model).__name__ == "BPE"  # transformers skips it for BPE: it removes spaces
+            and not tok.clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output)
+        record = {"eos_token_id": tok.eos_token_id, "vocab_size": len(tok),
+                  "all_special_ids": sorted(tok.all_special_ids), "clean_up_tokenization_spaces": bool(clean_up),
+                  "split_special_tokens": bool(tok.split_special_tokens), "special_tokens_map": tok.special_tokens_map,
+                  "chat_template": getattr(tok, "chat_template", None), "renderer_args": sorted(_renderer_args(tok)),
+                  "transformers": snapshot.transformers_version()}
         snapshot.save(directory, record, tok.backend_tokenizer.to_str(), _vocab_bytes(tok))
-    except (OSError, TypeError, ValueError) as e:  # a read-only cache, or a value JSON cannot hold
+    except Exception as e:  # a read-only cache, a tokenizer without a tokenizers pipeline ...: never a failed start
         log.warning("could not write the tokenizer snapshot %s (%s: %s); later starts load with transformers",
                     snapshot.path(directory), type(e).__name__, e)
     else:
