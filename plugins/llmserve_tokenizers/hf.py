@@ -156,6 +156,17 @@ def _latin1(s: str) -> bytes:
         return s.encode()
 
 
+def write_snapshot(directory: str) -> None:
+    """Load directory's tokenizer files with transformers, as HFTokenizer.load does, and write their snapshot beside
+    them (a GGUF cache's first start: later starts then read the tokenizer without transformers)."""
+    try:
+        tok = _loader(directory).from_pretrained(directory, local_files_only=True)
+    except Exception as e:  # the start that loads it says what is wrong, in its own words
+        log.warning("could not load the tokenizer in %s to snapshot it (%s: %s)", directory, type(e).__name__, e)
+        return
+    _save_snapshot(tok, directory)
+
+
 def _save_snapshot(tok: Any, directory: str) -> None:
     """Write directory's snapshot of tok (as transformers loaded it); a failure only costs later starts time."""
     try:

@@ -161,7 +161,14 @@ def cached_metadata(path: Path, wait: bool = True) -> tuple[Path, bool | Future]
 
     def fill(tmp: Path) -> dict:
         (tmp / FILE).write_text(json.dumps(from_gguf(GGUFCheckpoint(path))))  # the EOS ids and sampling defaults
-        return {"sha256": sha, "tokenizer": export_tokenizer(path, tmp)}
+        tokenizer = export_tokenizer(path, tmp)
+        if tokenizer:
+            from llmserve_tokenizers.hf import write_snapshot
+
+            # the tokenizer as the "hf" tokenizer serves these files (reloaded: Qwen2Tokenizer rebuilds its pipeline,
+            # NFC and Qwen's split, over what the metadata gave), so every start reads it without transformers
+            write_snapshot(str(tmp))
+        return {"sha256": sha, "tokenizer": tokenizer}
 
     def build() -> bool:
         return _build(root, sha, path, "tokenizer and metadata", fill)["tokenizer"]

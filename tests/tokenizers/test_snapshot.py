@@ -81,7 +81,7 @@ def _cache_copy(src: Path, dst: Path) -> Path:
 
 @pytest.fixture(scope="module")
 def caches(tmp_path_factory):
-    """arch → (the GGUF file, the cache root, its cache entry as the loader wrote it: tokenizer files only)."""
+    """arch → (the GGUF file, the cache root, its cache entry as a first start writes it)."""
     from llmserve_torch import gguf_cache
 
     out = {}
@@ -91,16 +91,16 @@ def caches(tmp_path_factory):
         with pytest.MonkeyPatch.context() as mp:
             mp.setenv("LLMSERVE_CACHE", str(root))
             entry, has_tokenizer = gguf_cache.cached_metadata(path)
-        assert has_tokenizer and not snapshot.path(entry).exists()
+        assert has_tokenizer
         out[arch] = path, root, entry
     return out
 
 
 @pytest.fixture(scope="module", params=ARCHS)
-def pair(request, caches):
-    """(transformers' tokenizer, the snapshot's) of one arch's cache: the first load writes the snapshot, the
-    second reads it."""
-    entry = caches[request.param][2]
+def pair(request, caches, tmp_path_factory):
+    """(transformers' tokenizer, the snapshot's) of one arch's cache as an older version left it, without a snapshot:
+    the first load writes it, the second reads it."""
+    entry = _cache_copy(caches[request.param][2], tmp_path_factory.mktemp("old") / "entry")
     first = _build(str(entry))
     assert isinstance(first, HFTokenizer) and snapshot.path(entry).is_file()
     second = _build(str(entry))
@@ -112,6 +112,16 @@ def test_the_qwen2_cache_names_qwen2tokenizer(caches):
     """The two shapes differ where it matters: AutoTokenizer's registry (Qwen2) and the generic class (SmolLM2)."""
     named = {a: json.loads((caches[a][2] / "tokenizer_config.json").read_text())["tokenizer_class"] for a in ARCHS}
     assert named["qwen2"] == "Qwen2Tokenizer" and named["llama"] != "Qwen2Tokenizer"
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_a_first_start_writes_the_snapshot_a_transformers_load_writes(caches, tmp_path, arch):
+    """The GGUF cache's first start writes it (so even that start's tokenizer skips transformers' load), of the
+    tokenizer the "hf" tokenizer serves from those files (for Qwen2 not the one built from the metadata)."""
+    entry = caches[arch][2]
+    old = _cache_copy(entry, tmp_path / "old")
+    assert isinstance(_build(str(old)), HFTokenizer)
+    assert json.loads(snapshot.path(old).read_text()) == json.loads(snapshot.path(entry).read_text())
 
 
 def test_the_snapshot_holds_what_transformers_computes(pair):
@@ -277,8 +287,6 @@ def snapshot_server(caches):
     from tests.server.conftest import start_server
 
     entry = caches["qwen2"][2]
-    if not snapshot.path(entry).exists():
-        _build(str(entry))  # the first start's load
     s = start_server({"backend": {"name": "fake", "options": {"vocab_size": VOCAB, "eos_token_id": 2}},
                       "model": {"model": "embedded", "tokenizer": str(entry), "max_model_len": 4096,
                                 "served_model_name": "tiny", "chat_template": QWEN_TEMPLATE},
@@ -321,10 +329,8 @@ def test_a_server_on_the_snapshot_refuses_renderer_arguments(snapshot_server, kw
 
 
 def test_a_later_start_does_not_import_transformers(caches):
-    """The engine on a cached GGUF whose snapshot an earlier start wrote never imports transformers."""
+    """The engine on a cached GGUF (its snapshot written by the first start) never imports transformers."""
     path, root, entry = caches["qwen2"]
-    if not snapshot.path(entry).exists():
-        _build(str(entry))  # the first start's load
     code = ("import sys; from llmserve.engine import Engine; "
             f"e = Engine.from_config({{'model': {{'model': {str(path)!r}}}, "
             "'backend': {'kv_cache_memory': '4MiB'}}); "
