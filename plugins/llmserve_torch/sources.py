@@ -133,6 +133,9 @@ class GGUFSource(ModelSource):
                               "(use auto, or dummy for random weights)")
         meta_dir, tokenizer = gguf_cache.cached_metadata(path, wait=False)  # (a first start's export runs on)
         if mc.quantization == "none":
+            # the export first: the dequantization below takes far longer, and a Ctrl-C in it then leaves the
+            # tokenizer's entry finished, not a thread's half-written one
+            tokenizer.result()
             dense = gguf_cache.cached_dense(path)
             res = CheckpointSource().load(replace(mc, model=str(dense), load_format="safetensors"))
             res.weights = f"{path.name} via the dequantized cache {dense}"
@@ -174,7 +177,7 @@ class GGUFSource(ModelSource):
 
         res.finish = finish
         if mc.quantization == "none":
-            finish()  # (the dequantized cache took longer than the export)
+            finish()
         return res
 
 
