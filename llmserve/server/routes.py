@@ -141,16 +141,24 @@ async def chat_prompt_ids(st: ServerState, req: ChatRequest) -> list[int]:
     return await encode(st.model.tokenizer, chat_prompt(st, req), req.add_special_tokens)
 
 
+# the request fields chat_prompt hands the renderer by name (Tokenizer.apply_chat_template's own arguments)
+_RENDER_FIELDS = frozenset({"add_generation_prompt", "tools", "continue_final_message"})
+
+
 def chat_prompt(st: ServerState, req: ChatRequest) -> str:
     """The chat messages (and tools) rendered by the tokenizer's chat template."""
     tok = st.model.tokenizer
     if tok is None:
         raise bad_request("this server has no tokenizer, so it cannot render chat messages; "
                           "use /v1/completions with token ids", "messages")
+    extra = req.chat_template_kwargs or {}
+    for k in extra.keys() & _RENDER_FIELDS:  # (passed on, a second value for one argument: a TypeError, a 500)
+        raise bad_request(f"chat_template_kwargs may not set {k!r} (an argument of the renderer; use the request "
+                          "field)", f"chat_template_kwargs.{k}")
     try:
         return tok.apply_chat_template(req.template_messages(), add_generation_prompt=req.add_generation_prompt,
                                        tools=req.template_tools(), continue_final_message=req.continue_final_message,
-                                       **(req.chat_template_kwargs or {}))
+                                       **extra)
     except NotImplementedError as e:
         raise bad_request(str(e), "messages") from None
 

@@ -366,10 +366,11 @@ def test_continue_final_message(templated):
     assert text.endswith("<|im_start|>assistant\nThe answer is")
 
 
-def test_chat_template_kwargs_may_not_set_the_renderers_arguments(templated):
-    body = {"messages": [{"role": "user", "content": "hi"}], "chat_template_kwargs": {"tokenize": True}}
+@pytest.mark.parametrize("key", ["tokenize", "tools", "add_generation_prompt", "continue_final_message"])
+def test_chat_template_kwargs_may_not_set_the_renderers_arguments(templated, key):
+    body = {"messages": [{"role": "user", "content": "hi"}], "chat_template_kwargs": {key: True}}
     r = httpx.post(templated.url + "/v1/chat/completions", json=body, timeout=10)
-    assert r.status_code == 400 and r.json()["error"]["param"] == "chat_template_kwargs.tokenize"
+    assert r.status_code == 400 and r.json()["error"]["param"] == f"chat_template_kwargs.{key}", r.text
 
 
 def test_a_template_error_is_400(templated):
