@@ -1,6 +1,6 @@
 """Server-sent events: a response that writes each finished frame as it comes, pings, and stops when the client leaves.
 
-A streamed answer sends an event per token or few, so what each event costs the event loop is taken from the engine
+A streamed answer sends an event per token or few, and what each event costs the event loop is taken from the engine
 thread beside it (the GIL, and the same cores). Each frame therefore goes straight to the connection where the
 transport offers it (`BODY_WRITER`, llmserve/server/transport.py: one chunked write, no ASGI message, no middleware
 wrapper, no h11 event); through ASGI's `send` otherwise (another server, backpressure, a connection going away).

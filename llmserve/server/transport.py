@@ -7,8 +7,7 @@ longest idle connection gives up its place before anyone busy is refused, and re
 error shape that the client gets to read. The keep-alive timeout between requests is uvicorn's own.
 
 Each request's scope also gets a body writer (llmserve/server/sse.py `BODY_WRITER`): a streamed answer's events go
-to the socket in one chunked write each, without an ASGI message, the middleware's send wrappers or an h11 event
-(what an event cost the event loop was mostly that path).
+to the socket in one chunked write each, without an ASGI message, the middleware's send wrappers or an h11 event.
 """
 
 from __future__ import annotations
