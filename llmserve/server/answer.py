@@ -13,6 +13,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from sse_starlette import EventSourceResponse
 from starlette.requests import Request
 from starlette.responses import Response
 
@@ -21,7 +22,6 @@ from llmserve.request import RequestOutput, SamplingParams
 from llmserve.server.errors import map_error
 from llmserve.server.generation import GONE, Generation, until_answered
 from llmserve.server.logprobs import CompletionLogprobs, TokenText, chat_logprobs, prompt_logprobs
-from llmserve.server.sse import EventStream
 from llmserve.server.state import ServerState
 from llmserve.server.tools import choice_parsers
 
@@ -42,13 +42,22 @@ class _Choice:
     num_cached: int = 0  # prompt tokens served from the prefix cache
 
 
+class _EventStream(EventSourceResponse):
+    """sse-starlette's response, minus a cancel scope around every chunk when no send timeout is set."""
+
+    async def _send_with_timeout(self, send, message) -> None:
+        if self.send_timeout is None:
+            await send(message)  # the per-chunk anyio scope would cost more than the JSON
+        else:
+            await super()._send_with_timeout(send, message)
+
+
 class Answer:
     """Runs one request's Generation and folds its deltas into choices: one JSON body, or SSE chunks."""
 
     prefix = object_name = chunk_object_name = ""  # the id's prefix and OpenAI's object names, set by each shape
     echo: list[str] | None = None  # text that opens each prompt's choices (completions' echo)
     scores_only = False  # the prompt is scored and nothing is generated
-    _chunk_head: bytes | None = None  # a streamed chunk's bytes up to its choices (the same on every chunk)
 
     def __init__(self, st: ServerState, req: Any, sp: SamplingParams, prompts: list[list[int]]):
         self.st, self.req, self.sp, self.prompts = st, req, sp, prompts
@@ -67,7 +76,7 @@ class Answer:
         if batch is GONE:
             return Response(status_code=499)
         if self.req.stream:
-            return EventStream(self._frames(gen, batch))
+            return _EventStream(self._frames(gen, batch), sep="\n", ping=15, headers={"Cache-Control": "no-cache"})
         if await until_answered(request.receive, gen, self._fold_all(gen, batch)) is GONE:
             return Response(status_code=499)
         return Response(dumps(self.body()), media_type="application/json")
@@ -86,7 +95,7 @@ class Answer:
             batch = await gen.next()
 
     async def _frames(self, gen: Generation, batch):
-        # finished SSE frames (bytes), which EventStream writes as they are
+        # finished SSE frames (bytes), which sse-starlette passes through
         try:
             for choice in self._opening():
                 yield self._chunk([choice | {"finish_reason": None, "stop_reason": None}])
@@ -106,18 +115,11 @@ class Answer:
             gen.abort()  # ends, or the client went away: free the engine's blocks either way
 
     def _chunk(self, choices: list[dict], usage: dict | None = None) -> bytes:
-        # {"id", "object", "created", "model", "choices"[, "usage"]}: the fields every chunk repeats are encoded once
-        head = self._chunk_head
-        if head is None:
-            same = {"id": self.id, "object": self.chunk_object_name, "created": self.created,
-                    "model": self.st.model_name}
-            head = self._chunk_head = b"data: " + dumps(same).encode()[:-1] + b',"choices":'
-        if not self.req.include_usage:
-            return head + dumps(choices).encode() + b"}\n\n"
-        # null until the last chunk, or the usage so far on every one (vLLM's option)
-        if usage is None and self.req.stream_options.continuous_usage_stats:
-            usage = self.usage()
-        return head + dumps(choices).encode() + b',"usage":' + dumps(usage).encode() + b"}\n\n"
+        d = {"id": self.id, "object": self.chunk_object_name, "created": self.created, "model": self.st.model_name,
+             "choices": choices}
+        if self.req.include_usage:  # null until the last chunk, or the usage so far on every one (vLLM's option)
+            d["usage"] = self.usage() if usage is None and self.req.stream_options.continuous_usage_stats else usage
+        return b"data: " + dumps(d).encode() + b"\n\n"
 
     def _fold(self, batch: tuple[int, list[RequestOutput]]) -> list[tuple[int, str, Any, str | None, Any]]:
         """Fold a batch in; per choice that moved: (index, new text, new logprobs, finish reason, stop reason)."""

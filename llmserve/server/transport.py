@@ -5,9 +5,6 @@ request; h11 bounds the buffered head (`max_header_bytes`), and this subclass ad
 connection's first byte, a request's head, the whole request), a cap on open connections at which the
 longest idle connection gives up its place before anyone busy is refused, and refusals in OpenAI's
 error shape that the client gets to read. The keep-alive timeout between requests is uvicorn's own.
-
-Each request's scope also gets a body writer (llmserve/server/sse.py `BODY_WRITER`): a streamed answer's events go
-to the socket in one chunked write each, without an ASGI message, the middleware's send wrappers or an h11 event.
 """
 
 from __future__ import annotations
@@ -18,14 +15,12 @@ import json
 
 import h11
 import uvicorn
-from h11._writers import ChunkedWriter
-from uvicorn.protocols.http.h11_impl import H11Protocol, RequestResponseCycle
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from llmserve.config import ServerConfig
 from llmserve.server.connections import Connections
 from llmserve.server.errors import ApiError
 from llmserve.server.middleware import head_too_large
-from llmserve.server.sse import BODY_WRITER
 
 # A refused connection is closed only once its client has read the answer (it closes, having read it)
 # or after this long: closing a socket with unread request bytes in it sends a reset, and the client
@@ -92,24 +87,6 @@ class LimitedH11Protocol(H11Protocol):
             return
         super().data_received(data)
         self._watch()
-
-    def handle_events(self) -> None:
-        cycle = self.cycle
-        super().handle_events()
-        if self.cycle is not cycle:  # a request began (its task is yet to run): its app may write its body directly
-            self.cycle.scope.setdefault("extensions", {})[BODY_WRITER] = functools.partial(self._write_body, self.cycle)
-
-    def _write_body(self, cycle: RequestResponseCycle, data: bytes) -> bool:
-        """data written now as the next chunk of cycle's response body, framed as h11's ChunkedWriter frames it (the
-        state h11 keeps does not change on a chunk); False where h11 must do it (not chunked, nothing to write, the
-        response not started or ended) or uvicorn's send must wait (the client reads slower than we write, so
-        writing is paused) or has nothing to do (the client left)."""
-        if (cycle is not self.cycle or cycle.disconnected or not cycle.response_started or cycle.response_complete
-                or not data or self.flow.write_paused or self.conn.our_state is not h11.SEND_BODY
-                or type(self.conn._writer) is not ChunkedWriter or self.transport.is_closing()):
-            return False
-        self.transport.write(b"%x\r\n%b\r\n" % (len(data), data))
-        return True
 
     def on_response_complete(self) -> None:
         self._served = True
