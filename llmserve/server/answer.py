@@ -42,6 +42,9 @@ class _Choice:
     num_cached: int = 0  # prompt tokens served from the prefix cache
 
 
+PING_SECONDS = 15  # a quiet stream's keep-alive comment (": ping - <time>"), for proxies that drop idle connections
+
+
 class _EventStream(EventSourceResponse):
     """sse-starlette's response, minus a cancel scope around every chunk when no send timeout is set."""
 
@@ -76,7 +79,8 @@ class Answer:
         if batch is GONE:
             return Response(status_code=499)
         if self.req.stream:
-            return _EventStream(self._frames(gen, batch), sep="\n", ping=15, headers={"Cache-Control": "no-cache"})
+            return _EventStream(self._frames(gen, batch), sep="\n", ping=PING_SECONDS,
+                                headers={"Cache-Control": "no-cache"})
         if await until_answered(request.receive, gen, self._fold_all(gen, batch)) is GONE:
             return Response(status_code=499)
         return Response(dumps(self.body()), media_type="application/json")

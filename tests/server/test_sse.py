@@ -9,7 +9,7 @@ import time
 import httpx
 import pytest
 
-from llmserve.server import sse
+from llmserve.server import answer
 from tests.server.conftest import start_server
 from tests.server.raw_http import connect
 from tests.server.test_abort import SLOW  # 5 ms a step: 40 tokens last ~0.2 s, time for pings every 0.03 s
@@ -119,7 +119,7 @@ def test_an_http_1_0_client_gets_the_events_unchunked_then_the_close(srv):
 
 
 def test_a_stream_gets_pings_and_the_sdk_reads_past_them(srv, monkeypatch):
-    monkeypatch.setattr(sse, "PING_SECONDS", 0.03)
+    monkeypatch.setattr(answer, "PING_SECONDS", 0.03)
     body = {"model": "embedded", "prompt": "ping me", "max_tokens": 40, "temperature": 0, "ignore_eos": True}
     with connect(srv) as s:
         s.sendall(_post("/v1/completions", body | {"stream": True}))
