@@ -157,7 +157,7 @@ def load_model(mc: ModelConfig, linear: str = "auto", batch_hint: int = 64, max_
     del sd
     src.finish()  # (what the source ran beside the build: a GGUF's first tokenizer export)
     if src.packed is not None and not src.packed.entries:  # a first start: the next one reads these back
-        src.packed.save(make.made)
+        src.packed.save(make.made, background=True)
     quant = [lin for lin in model.linears() if isinstance(lin, QuantLinear)]
     if quant:
         plan_kernels(make.plan, quant, dtype, max_batch_rows, quant_rows, model=src.source, defer=quant_rows == "auto")

@@ -21,7 +21,7 @@ from llmserve.config import ModelConfig, config_from_dict
 from llmserve.engine import Engine
 from llmserve.errors import ConfigError
 from llmserve.request import SamplingParams
-from llmserve_torch import cache_paths, gguf_cache, gguf_file, sources
+from llmserve_torch import cache_paths, gguf_cache, gguf_file, packed_cache, sources
 from llmserve_torch.arch import Rope
 from llmserve_torch.loader import load_model
 from llmserve_torch.models.rope import default_inv_freq, inv_freq
@@ -259,6 +259,7 @@ def test_a_later_start_reads_the_packed_linears_back_and_computes_the_same_logit
         return out, seen, b.loaded.weights
 
     first, repacked, weights = logits_and_repacked()
+    packed_cache.wait_for_saves()  # (written on a thread while the first start goes on)
     (packed,) = (cache / "gguf").glob("*/packed-*.safetensors")
     assert "repacked" in weights and any(n.startswith("blk.") for n in repacked)
     second, repacked, weights = logits_and_repacked()
@@ -266,6 +267,7 @@ def test_a_later_start_reads_the_packed_linears_back_and_computes_the_same_logit
     assert torch.equal(first, second)
     packed.write_bytes(b"not a safetensors file")
     third, repacked, weights = logits_and_repacked()
+    packed_cache.wait_for_saves()
     assert "repacked" in weights and torch.equal(first, third)
     assert packed.stat().st_size > 1000  # written again
 
