@@ -272,6 +272,26 @@ def test_a_later_start_reads_the_packed_linears_back_and_computes_the_same_logit
     assert packed.stat().st_size > 1000  # written again
 
 
+def test_a_first_start_serves_while_its_packed_cache_is_written(tmp_path, cache, monkeypatch):
+    """The packed cache is written on a thread: the first start's backend is made while the write still waits;
+    a later load of the same file in this process waits for it and reads it back."""
+    import safetensors.torch
+
+    path = write_gguf(tmp_path / "q.gguf", make_decoder("qwen2", seed=4), "Q4_0")
+    gate, real = threading.Event(), safetensors.torch.save_file
+
+    def slow_save(*args, **kwargs):
+        assert gate.wait(30)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(safetensors.torch, "save_file", slow_save)
+    make_backend(str(path))
+    assert not list((cache / "gguf").glob("*/packed-*.safetensors"))  # still writing, and the backend is made
+    gate.set()
+    later = sources.find_source(str(path)).load(ModelConfig(model=str(path)))
+    assert later.packed.entries and "packed cache" in later.weights
+
+
 def test_a_first_quantized_load_reads_each_linear_only_when_the_model_makes_it(tmp_path, cache):
     """Linear weights and the tied embedding stand in the state dict as Deferred (nothing unpacked yet) on a first
     start, as Packed once the cache holds them; norms are read as they are."""
