@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -150,12 +151,15 @@ def load_model(mc: ModelConfig, linear: str = "auto", batch_hint: int = 64, max_
                        # (a quant_rows other than auto asks for the dense copies it times or runs past its limit)
                        group_dense_copies=dense_copies == "auto" or quant_rows != "auto")
     make.name(sd)
+    t0 = time.perf_counter()
     try:
         model = build_model(arch, sd, make, max_len, ops)
     except ValueError as e:
         raise ConfigError(str(e)) from None
     del sd
+    t1 = time.perf_counter()
     src.finish()  # (what the source ran beside the build: a GGUF's first tokenizer export)
+    log.debug("model built in %.2fs; waited %.2fs for the source's background work", t1 - t0, time.perf_counter() - t1)
     if src.packed is not None and not src.packed.entries:  # a first start: the next one reads these back
         src.packed.save(make.made, background=True)
     quant = [lin for lin in model.linears() if isinstance(lin, QuantLinear)]
