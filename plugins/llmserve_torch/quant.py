@@ -13,7 +13,6 @@ import functools
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from llmserve_torch import kernel_library
 from llmserve_torch.kernel_plan import NEVER
@@ -247,87 +246,34 @@ def kernel_form(qw: QuantWeight) -> QuantWeight:
     return QuantWeight(qw.kind, qw.q, qw.scale, qw.offset, qw.source)
 
 
-def _bit_planes(q: torch.Tensor, bits: int) -> torch.Tensor:
-    """[rows, groups, 32] values → [rows, groups, 4 * bits] bytes as csrc/quant_format.h lays a group out
-    (llmserve_pack_values): 8 bits as they are; else a nibble plane (byte j: value j low, j + 16 high), then for each
-    bit above the fourth a 4-byte plane whose byte j's bit c is value 4c + j's and bit 4 + c value 16 + 4c + j's."""
-    if bits == 8:
-        return q
-    q = q.contiguous()
-    out = torch.empty((*q.shape[:-1], 4 * bits), dtype=torch.uint8)
-    _own_kernels().llmserve_pack_values(q.data_ptr(), q.numel() // GROUP, bits, out.data_ptr())
-    return out
-
-
 def pack_own(qw: QuantWeight) -> torch.Tensor:
-    """csrc/quant_matmul.cpp's form of a group-kind weight (_pack_rows), made a block of whole tiles at a time into
-    the one tensor: packing a 152k-row head whole took ~400 MB of temporaries at the peak of a load."""
+    """csrc/quant_matmul.cpp's form of a group-kind weight (llmserve_pack_weight), one byte tensor: per group of 32
+    inputs a row's values (4 * bits bytes: a nibble plane, then a bit plane for each bit above the fourth), its scales
+    (one, or two with scales per 16) and its offsets (as many, or none for a symmetric weight), float16, or for a
+    K-quant (qw.factors) int8 multiples of a float16 factor per 256 inputs, which then follow: 4.5 bits a weight for
+    Q4_0, 5 for Q4_1, 4.625 for Q4_K, 6.5625 for Q6_K, 8.5 for Q8_0. With tiles of t > 1 rows (AVX-512, AVX2), the
+    rows are padded to a whole tile with zeros and each tile's group is its values as 4-byte chunks, chunk c holding
+    each row's chunk c in turn, then its scales [parts, t], then its offsets [parts, t], each 256 inputs' groups after
+    their factors (d [t], then dneg [t]); with t = 1 (rows in order) a row's groups' values follow each other, then
+    its scales [parts, groups], its offsets, its factors d [groups / 8], its dneg."""
     fmt = weight_format(qw)
     if fmt is None:
         raise ValueError(f"no kernel for {qw.kind} with{'' if qw.offset is not None else 'out'} offsets")
     out, k = qw.shape
-    t = own_quant_tile()
-    total = _own_kernels().llmserve_quant_bytes(fmt, out, k)
-    per_tile = total // (-(-out // t))
-    step = max(t, _PACK_ROWS // t * t)
-    packed = torch.empty(total, dtype=torch.uint8)
-    for r in range(0, out, step):
-        part = _pack_rows(qw.map_rows(lambda a, r=r: a[r:r + step]) if out > step else qw)
-        packed[r // t * per_tile:r // t * per_tile + part.numel()] = part.view(-1)
-    return packed
-
-
-_PACK_ROWS = 8192  # rows pack_own packs at a time
-_DENSE_COLUMNS = 128  # inputs ensure_dense reads back at a time
-
-
-def _pack_rows(qw: QuantWeight) -> torch.Tensor:
-    """csrc/quant_matmul.cpp's form of a group-kind weight: one byte tensor, [tiles, bytes] for tiles of t rows.
-
-    Per group of 32 inputs a row's values (4 * bits bytes, _bit_planes), its scales (one, or two with scales per 16)
-    and its offsets (as many, or none for a symmetric weight): float16, or for a K-quant (qw.factors) int8 multiples
-    of a float16 factor per 256 inputs, which then follow: 4.5 bits a weight for Q4_0, 5 for Q4_1, 4.625 for Q4_K,
-    6.5625 for Q6_K, 8.5 for Q8_0. With tiles of t > 1 rows (AVX-512, AVX2), the rows are padded to a whole tile with
-    zeros and each tile's group is its values as 4-byte chunks, chunk c holding each row's chunk c in turn, then its
-    scales [parts, t], then its offsets [parts, t], each 256 inputs' groups after their factors (d [t], then dneg
-    [t]); with t = 1 (rows in order) a row's groups' values follow each other, then its scales [parts, groups], its
-    offsets, its factors d [groups / 8], its dneg."""
-    fmt = weight_format(qw)
-    if fmt is None:
-        raise ValueError(f"no kernel for {qw.kind} with{'' if qw.offset is not None else 'out'} offsets")
-    out, k = qw.shape
-    groups, parts, f = k // GROUP, 2 if qw.half else 1, qw.factors
-    values = _bit_planes(qw.q.view(out, groups, GROUP), qw.bits)  # [out, groups, 4 * bits]
-    if f is None:
-        per_group = [v.half() for v in ([qw.scale] if qw.offset is None else [qw.scale, qw.offset])]
-        heads = []
-    else:
-        per_group = [f.sc] if f.m is None else [f.sc, f.m]
-        heads = [v.half() for v in ([f.d] if f.dneg is None else [f.d, f.dneg])]  # [out, groups / 8]
-    if not all(v.isfinite().all() for v in per_group + heads if v.is_floating_point()):
+    f = qw.factors
+    parts = [qw.q.to(torch.uint8), qw.scale.float(), None if qw.offset is None else qw.offset.float()]
+    parts += [None] * 4 if f is None else [f.sc.to(torch.int8), None if f.m is None else f.m.to(torch.int8),
+                                           f.d.float(), None if f.dneg is None else f.dneg.float()]
+    parts = [None if t is None else t.contiguous() for t in parts]
+    lib = _own_kernels()
+    packed = torch.empty(lib.llmserve_quant_bytes(fmt, out, k), dtype=torch.uint8)
+    if lib.llmserve_pack_weight(fmt, *(None if t is None else t.data_ptr() for t in parts), out, k,
+                                packed.data_ptr()):
         raise ValueError(f"{qw.kind} scales or offsets beyond float16's range")
-    t = own_quant_tile()
-    pad = -out % t
-    tiles = (out + pad) // t
-    as_bytes = lambda v: v.contiguous().view(torch.uint8)  # noqa: E731
-    values = F.pad(values, (0, 0, 0, 0, 0, pad))
-    per_group = [F.pad(v, (0, 0, 0, pad)).view(tiles, t, groups, parts) for v in per_group]
-    heads = [F.pad(v, (0, 0, 0, pad)).view(tiles, t, -1) for v in heads]
-    if t > 1:  # group after group: [tiles, groups, chunks, t, 4], then [tiles, groups, parts, t] each
-        chunks = values.view(tiles, t, groups, qw.bits, 4).permute(0, 2, 3, 1, 4).reshape(tiles, groups, -1)
-        rest = [as_bytes(v.permute(0, 2, 3, 1)).reshape(tiles, groups, -1) for v in per_group]
-        packed = torch.cat([chunks, *rest], dim=2)
-        if heads:  # each super-block of 8 groups after its factors [t] each
-            supers = packed.view(tiles, groups // 8, -1)
-            packed = torch.cat([*(as_bytes(h.transpose(1, 2)).reshape(tiles, groups // 8, -1) for h in heads),
-                                supers], dim=2)
-        packed = packed.reshape(tiles, -1)
-    else:  # a row's values, then its scales [parts, groups], its offsets, its factors
-        rest = [as_bytes(v.permute(0, 1, 3, 2)).reshape(tiles, -1) for v in per_group]
-        packed = torch.cat([values.reshape(tiles, -1), *rest, *(as_bytes(h).reshape(tiles, -1) for h in heads)], dim=1)
-    packed = packed.contiguous()
-    assert packed.numel() == _own_kernels().llmserve_quant_bytes(fmt, out, k)
     return packed
+
+
+_DENSE_COLUMNS = 128  # inputs ensure_dense reads back at a time
 
 
 class QuantLinear:

@@ -246,6 +246,26 @@ def test_an_embedding_kept_quantized_looks_up_the_dense_tables_rows(dtype):
                 table(torch.tensor([3, bad]))
 
 
+def test_packing_rounds_scales_to_float16_as_torch_does_and_refuses_what_float16_cannot_hold():
+    """pack_own's float16 scales and offsets are torch's .half() of them, ties, float16 subnormals and values near its
+    largest included (read back through the row lookup); a scale float16 cannot hold is a ValueError."""
+    if own_kernel_isa() is None:
+        pytest.skip("the kernel library does not build here")
+    g = torch.Generator().manual_seed(0)
+    n, k = 48, 256
+    q = torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8)
+    scale = torch.exp(torch.empty(n, k // GROUP).uniform_(-20, 10, generator=g))  # 2e-9 .. 2e4: subnormals too
+    scale[0, :4] = torch.tensor([65504.0, 65519.0, 2.0**-24 * 1.5, 2.0**-25])  # largest, just below inf, ties
+    scale[1, :2] = torch.tensor([1 + 2.0**-11, 1 + 3 * 2.0**-11])  # ties to even, down and up
+    offset = -(scale * torch.empty(n, k // GROUP).uniform_(0, 16, generator=g)).clamp(max=60000)
+    qw = QuantWeight("int4", q, scale, offset)
+    table = QuantEmbedding(QuantLinear(qw, None, _plan("int4", torch.float32, NEVER)), torch.float32, shared=True)
+    held = QuantWeight("int4", q, scale.half().float(), offset.half().float())
+    assert torch.equal(table(torch.arange(n)), held.dequantize())
+    with pytest.raises(ValueError, match="float16"):
+        quant.pack_own(QuantWeight("int4", q, scale * 1e3, offset))
+
+
 def test_the_bits_read_are_the_files_own():
     """The bits a weight the kernel reads, as in the file (three tiles of 16 rows: no padding): Q4_0 4.5, Q5_0 5.5,
     Q5_1 6, Q6_K 6.5625, Q8_0 8.5; Q4_K and Q5_K 1/8 bit more than the file, whose 6-bit scales and mins are a
@@ -304,7 +324,7 @@ def test_every_simd_path_of_the_group_kernel_matches_the_reference(tmp_path, mon
                    check=True, capture_output=True)
     lib = ctypes.CDLL(str(so))
     for name in ("llmserve_quant_isa", "llmserve_quant_tile", "llmserve_quant_format", "llmserve_quant_bytes",
-                 "llmserve_quant_matmul", "llmserve_quant_rows", "llmserve_pack_values"):
+                 "llmserve_quant_matmul", "llmserve_quant_rows", "llmserve_pack_weight"):
         getattr(lib, name).restype, getattr(lib, name).argtypes = api().functions[name]
     monkeypatch.setattr(quant, "_own_kernels", lambda: lib)
     assert lib.llmserve_quant_isa().decode() == isa

@@ -147,9 +147,14 @@ LLMSERVE_API int llmserve_quant_rows(int fmt, const uint8_t* w, int N, int K, co
  * with offsets dneg [n] and m [n, groups] (null where the type has none). 0, or -1 for another type */
 LLMSERVE_API int llmserve_gguf_unpack(int type, const uint8_t* blocks, int64_t n, uint8_t* q, float* scale,
                                       float* offset, float* d, int8_t* sc, float* dneg, int8_t* m);
-/* Groups of 32 values of `bits` bits (one byte each, 0 .. 2^bits - 1) → each group's 4 * bits bytes as the group
- * formats lay them out (quant_format.h's group_values undoes it): pack_own's values, at load */
-LLMSERVE_API void llmserve_pack_values(const uint8_t* q, int64_t groups, int bits, uint8_t* out);
+/* An [N, K] weight in group format fmt laid out as the kernels read it (quant_format.h's Block): one byte a value q
+ * [N, K] (0 .. 2^bits - 1); each group's scales and offsets [N, K / 32 * parts] as float32 (stored as float16), or for
+ * a format with super-block factors sc and m (int8, those shapes) and d and dneg [N, K / 256] (float32, stored as
+ * float16); offsets, m and dneg null where the format has none. out: llmserve_quant_bytes(fmt, N, K) bytes, the rows
+ * padded to a whole tile with zeros. 0, or -1 (unknown format, or a float16 that would not be finite) */
+LLMSERVE_API int llmserve_pack_weight(int fmt, const uint8_t* q, const float* scale, const float* offset,
+                                      const int8_t* sc, const int8_t* m, const float* d, const float* dneg, int N,
+                                      int K, uint8_t* out);
 /* The code of the group format with values of `bits` bits, offsets or not, scales per 16 inputs or per 32, float16
  * or int8 multiples of a float16 factor per 256 inputs (sup); -1 where the kernel has no such format */
 LLMSERVE_API int llmserve_quant_format(int bits, int offsets, int half, int sup);

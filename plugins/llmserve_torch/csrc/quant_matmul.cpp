@@ -17,6 +17,7 @@
 // else quant_rows.h (rows in order, with arch/arm/quant_neon.h); the formats and layout they share in quant_format.h.
 
 #include <cstdint>
+#include <cstring>
 
 #if defined(__AVX512BW__)
 #include "arch/x86/quant_avx512.h"
@@ -172,9 +173,48 @@ void llmserve_quant_matmul(int fmt, const void* x, int64_t xs, int rows, const u
   on_team(th, true, [&](const Team& tm) { team_quant_matmul(tm, fmt, x, xs, rows, w, y, ys, N, K, elem_size, out_size); });
 }
 
-// pack_own's group values (numpy's bit packing took 2 of a 0.5B model's 13 s first start)
-void llmserve_pack_values(const uint8_t* q, int64_t groups, int bits, uint8_t* out) {
-  for (int64_t g = 0; g < groups; ++g) pack_group_values(q + g * kG, bits, out + g * 4 * bits);
+// pack_own's layout, written through the same Block accessors the kernels read it by (torch's pads, permutes and
+// concatenations took 2 s of a Qwen2.5-0.5B Q4_K_M's first start)
+int llmserve_pack_weight(int fmt, const uint8_t* q, const float* scale, const float* offset, const int8_t* sc,
+                         const int8_t* m, const float* d, const float* dneg, int N, int K, uint8_t* out) {
+  const int64_t tile_bytes = quant_tile_bytes(fmt, K);
+  if (tile_bytes < 0) return -1;
+  std::memset(out, 0, static_cast<size_t>(quant_tiles(N) * tile_bytes));  // (a padded tile's rows stay zero)
+  bool finite = true;
+  auto half_of = [&](float v) {
+    const uint16_t h = store_half(v);
+    finite &= (h & 0x7C00u) != 0x7C00u;
+    return h;
+  };
+  with_format(fmt, [&](auto f) {
+    using F = decltype(f);
+    const int groups = K / kG;
+    for (int64_t n = 0; n < N; ++n) {
+      Block<F> b(out, n / kTile, K);
+      const int r = static_cast<int>(n % kTile);
+      for (int g = 0; g < groups; ++g) {
+        uint8_t v[F::kValueBytes];
+        pack_group_values(q + n * K + g * kG, F::kBits, v);
+        for (int c = 0; c < F::kBits; ++c) std::memcpy(const_cast<uint8_t*>(b.values(g)) + (c * kTile + r) * 4, v + 4 * c, 4);
+        for (int p = 0; p < F::kParts; ++p) {
+          const int64_t at = n * groups * F::kParts + g * F::kParts + p;
+          for (int kind = 0; kind < (F::kOff ? 2 : 1); ++kind) {
+            uint8_t* dst = const_cast<uint8_t*>(kind ? b.offsets(g, p) : b.scales(g, p)) + r * F::kScaleBytes;
+            if (F::kSup) {
+              *dst = static_cast<uint8_t>((kind ? m : sc)[at]);
+            } else {
+              const uint16_t h = half_of((kind ? offset : scale)[at]);
+              std::memcpy(dst, &h, 2);
+            }
+          }
+        }
+        if (F::kSup && g % F::kSuperGroups == 0)
+          for (int kind = 0; kind < (F::kOff ? 2 : 1); ++kind)
+            const_cast<uint16_t*>(b.factors(g, kind))[r] = half_of((kind ? dneg : d)[n * (groups / 8) + g / 8]);
+      }
+    }
+  });
+  return finite ? 0 : -1;
 }
 
 // Rows ids[0, rows) of an [N, K] group-format weight, dequantized into y (float32 or bf16): the embedding lookup of a
