@@ -10,12 +10,14 @@ started first (the server started first ran slower in some runs). The client is 
 
     python benchmarks/ab_servers.py --a "--stream-interval 1" --b "--stream-interval 8"
     python benchmarks/ab_servers.py --a "--set backend.options.dense_copies=auto" --b "" --rounds 8 --json
+    python benchmarks/ab_servers.py --a "ATEN_CPU_CAPABILITY=avx2" --b ""     # leading NAME=VALUE: environment
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import shlex
 import socket
 import statistics
@@ -43,10 +45,16 @@ def free_port() -> int:
 
 
 def launch(config: str, extra: str, port: int, log: Path) -> subprocess.Popen:
-    """`llmserve serve` with the config and extra flags on port; healthy when this returns."""
+    """`llmserve serve` with the config and extra flags on port (leading NAME=VALUE words: its environment); healthy
+    when this returns."""
+    words = shlex.split(extra)
+    env = dict(os.environ)
+    while words and "=" in words[0] and not words[0].startswith("-"):
+        name, _, value = words.pop(0).partition("=")
+        env[name] = value
     p = subprocess.Popen([sys.executable, "-m", "llmserve", "serve", "--config", config, "--port", str(port),
-                          "--log-level", "warning", *shlex.split(extra)],
-                         stdout=subprocess.DEVNULL, stderr=log.open("w"), cwd=ROOT)
+                          "--log-level", "warning", *words],
+                         stdout=subprocess.DEVNULL, stderr=log.open("w"), cwd=ROOT, env=env)
     deadline = time.time() + 300
     while time.time() < deadline:
         if p.poll() is not None:
@@ -95,7 +103,8 @@ async def measure(args, ports: dict[str, int], items: list[Item]) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--config", default="configs/default.yaml", help="the config both servers start from")
-    ap.add_argument("--a", default="", help="server A's extra `llmserve serve` flags (one string)")
+    ap.add_argument("--a", default="", help="server A's extra `llmserve serve` flags (one string; leading NAME=VALUE "
+                    "words set its environment)")
     ap.add_argument("--b", default="", help="server B's extra flags")
     ap.add_argument("--rounds", type=int, default=8)
     ap.add_argument("--per", type=int, default=3, help="requests a turn (a round: 2 turns a server)")
