@@ -55,8 +55,9 @@ def build(src: Path, march: str, extra: tuple[str, ...], so: Path) -> ctypes.CDL
     subprocess.run(["g++", *cxx_flags(march, extra), f"-I{src}", str(src / "quant_matmul.cpp"), "-o", str(so)],
                    check=True)
     lib = ctypes.CDLL(str(so))
-    for name in ("llmserve_quant_tile", "llmserve_quant_format", "llmserve_quant_bytes", "llmserve_quant_matmul"):
-        getattr(lib, name).restype, getattr(lib, name).argtypes = api().functions[name]
+    for name, (restype, argtypes) in api().functions.items():  # pack_own calls llmserve_pack_weight through it too
+        if hasattr(lib, name):
+            getattr(lib, name).restype, getattr(lib, name).argtypes = restype, argtypes
     return lib
 
 
@@ -93,10 +94,10 @@ def packed_for(lib: ctypes.CDLL, qw: QuantWeight) -> tuple[int, torch.Tensor]:
         quant._own_kernels = saved
 
 
-def time_calls(lib, fmt, packed, x, y, n, k, rows, threads, calls) -> float:
+def time_calls(lib, fmt, packed, x, y, n, k, rows, threads, calls, narrow=0) -> float:
     """Seconds per call, the best of `calls` (after one warm-up)."""
     fn = lib.llmserve_quant_matmul
-    args = (fmt, x.data_ptr(), k, rows, packed.data_ptr(), y.data_ptr(), n, n, k, x.element_size(), 4, threads)
+    args = (fmt, x.data_ptr(), k, rows, packed.data_ptr(), y.data_ptr(), n, n, k, x.element_size(), 4, threads, narrow)
     fn(*args)
     best = float("inf")
     for _ in range(calls):
@@ -118,6 +119,8 @@ def main() -> None:
     ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=4, help="A B B A rounds")
+    ap.add_argument("--narrow", action="store_true", help="B rounds the activations to int8 (the narrow argument: a "
+                    "batch of decodes past backend.options.int8_decode_rows), A to int16")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
@@ -143,7 +146,8 @@ def main() -> None:
                     for _ in range(args.rounds):
                         for s in "ABBA":
                             fmt, packed = packs[s]
-                            got[s].append(time_calls(libs[s], fmt, packed, x, ys[s], n, k, rows, args.threads, calls))
+                            got[s].append(time_calls(libs[s], fmt, packed, x, ys[s], n, k, rows, args.threads, calls,
+                                                              rows if args.narrow and s == "B" else 0))
                     err = (ys["A"] - ys["B"]).abs().max().item() / max(ys["A"].abs().max().item(), 1e-30)
                     a, b = statistics.median(got["A"]), statistics.median(got["B"])
                     results.append({"model": model, "type": t, "n": n, "k": k, "rows": rows, "times": times,

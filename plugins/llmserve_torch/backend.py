@@ -51,6 +51,10 @@ OPTIONS = {
     "decoder_ops": "auto",
     # every layer of a quantized Llama-style model in one C call for steps of a few rows (fused_stack.py): auto | off
     "fuse_layers": "auto",
+    # a step with at least this many decodes rounds their rows' activations in the fused layers' quantized kernels to
+    # int8 per group of 32 (as llama.cpp does for every row), not int16: half the integer products where many rows
+    # make a step compute-bound, a group's small values rounded coarser beside its largest; prompt rows never; 0: never
+    "int8_decode_rows": 16,
     # the quantized linears' weights in one arena of 2 MiB pages on CPU (huge_pages.py): auto | off
     "huge_pages": "auto",
     # decode steps replayed from CUDA graphs: auto (on CUDA with the triton attention, batches up to
@@ -67,6 +71,15 @@ def _table(r, tokens: int, block_size: int) -> list[int]:
                            f"{tokens} tokens need {nb}")
     return r.block_table[:nb]
 
+
+def _leading_decodes(batch: SchedulerOutput) -> int:
+    """How many of the step's first rows are decodes (one token each, past the prompt): a batch lists them first."""
+    n = 0
+    for r in batch.requests:
+        if r.num_new_tokens != 1 or r.num_computed_tokens < r.num_prompt_tokens:
+            break
+        n += 1
+    return n
 
 
 class ForwardResult(NamedTuple):
@@ -98,6 +111,10 @@ class TorchBackend(ModelBackend):
                                                      or quant_rows < 0):
             raise ConfigError(f"backend.options.quant_rows: must be auto, retime or a number of rows >= 0, "
                               f"got {quant_rows!r}")
+        rows = self.options["int8_decode_rows"]
+        if isinstance(rows, bool) or not isinstance(rows, int) or rows < 0:
+            raise ConfigError(f"backend.options.int8_decode_rows: must be a number of rows >= 0 (0: never), "
+                              f"got {rows!r}")
         if self.options["dense_copies"] not in ("off", "auto", False):  # (YAML reads a bare off as false)
             raise ConfigError(f"backend.options.dense_copies: must be off or auto, got {self.options['dense_copies']!r}")
         for key in ("fuse_layers", "huge_pages", "cuda_graphs"):  # YAML reads a bare off / on as false / true
@@ -264,6 +281,9 @@ class TorchBackend(ModelBackend):
             self.stack, self.stack_note = build_stack(self.options["fuse_layers"], self.model, self.attention,
                                                       kernel_library.load(), max(sc.max_num_batched_tokens, sc.max_num_seqs))
             if self.stack is not None:  # greedy tokens fed back inside the one call
+                self.stack.int8_rows = rows = self.options["int8_decode_rows"]
+                if 0 < rows <= self.stack.max_rows:
+                    self.stack_note += f"; int8 activations in batches of {rows}+ decodes"
                 self.forwards = Forwards(self.stack.max_forwards, self.stack.head_rows)  # (decode_ahead's rows)
             plan = self.loaded.kernels
             if plan is not None and plan.pending and self.tuner is None:
@@ -366,7 +386,8 @@ class TorchBackend(ModelBackend):
                                                  self.on_forward)
                 return ForwardResult(meta, sample_rows, tokens=tokens[0], more=tokens[1:])
             race = self._race(batch, temps, 1) if head and temps is not None else None
-            hidden, logits, tokens = self.stack.forward(ids, meta, logits=head, argmax=temps is not None, race=race)
+            hidden, logits, tokens = self.stack.forward(ids, meta, logits=head, argmax=temps is not None, race=race,
+                                                        decodes=_leading_decodes(batch))
             return ForwardResult(meta, sample_rows, hidden, logits, tokens)
         self.attention.begin_step(meta)
         return ForwardResult(meta, sample_rows,

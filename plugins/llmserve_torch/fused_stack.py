@@ -120,6 +120,10 @@ class FusedStack:
         # read per kernel)
         self.stage_us: torch.Tensor | None = None
         self._relay: ForwardRelay | None = None  # made at the first call with a listener (decode_ahead)
+        # a batch of decodes of at least this many rows rounds the group kernels' activations to int8, not int16 (0:
+        # never): half their integer products where many rows make the step compute-bound (backend option
+        # int8_decode_rows)
+        self.int8_rows = 0
 
     def _linear(self, lin: QuantLinear) -> _QLinear:
         bias = None
@@ -165,14 +169,16 @@ class FusedStack:
         return 0 < rows <= self.head_rows
 
     def forward(self, input_ids: torch.Tensor, meta, logits: bool = False, argmax: bool = False,
-                race: Race | None = None) -> tuple[torch.Tensor, torch.Tensor | None, list[int] | None]:
+                race: Race | None = None,
+                decodes: int = 0) -> tuple[torch.Tensor, torch.Tensor | None, list[int] | None]:
         """Hidden states before the final norm, [T, hidden], as DecoderModel.forward returns them; with `logits`
         (covers_head) every row's float32 logits as DecoderModel.logits makes them, with `argmax` too each row's
         token: its first largest logit (the sampler's greedy token), or where `race` gives the row a temperature,
         the token the sampler's keyed race draws with its key; else None for each. Hidden states and logits are
-        this stack's buffers: valid until its next call."""
+        this stack's buffers: valid until its next call. decodes: the leading rows that are each one sequence's next
+        token (int8_rows applies to them)."""
         T = input_ids.shape[0]
-        x, out = self._call(input_ids, meta, logits, argmax, 1, race)
+        x, out = self._call(input_ids, meta, logits, argmax, 1, race, narrow=self._narrow(decodes))
         return x, out if logits else None, self._tokens[:T].tolist() if logits and argmax else None
 
     def decode_ahead(self, input_ids: torch.Tensor, meta, forwards: int, race: Race | None = None,
@@ -183,23 +189,29 @@ class FusedStack:
         the relay's thread) as soon as it exists, where one is given. Hidden states and logits are the last
         forward's."""
         T = input_ids.shape[0]
+        narrow = self._narrow(T)
         if listener is None:
-            self._call(input_ids, meta, True, True, forwards, race)
+            self._call(input_ids, meta, True, True, forwards, race, narrow=narrow)
         else:
             self._grow(T)
             if self._relay is None:
                 self._relay = ForwardRelay()
             self._relay.open(listener, self._tokens[:forwards * T].reshape(forwards, T))
             try:
-                self._call(input_ids, meta, True, True, forwards, race, self._relay)
+                self._call(input_ids, meta, True, True, forwards, race, self._relay, narrow)
             finally:
                 self._relay.close()
         return self._tokens[:forwards * T].reshape(forwards, T).tolist()
 
+    def _narrow(self, decodes: int) -> int:
+        """The leading rows whose activations are rounded to int8 in a step of this many decodes (int8_rows)."""
+        return decodes if 0 < self.int8_rows <= decodes else 0
+
     def _call(self, input_ids: torch.Tensor, meta, logits: bool, argmax: bool, forwards: int,
-              race: Race | None = None, relay: ForwardRelay | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """The C call over the step's rows (telling `relay` of each forward's tokens); its hidden-state and logits
-        buffers."""
+              race: Race | None = None, relay: ForwardRelay | None = None,
+              narrow: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """The C call over the step's rows (telling `relay` of each forward's tokens; the group kernels round the
+        activations of the first `narrow` rows to int8); its hidden-state and logits buffers."""
         T = input_ids.shape[0]
         self._grow(T)
         x, x_at, out, out_at = self._outputs(T)
@@ -209,7 +221,7 @@ class FusedStack:
                    None if self.stage_us is None else self.stage_us.data_ptr(), out_at if logits else None,
                    self._tokens_at if logits and argmax else None, forwards,
                    *(self._race_args(race, T) if race is not None and argmax else (None,) * 4),
-                   *((relay.progress_at, relay.notify_fd) if relay is not None else (None, -1)))
+                   *((relay.progress_at, relay.notify_fd) if relay is not None else (None, -1)), narrow)
         if self._fn(ctypes.addressof(self._model), ctypes.addressof(self._scratch), ctypes.addressof(st)):
             raise IndexError("index out of range in self")  # a token id past the embedding, as torch says it
         return x, out

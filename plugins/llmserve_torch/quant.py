@@ -416,7 +416,7 @@ class QuantLinear:
             y = torch.empty((xc.shape[0], self.out_features), dtype=xc.dtype)  # it writes x's dtype
             _own_kernels().llmserve_quant_matmul(self._fmt, xc.data_ptr(), xc.stride(0), xc.shape[0], self._w.data_ptr(),
                                                  y.data_ptr(), y.stride(0), self.out_features, self.in_features,
-                                                 xc.element_size(), y.element_size(), torch.get_num_threads())
+                                                 xc.element_size(), y.element_size(), torch.get_num_threads(), 0)
             return y
         xa = (x if x.dtype == act else x.to(act)).contiguous()
         if self.kind == "int8":

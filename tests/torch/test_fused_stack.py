@@ -14,6 +14,7 @@ from torch_helpers import Driver, batch_of, make_backend, make_llama
 
 from llmserve.errors import ConfigError
 from llmserve.request import SamplingParams
+from llmserve_torch import kernel_library
 from llmserve_torch.fused_stack import STAGES
 from llmserve_torch.quant_embedding import QuantEmbedding
 
@@ -189,11 +190,39 @@ def test_without_dense_copies_it_covers_what_a_step_can_hold(qwen2_dir):
     opts = {"fuse_layers": "auto", "quant_rows": 100_000}
     fused = make_backend(str(path), quantization="int4", options=opts)
     plain = make_backend(str(path), quantization="int4", options={**opts, "fuse_layers": "off"})
-    assert fused.describe()["fused_layers"] == "up to 512 rows"
+    assert fused.describe()["fused_layers"] == "up to 512 rows; int8 activations in batches of 16+ decodes"
     g = torch.Generator().manual_seed(3)
     ids = torch.randint(0, 200, (40,), generator=g).tolist()
     got, want = (b.compute_logits(batch_of([Driver(b).request("a", ids, 0, 40)])) for b in (fused, plain))
     assert torch.equal(got, want) and fused.stack._rows == 40
+
+
+def test_a_steps_many_decodes_round_activations_to_int8_and_a_prompt_never(qwen2_dir):
+    """int8_decode_rows: where a step has that many decodes, their rows (listed first) run the group kernels on int8
+    activations: close to int16's logits, not equal, where this build has the int8 products. Fewer decodes, and
+    every prompt row (alone or in the same step), stay int16: equal."""
+    path, _ = qwen2_dir
+    opts = {"fuse_layers": "auto", "quant_rows": 100_000}
+    narrow = make_backend(str(path), quantization="int4", options={**opts, "int8_decode_rows": 6})
+    wide = make_backend(str(path), quantization="int4", options={**opts, "int8_decode_rows": 0})
+    assert narrow.describe()["fused_layers"] == "up to 512 rows; int8 activations in batches of 6+ decodes"
+    assert wide.describe()["fused_layers"] == "up to 512 rows"
+
+    def run(b, n):  # n prompts of 8 tokens in one step; one decode of each beside a new prompt's 8 tokens
+        d, g = Driver(b, seed=1), torch.Generator().manual_seed(n)
+        prompts = [torch.randint(0, 200, (8,), generator=g).tolist() for _ in range(n + 1)]
+        pre = b.compute_logits(batch_of([d.request(f"r{i}", p, 0, 8) for i, p in enumerate(prompts[:n])]))
+        step = [d.request(f"r{i}", p + [5], 8, 1, prompt_len=8) for i, p in enumerate(prompts[:n])]
+        return pre, b.compute_logits(batch_of(step + [d.request("new", prompts[n], 0, 8)]))
+
+    fmt = narrow.model.layers[0]["qkv"]._fmt
+    has_int8 = kernel_library.load().llmserve_quant_narrow(fmt) == 1
+    (pre_n, mixed_n), (pre_w, mixed_w) = run(narrow, 6), run(wide, 6)
+    assert torch.equal(pre_n, pre_w) and torch.equal(mixed_n[6], mixed_w[6])  # the prompts
+    assert torch.equal(mixed_n[:6], mixed_w[:6]) != has_int8
+    assert torch.allclose(mixed_n, mixed_w, atol=0.05 * mixed_w.abs().max().item())
+    (pre_n, mixed_n), (pre_w, mixed_w) = run(narrow, 5), run(wide, 5)
+    assert torch.equal(pre_n, pre_w) and torch.equal(mixed_n, mixed_w)
 
 
 def test_fuse_layers_option(qwen2_dir):
@@ -203,6 +232,9 @@ def test_fuse_layers_option(qwen2_dir):
     assert _backend(path, "float32", "int4", False).stack is None  # YAML's bare `off`
     with pytest.raises(ConfigError, match="fuse_layers: must be one of auto, off"):
         _backend(path, "float32", "int4", "on")
+    for bad in (-1, "16", True, 1.5):
+        with pytest.raises(ConfigError, match="int8_decode_rows: must be a number of rows >= 0"):
+            make_backend(str(path), quantization="int4", options={"int8_decode_rows": bad})
 
 
 @pytest.mark.parametrize("quantization", ["int4", "int8"])

@@ -159,7 +159,7 @@ def _check_library(so: Path, threads: int) -> None:
     assert fmt is not None
     assert packed.numel() == lib.llmserve_quant_bytes(fmt, n, k)
     y = torch.full((rows, n), float("nan"))
-    lib.llmserve_quant_matmul(fmt, x.data_ptr(), k, rows, packed.data_ptr(), y.data_ptr(), n, n, k, 4, 4, threads)
+    lib.llmserve_quant_matmul(fmt, x.data_ptr(), k, rows, packed.data_ptr(), y.data_ptr(), n, n, k, 4, 4, threads, 0)
     held = _as_packed(qw)
     err = (y - F.linear(x, held.dequantize())).abs()
     assert (err <= _bound(x, held)).all(), err.max().item()

@@ -21,7 +21,7 @@ from gguf_helpers import VOCAB, dequantize, make_decoder, quantize, write_gguf
 from torch_helpers import Driver, batch_of, make_backend, make_gpt2
 
 from llmserve.errors import ConfigError
-from llmserve_torch import quant
+from llmserve_torch import kernel_library, quant
 from llmserve_torch.kernel_library import api, cpu_id, cxx_flags
 from llmserve_torch.gguf_quant import KINDS as GGUF_KINDS
 from llmserve_torch import gguf_quant
@@ -176,13 +176,14 @@ def _as_packed(qw: QuantWeight) -> QuantWeight:
     return QuantWeight(qw.kind, qw.q, half(qw.scale), half(qw.offset), qw.source)
 
 
-def _rounding_bound(x: torch.Tensor, qw) -> torch.Tensor:
-    """How far our group kernel may be from x @ w.T: activations are rounded to int16 per group of 32; w = (q -
-    centre) * scale + zero, and the zero meets the exact sum of x, so each part of a group (its 32 inputs, or 16
-    with scales per 16) is off by at most sum|q - centre| * scale * (half a step of the group's max |x| / 32639)."""
+def _rounding_bound(x: torch.Tensor, qw, qmax: int = 32639) -> torch.Tensor:
+    """How far our group kernel may be from x @ w.T: activations are rounded to int16 per group of 32 (qmax 32639;
+    int8 with narrow: 127); w = (q - centre) * scale + zero, and the zero meets the exact sum of x, so each part of a
+    group (its 32 inputs, or 16 with scales per 16) is off by at most sum|q - centre| * scale * (half a step of the
+    group's max |x| / qmax)."""
     per = qw.shape[1] // qw.scale.shape[1]
     qs = (qw.q.float() - qw.centre).abs().unflatten(1, (-1, per)).sum(-1) * qw.scale.abs()
-    xm = x.float().abs().unflatten(1, (-1, GROUP)).amax(-1) / (2 * 32639)
+    xm = x.float().abs().unflatten(1, (-1, GROUP)).amax(-1) / (2 * qmax)
     return xm.repeat_interleave(GROUP // per, dim=1) @ qs.T
 
 
@@ -310,6 +311,47 @@ MARCHES = {"x86-64": ("x86-64", (), set(), "scalar"), "x86-64-v3": ("x86-64-v3",
            "x86-64-v4": ("x86-64-v4", (), _V3 | {"avx512f", "avx512bw", "avx512vl", "avx512dq"}, "avx512bw")}
 
 
+def _check_narrow(lib, qw, packed, x: torch.Tensor, wide: torch.Tensor, isa: str) -> None:
+    """The kernel with narrow (int8 activations, a large batch of decodes) on the weight `packed` holds: within int8
+    rounding's bound of x @ w.T where the build has int8 products for the format (every format with AVX-512 or
+    vpdpbusd, those below 8 bits with AVX2), visibly not the int16 result `wide`; elsewhere the int16 result itself."""
+    rows, k = x.shape
+    n = wide.shape[1]
+    fmt = quant.weight_format(qw)
+    y = torch.full((rows, n), float("nan"))
+    lib.llmserve_quant_matmul(fmt, x.data_ptr(), k, rows, packed.data_ptr(), y.data_ptr(), n, n, k, 4, 4, 2, rows)
+    expect = isa.startswith("avx512") or isa == "avx2-vnni" or (isa == "avx2" and qw.bits < 8)
+    assert lib.llmserve_quant_narrow(fmt) == int(expect), (isa, qw.kind)
+    if not expect:
+        assert torch.equal(y, wide), (isa, qw.kind)
+        return
+    held = _as_packed(qw)
+    bound = _rounding_bound(x, held, 127) + 2e-5 * (x.abs().sum(-1, keepdim=True) * held.dequantize().abs().amax())
+    assert ((y - F.linear(x, held.dequantize())).abs() <= bound).all(), (isa, qw.kind, rows)
+    assert not torch.equal(y, wide), (isa, qw.kind)  # int8 rounding shows
+    if rows > 1:  # the first rows int8, the rest int16: each as in the call of its kind
+        half = torch.full((rows, n), float("nan"))
+        lib.llmserve_quant_matmul(fmt, x.data_ptr(), k, rows, packed.data_ptr(), half.data_ptr(), n, n, k, 4, 4, 2,
+                                  rows // 2)
+        assert torch.equal(half[: rows // 2], y[: rows // 2]) and torch.equal(half[rows // 2:], wide[rows // 2:])
+
+
+def test_the_loaded_librarys_narrow_path_holds_int8_roundings_bound():
+    """This machine's own build (the one the server runs, e.g. AVX-512 with vpdpbusd), narrow in every format."""
+    lib = kernel_library.load()
+    assert lib is not None, "the kernel library did not build here"
+    isa = lib.llmserve_quant_isa().decode()
+    rows, n, k = 16, 40, 512
+    x = torch.randn(rows, k)
+    for qw in _group_weights(n, k, 3).values():
+        qw = quant.kernel_form(qw)
+        packed = quant.pack_own(qw)
+        wide = torch.full((rows, n), float("nan"))
+        lib.llmserve_quant_matmul(quant.weight_format(qw), x.data_ptr(), k, rows, packed.data_ptr(), wide.data_ptr(),
+                                  n, n, k, 4, 4, 2, 0)
+        _check_narrow(lib, qw, packed, x, wide, isa)
+
+
 @pytest.mark.parametrize("march", MARCHES)
 def test_every_simd_path_of_the_group_kernel_matches_the_reference(tmp_path, monkeypatch, march):
     """The kernel built for another ISA, run here in every format on the layout pack_own makes for that build's
@@ -324,7 +366,7 @@ def test_every_simd_path_of_the_group_kernel_matches_the_reference(tmp_path, mon
                    check=True, capture_output=True)
     lib = ctypes.CDLL(str(so))
     for name in ("llmserve_quant_isa", "llmserve_quant_tile", "llmserve_quant_format", "llmserve_quant_bytes",
-                 "llmserve_quant_matmul", "llmserve_quant_rows", "llmserve_pack_weight"):
+                 "llmserve_quant_matmul", "llmserve_quant_rows", "llmserve_pack_weight", "llmserve_quant_narrow"):
         getattr(lib, name).restype, getattr(lib, name).argtypes = api().functions[name]
     monkeypatch.setattr(quant, "_own_kernels", lambda: lib)
     assert lib.llmserve_quant_isa().decode() == isa
@@ -336,10 +378,11 @@ def test_every_simd_path_of_the_group_kernel_matches_the_reference(tmp_path, mon
             packed = quant.pack_own(qw)  # kept alive while the kernel reads it
             y = torch.full((rows, n), float("nan"))
             lib.llmserve_quant_matmul(quant.weight_format(qw), x.data_ptr(), k, rows, packed.data_ptr(), y.data_ptr(),
-                                      n, n, k, 4, 4, 2)
+                                      n, n, k, 4, 4, 2, 0)
             held = _as_packed(qw)
             bound = _rounding_bound(x, held) + 2e-5 * (x.abs().sum(-1, keepdim=True) * held.dequantize().abs().amax())
             assert ((y - F.linear(x, held.dequantize())).abs() <= bound).all(), (name, rows, n, k)
+            _check_narrow(lib, qw, packed, x, y, isa)
             ids = torch.arange(n - 1, -1, -1)  # every row, each position of each tile
             table = torch.full((n, k), float("nan"))
             assert lib.llmserve_quant_rows(quant.weight_format(qw), packed.data_ptr(), n, k, ids.data_ptr(), n,

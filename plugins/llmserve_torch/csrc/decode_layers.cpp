@@ -118,12 +118,14 @@ class Busy {
 // made them (the same share of N), so only the bias waits for the whole matmul. The matmul's time is this member's
 // busy time (Balance).
 template <typename T>
-void linear(const Team& tm, const QLinear& L, const void* x, int rows, void* y, float* f32, Balance* bal) {
+void linear(const Team& tm, const QLinear& L, const void* x, int rows, void* y, float* f32, Balance* bal,
+            int narrow) {
   const int elem = sizeof(T);
   T* yt = static_cast<T*>(y);
   if (is_group_format(L.kind)) {
     const Busy busy(tm, bal);
-    team_quant_matmul(tm, L.kind, x, L.k, rows, static_cast<const uint8_t*>(L.w), y, L.n, L.n, L.k, elem, elem);
+    team_quant_matmul(tm, L.kind, x, L.k, rows, static_cast<const uint8_t*>(L.w), y, L.n, L.n, L.k, elem, elem,
+                      narrow);
   } else {  // float32 out, then the activations' dtype (torch: y.to(x.dtype))
     const Busy busy(tm, bal);
     team_int8_matmul(tm, x, L.k, rows, static_cast<const int8_t*>(L.w), L.scale, f32, L.n, L.n, L.k, elem);
@@ -219,7 +221,7 @@ void head(const Team& tm, const Team& mt, const Model& m, const Flow<T>& f, cons
     const Busy busy(mt, balance_of(m));
     if (is_group_format(m.head.kind)) {
       team_quant_matmul(mt, m.head.kind, f.h, H, R, static_cast<const uint8_t*>(m.head.w), st.logits, V, V, H,
-                        sizeof(T), 4);
+                        sizeof(T), 4, st.narrow);
       const int tiles = quant_tiles(V);
       j0 = std::min(V, mt.share_begin(tiles) * quant_tile()), j1 = std::min(V, mt.share_end(tiles) * quant_tile());
     } else {
@@ -314,7 +316,7 @@ void run(const Team& tm, const Model& m, const Scratch& s, const Step& st, float
   clock.mark(kNorms);
   for (int li = 0; li < m.layers; ++li) {
     const Layer& L = m.layer[li];
-    linear<T>(mt, L.qkv, f.h, R, s.qkv, s.f32, balance_of(m));
+    linear<T>(mt, L.qkv, f.h, R, s.qkv, s.f32, balance_of(m), st.narrow);
     wait_ahead_for(mt, m, L.o);
     tm.sync();
     clock.mark(kQkv);
@@ -338,21 +340,21 @@ void run(const Team& tm, const Model& m, const Scratch& s, const Step& st, float
                          f.own_attn);
     if (!f.own_attn) tm.sync();
     clock.mark(kAttention);
-    linear<T>(mt, L.o, f.attn, R, s.o, s.f32, balance_of(m));
+    linear<T>(mt, L.o, f.attn, R, s.o, s.f32, balance_of(m), st.narrow);
     wait_ahead_for(mt, m, L.gate_up);
     tm.sync();
     clock.mark(kO);
     team_add_rms_norm(f.ew, f.x, H, s.o, H, L.post_norm, f.h, H, R, H, m.eps, E);
     f.sync(tm);
     clock.mark(kNorms);
-    linear<T>(mt, L.gate_up, f.h, R, s.gu, s.f32, balance_of(m));
+    linear<T>(mt, L.gate_up, f.h, R, s.gu, s.f32, balance_of(m), st.narrow);
     wait_ahead_for(mt, m, L.down);
     tm.sync();
     clock.mark(kGateUp);
     team_silu_mul(f.ew, s.gu, 2 * m.inter, f.act, m.inter, R, m.inter, E);
     f.sync(tm);
     clock.mark(kSiluMul);
-    linear<T>(mt, L.down, f.act, R, s.down, s.f32, balance_of(m));
+    linear<T>(mt, L.down, f.act, R, s.down, s.f32, balance_of(m), st.narrow);
     wait_ahead_for(mt, m, li + 1 < m.layers ? m.layer[li + 1].qkv : st.logits != nullptr ? m.head : QLinear{});
     tm.sync();
     clock.mark(kDown);

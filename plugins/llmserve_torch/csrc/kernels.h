@@ -62,9 +62,10 @@ constexpr int quant_format(int bits, bool offsets, bool half, bool sup = false) 
 inline bool is_group_format(int kind) { return (kind & kGroupFormat) != 0; }
 
 // y = x · W^T for a group format (quant_matmul.cpp), y float32 (out_size 4) or, with bf16 x, bf16 (2); this member's
-// tiles of outputs (share_begin / share_end)
+// tiles of outputs (share_begin / share_end); x's rows [0, narrow) rounded to int8 per group, not int16, where the
+// path has int8 products (kQMax8)
 void team_quant_matmul(const Team& tm, int fmt, const void* x, int64_t xs, int rows, const uint8_t* w, void* y,
-                       int64_t ys, int N, int K, int elem_size, int out_size);
+                       int64_t ys, int N, int K, int elem_size, int out_size, int narrow = 0);
 // Rows ids[0, rows) of an [N, K] group-format weight dequantized into y [rows, K] (row stride ys elements), float32
 // (out_size 4) or bf16 (2) (quant_matmul.cpp); rows shared out. The caller has checked the ids
 void team_quant_rows(const Team& tm, int fmt, const uint8_t* w, int K, const int64_t* ids, int rows, void* y,

@@ -122,6 +122,9 @@ struct llmserve_step {
    * the call runs (forward_relay.py's ForwardRelay) */
   int32_t* progress;
   int32_t notify_fd;
+  /* rows [0, narrow) whose activations the group kernels round to int8 per group of 32, not int16
+   * (llmserve_quant_matmul's narrow): a step's decodes, where at least backend.options.int8_decode_rows; 0: none */
+  int32_t narrow;
 };
 
 /* --- entry points ----------------------------------------------------------------------------------------------- */
@@ -133,9 +136,12 @@ LLMSERVE_API int llmserve_decode_layers(const struct llmserve_model* m, const st
 
 /* y = x · W^T for a group format (quant_matmul.cpp). x: [rows, K] float32 (elem_size 4) or bf16 (2), row stride xs;
  * K a multiple of 32; w as pack_own lays it out for llmserve_quant_tile(); y: [rows, N], float32 (out_size 4) or
- * bf16 (2, with bf16 x) */
+ * bf16 (2, with bf16 x). x's rows [0, narrow) rounded to int8 per group of 32, not int16, where this build's tiles
+ * have int8 products for the format (llmserve_quant_narrow); the rest int16 */
 LLMSERVE_API void llmserve_quant_matmul(int fmt, const void* x, int64_t xs, int rows, const uint8_t* w, void* y,
-                                        int64_t ys, int N, int K, int elem_size, int out_size, int th);
+                                        int64_t ys, int N, int K, int elem_size, int out_size, int th, int narrow);
+/* 1 where llmserve_quant_matmul's narrow rounds activations to int8 for format fmt on this build, else 0 */
+LLMSERVE_API int llmserve_quant_narrow(int fmt);
 /* Rows ids[0, rows) of an [N, K] weight in group format fmt (as pack_own lays it out), dequantized into y [rows, K]
  * (row stride ys elements), float32 (out_size 4) or bf16 (2): an embedding table kept quantized. 0, or -1 (nothing
  * written) where an id is not a row */

@@ -21,6 +21,9 @@ constexpr int kG = 32;  // a group: 32 inputs, llama.cpp's Q4_0 ... Q8_0 block a
 // The largest |q| of an activation rounded to int16: 256 * 127 + 127, so that q splits into two signed bytes
 // (xh = (q + 128) >> 8 stays <= 127) for the AVX-512 path
 constexpr float kQMax = 32639.f;
+// The largest |q| of an activation rounded to int8 (narrow: llama.cpp's Q8 activations, half the integer products, a
+// group's small values rounded coarser beside its largest: a batch of decodes past the caller's threshold)
+constexpr float kQMax8 = 127.f;
 
 // Rows a tile of the weights' layout holds: one output per 32-bit lane, 16 with AVX-512, 8 with AVX2; else 1 (rows in
 // order: the NEON and scalar paths)

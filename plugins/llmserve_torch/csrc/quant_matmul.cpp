@@ -10,6 +10,8 @@
 // path).
 // Not int8 as llama.cpp's Q8_1: SmolLM2's activations have outliers, a group's small values then round to zero, and
 // greedy answers changed with a prefix-cache hit (the last prompt rows taking this kernel instead of the dense copy).
+// Only a large batch of decodes asks for int8 (narrow, kQMax8): there the products bind the step, and int8 halves
+// them (a prompt never does, so the KV cache and a prefix-cache hit are int16's).
 //
 // Plain C ABI, loaded with ctypes together with the other CPU kernels (one library).
 
@@ -114,16 +116,23 @@ int64_t quant_tile_bytes(int fmt, int K) {
 }
 
 void team_quant_matmul(const Team& tm, int fmt, const void* x, int64_t xs, int rows, const uint8_t* w, void* y,
-                       int64_t ys, int N, int K, int elem_size, int out_size) {
-  with_format(fmt, [&](auto f) {
-    using F = decltype(f);
-    if (elem_size == 4)
-      group_matmul<F>(tm, static_cast<const float*>(x), xs, rows, w, static_cast<float*>(y), ys, N, K);
-    else if (out_size == 4)
-      group_matmul<F>(tm, static_cast<const uint16_t*>(x), xs, rows, w, static_cast<float*>(y), ys, N, K);
-    else
-      group_matmul<F>(tm, static_cast<const uint16_t*>(x), xs, rows, w, static_cast<uint16_t*>(y), ys, N, K);
-  });
+                       int64_t ys, int N, int K, int elem_size, int out_size, int narrow) {
+  narrow = narrow < 0 ? 0 : narrow > rows ? rows : narrow;
+  // rows [0, narrow) and [narrow, rows) as two passes over this member's tiles (no barrier: the same outputs'
+  // columns); the weights are read twice, little beside the products of the many rows narrow is for
+  auto pass = [&](auto xt, auto yt, int r0, int n, bool int8) {
+    if (n > 0)
+      with_format(fmt, [&](auto f) {
+        group_matmul<decltype(f)>(tm, xt + r0 * xs, xs, n, w, yt + r0 * ys, ys, N, K, int8);
+      });
+  };
+  auto both = [&](auto xt, auto yt) { pass(xt, yt, 0, narrow, true), pass(xt, yt, narrow, rows - narrow, false); };
+  if (elem_size == 4)
+    both(static_cast<const float*>(x), static_cast<float*>(y));
+  else if (out_size == 4)
+    both(static_cast<const uint16_t*>(x), static_cast<float*>(y));
+  else
+    both(static_cast<const uint16_t*>(x), static_cast<uint16_t*>(y));
 }
 
 extern "C" {
@@ -162,6 +171,14 @@ int llmserve_quant_format(int bits, int offsets, int half, int sup) {
   return with_format(fmt, [](auto) {}) ? fmt : -1;
 }
 
+// 1 where llmserve_quant_matmul's narrow rounds activations to int8 for format fmt on this build (the tiles' int8
+// products: every format with AVX-512, with AVX2 those below 8 bits or all with AVX-VNNI), else 0: int16 whatever
+int llmserve_quant_narrow(int fmt) {
+  int narrow = 0;
+  with_format(fmt, [&](auto f) { narrow = narrow_products<decltype(f)>() ? 1 : 0; });
+  return narrow;
+}
+
 // Bytes of an [N, K] weight in format fmt as pack_own lays it out for this build (rows padded to a whole tile)
 int64_t llmserve_quant_bytes(int fmt, int N, int K) { return quant_tiles(N) * quant_tile_bytes(fmt, K); }
 
@@ -169,8 +186,10 @@ int64_t llmserve_quant_bytes(int fmt, int N, int K) { return quant_tiles(N) * qu
 // llmserve_quant_tile(); y: [rows, N], float32 (out_size 4) or bf16 (2, with bf16 x): a bf16 model's linears then need
 // no cast after each call.
 void llmserve_quant_matmul(int fmt, const void* x, int64_t xs, int rows, const uint8_t* w, void* y, int64_t ys, int N,
-                           int K, int elem_size, int out_size, int th) {
-  on_team(th, true, [&](const Team& tm) { team_quant_matmul(tm, fmt, x, xs, rows, w, y, ys, N, K, elem_size, out_size); });
+                           int K, int elem_size, int out_size, int th, int narrow) {
+  on_team(th, true, [&](const Team& tm) {
+    team_quant_matmul(tm, fmt, x, xs, rows, w, y, ys, N, K, elem_size, out_size, narrow);
+  });
 }
 
 // pack_own's layout, written through the same Block accessors the kernels read it by (torch's pads, permutes and

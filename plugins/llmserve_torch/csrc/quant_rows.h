@@ -108,9 +108,17 @@ HOT_INLINE float row_dot(const Block<F>& b, const int16_t* x, const float* d, co
   return sum + groups_term(b, x, d, qs0, qs, xs0, xs, g, ng);
 }
 
-// Each weight row is read from memory once for all rows of x.
+// No format rounds its activations to int8 on these paths (group_matmul's narrow)
+template <typename F>
+constexpr bool narrow_products() {
+  return false;
+}
+
+// Each weight row is read from memory once for all rows of x. The activations are int16 here whatever `narrow` asks
+// (the tiles' int8 products are what it saves, and rows in order run few rows)
 template <typename F, typename T, typename U>
-void group_matmul(const Team& tm, const T* x, int64_t xs, int rows, const uint8_t* w, U* y, int64_t ys, int N, int K) {
+void group_matmul(const Team& tm, const T* x, int64_t xs, int rows, const uint8_t* w, U* y, int64_t ys, int N, int K,
+                  bool /*narrow*/) {
   const int ng = K / kG;
   const Acts& a = quantize_rows(x, xs, rows, K);
   // Each thread asks for its rows 4 KiB ahead at one row of x, where this path reads fastest. More rows redo the

@@ -23,9 +23,10 @@ constexpr int kFewRowsAhead = kTile == 16 ? 8192 : 4096;
 // This member's tiles; every member quantizes x itself into its own buffers, at the same time (one thread did it
 // before the others started, which took as long, and a shared copy would need a barrier)
 template <typename F, typename T, typename U>
-void group_matmul(const Team& tm, const T* x, int64_t xs, int rows, const uint8_t* w, U* y, int64_t ys, int N, int K) {
+void group_matmul(const Team& tm, const T* x, int64_t xs, int rows, const uint8_t* w, U* y, int64_t ys, int N, int K,
+                  bool narrow) {
   const int tiles = quant_tiles(N);
-  const auto& a = tile_acts<F>(x, xs, rows, K);
+  const auto& a = tile_acts<F>(x, xs, rows, K, narrow);
   // kFewRowsAhead with up to four rows of x, 4 KiB with more, where the farther distance no longer paid
   // (docs/benchmarks.md, "Prefetch distances")
   const int ahead = prefetch_distance(rows, kFewRowsAhead);

@@ -19,7 +19,7 @@ const char* llmserve_quant_isa();
 int llmserve_quant_tile();
 int64_t llmserve_quant_bytes(int fmt, int N, int K);
 void llmserve_quant_matmul(int fmt, const void* x, int64_t xs, int rows, const uint8_t* w, void* y, int64_t ys, int N,
-                           int K, int elem_size, int out_size, int th);
+                           int K, int elem_size, int out_size, int th, int narrow);
 }
 
 namespace {
@@ -57,7 +57,7 @@ int run(const char* in_path, const char* out_path) {
   if (std::fread(&extra, 1, 1, in) != 0) return fail("trailing bytes");
   std::fclose(in);
 
-  llmserve_quant_matmul(fmt, x.data(), K, rows, w.data(), y.data(), N, N, K, 4, 4, 1);
+  llmserve_quant_matmul(fmt, x.data(), K, rows, w.data(), y.data(), N, N, K, 4, 4, 1, 0);
 
   FILE* out = std::fopen(out_path, "wb");
   if (out == nullptr || std::fwrite(y.data(), sizeof(float), y.size(), out) != y.size() || std::fclose(out) != 0)

@@ -37,9 +37,10 @@ constexpr bool kDpbusd = false;
 // signed bytes q = 256 * h + l (h = (q + 128) >> 8 <= 127, l in -128..127, as the AVX-512 path splits them) in
 // vpmaddubsw, four inputs' bytes broadcast: the group's 64 bytes hold its 32 h, then its 32 l. qs and xs: the sums of
 // q and the exact sums of x over inputs 0..15 (qs0, xs0) and 16..31 (qs1, xs1), or with whole groups (no Half) over
-// all 32 in qs0 and xs0
+// all 32 in qs0 and xs0. Narrow (kQMax8, split always): q is l alone (h would be 0), half the products
 struct Pairs {
   bool split;  // h and l bytes (split_rows), else int16 pairs
+  bool narrow;
   std::vector<int16_t> q;
   std::vector<float> d, xs0, xs1;
   std::vector<int32_t> qs0, qs1;
@@ -78,11 +79,20 @@ inline bool split_rows(int rows) {
   return (kDpbusd || F::kBits < 8) && (F::kParts == 1 || rows <= 2);
 }
 
+// Whether these weights have int8 products with int8 activations here: vpdpbusd takes any, vpmaddubsw those below 8
+// bits (8-bit ones stay int16 pairs, so their activations stay int16)
+template <typename F>
+constexpr bool narrow_products() {
+  return kDpbusd || F::kBits < 8;
+}
+
 template <typename F, typename T>
-const Pairs& tile_acts(const T* x, int64_t xs, int rows, int K) {
+const Pairs& tile_acts(const T* x, int64_t xs, int rows, int K, bool narrow) {
   thread_local Pairs a;  // grown once: a step calls this ~120 times
   const int ng = K / kG;
-  a.split = split_rows<F>(rows);
+  a.narrow = narrow && narrow_products<F>();
+  a.split = a.narrow || split_rows<F>(rows);  // (narrow: two sums a row and part, which AVX2's registers hold)
+  const float qmax = a.narrow ? kQMax8 : kQMax;
   a.q.resize(static_cast<size_t>(rows) * K);
   a.d.resize(static_cast<size_t>(rows) * ng), a.xs0.resize(a.d.size()), a.xs1.resize(a.d.size());
   a.qs0.resize(a.d.size()), a.qs1.resize(a.d.size());
@@ -99,10 +109,10 @@ const Pairs& tile_acts(const T* x, int64_t xs, int rows, int K) {
                                      _mm256_max_ps(_mm256_and_ps(v[2], abs_mask), _mm256_and_ps(v[3], abs_mask)));
       const float mx = hmax(m);
       const int64_t at = static_cast<int64_t>(r) * ng + g;
-      const __m256 inv = _mm256_set1_ps(mx > 0.f ? kQMax / mx : 0.f);
+      const __m256 inv = _mm256_set1_ps(mx > 0.f ? qmax / mx : 0.f);
       __m256i q[4];  // rounded to nearest, ties to even, as lrintf and the AVX-512 path round
       for (int i = 0; i < 4; ++i) q[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], inv));
-      a.d[at] = mx / kQMax;
+      a.d[at] = mx / qmax;
       const float x0 = hsum(_mm256_add_ps(v[0], v[1])), x1 = hsum(_mm256_add_ps(v[2], v[3]));
       const int32_t q0 = hsum_i32(_mm256_add_epi32(q[0], q[1])), q1 = hsum_i32(_mm256_add_epi32(q[2], q[3]));
       if (F::kHalf)
@@ -110,6 +120,12 @@ const Pairs& tile_acts(const T* x, int64_t xs, int rows, int K) {
       else
         a.xs0[at] = x0 + x1, a.qs0[at] = q0 + q1;
       int16_t* qg = a.q.data() + static_cast<int64_t>(r) * K + g * kG;
+      if (a.narrow) {  // the l bytes alone, where split's would be (h: 0)
+        const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+        const __m256i lb = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(qg + 16), _mm256_permutevar8x32_epi32(lb, order));
+        continue;
+      }
       if (a.split) {
         __m256i h[4], l[4];
         for (int i = 0; i < 4; ++i) {
@@ -197,7 +213,7 @@ HOT_INLINE __m256i dot_bytes(__m256i acc, __m256i u, const int8_t* s4) {
 // One tile's group against RB rows, with the activations' bytes (split_rows): per row and part, the h bytes' and l
 // bytes' products summed (dot_bytes) for kChunksHeld chunks at a time, then 256 * sum(h products) + sum(l products)
 // in int32
-template <typename F, int RB>
+template <typename F, int RB, bool Narrow>
 HOT_INLINE void split_sums(const uint8_t* wg, const int8_t* const* xg, __m256i (*s)[F::kParts]) {
   constexpr int P = F::kParts;
   __m256i sh[RB][P], sl[RB][P];
@@ -209,17 +225,17 @@ HOT_INLINE void split_sums(const uint8_t* wg, const int8_t* const* xg, __m256i (
     for (int r = 0; r < RB; ++r) {
       const int8_t* h = xg[r] + 4 * c;
       const int8_t* l = h + kG;
-      sh[r][0] = dot_bytes(sh[r][0], lo, h), sl[r][0] = dot_bytes(sl[r][0], lo, l);
-      sh[r][P - 1] = dot_bytes(sh[r][P - 1], hi, h + 16), sl[r][P - 1] = dot_bytes(sl[r][P - 1], hi, l + 16);
+      sl[r][0] = dot_bytes(sl[r][0], lo, l), sl[r][P - 1] = dot_bytes(sl[r][P - 1], hi, l + 16);
+      if (!Narrow) sh[r][0] = dot_bytes(sh[r][0], lo, h), sh[r][P - 1] = dot_bytes(sh[r][P - 1], hi, h + 16);
     }
     if ((c + 1) % kChunksHeld<F> != 0 && c != 3) continue;
     for (int r = 0; r < RB; ++r)  // into int32
       for (int p = 0; p < P; ++p) {
 #if defined(QUANT_DPBUSD256)
-        const __m256i t = _mm256_add_epi32(_mm256_slli_epi32(sh[r][p], 8), sl[r][p]);
+        const __m256i t = Narrow ? sl[r][p] : _mm256_add_epi32(_mm256_slli_epi32(sh[r][p], 8), sl[r][p]);
 #else
-        const __m256i t = _mm256_add_epi32(_mm256_madd_epi16(sh[r][p], _mm256_set1_epi16(256)),
-                                           _mm256_madd_epi16(sl[r][p], _mm256_set1_epi16(1)));
+        const __m256i tl = _mm256_madd_epi16(sl[r][p], _mm256_set1_epi16(1));
+        const __m256i t = Narrow ? tl : _mm256_add_epi32(_mm256_madd_epi16(sh[r][p], _mm256_set1_epi16(256)), tl);
 #endif
         s[r][p] = _mm256_add_epi32(s[r][p], t);
         sh[r][p] = sl[r][p] = _mm256_setzero_si256();
@@ -249,7 +265,10 @@ void tile_rows(const Block<F>& b, const Pairs& a, int r0, int K, U* y, int64_t y
         const int8_t* xg[RB];
         for (int r = 0; r < RB; ++r)
           xg[r] = reinterpret_cast<const int8_t*>(a.q.data() + static_cast<int64_t>(r0 + r) * K + g * kG);
-        split_sums<F, RB>(wg, xg, s);
+        if (a.narrow)
+          split_sums<F, RB, true>(wg, xg, s);
+        else
+          split_sums<F, RB, false>(wg, xg, s);
         done = true;
       }
     }

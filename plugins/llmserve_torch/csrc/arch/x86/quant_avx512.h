@@ -16,12 +16,19 @@ namespace quant {
 // Rows of activations, per group of 32: x ≈ d * q with q in -kQMax..kQMax, each q as two signed bytes q = 256 * h +
 // l (vpdpbusd multiplies unsigned by signed bytes: the weights 64 at a time, no widening, the same integer sums); qs
 // and xs: the sums of q and the exact sums of x over inputs 0..15 (qs0, xs0) and 16..31 (qs1, xs1), or with whole
-// groups (no Half) over all 32 in qs0 and xs0
+// groups (no Half) over all 32 in qs0 and xs0. Narrow (kQMax8): q is l alone, h is not written, half the products
 struct Split {
+  bool narrow;
   std::vector<int8_t> h, l;
   std::vector<float> d, xs0, xs1;
   std::vector<int32_t> qs0, qs1;
 };
+
+// Every format has int8 products with int8 activations here (vpdpbusd, or vpmaddubsw on nibbles)
+template <typename F>
+constexpr bool narrow_products() {
+  return true;
+}
 
 inline __m512 load16_half(const uint16_t* p) {  // 16 float16 as float
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
@@ -33,9 +40,11 @@ inline __m512 load16(const uint16_t* p) {  // 16 bfloat16 as float: the 16 bits 
 }
 
 template <typename F, typename T>
-const Split& tile_acts(const T* x, int64_t xs, int rows, int K) {
+const Split& tile_acts(const T* x, int64_t xs, int rows, int K, bool narrow) {
   thread_local Split a;  // grown once: a step calls this ~120 times
   const int ng = K / kG;
+  const float qmax = narrow ? kQMax8 : kQMax;
+  a.narrow = narrow;
   a.h.resize(static_cast<size_t>(rows) * K), a.l.resize(a.h.size());
   a.d.resize(static_cast<size_t>(rows) * ng), a.xs0.resize(a.d.size()), a.xs1.resize(a.d.size());
   a.qs0.resize(a.d.size()), a.qs1.resize(a.d.size());
@@ -46,9 +55,9 @@ const Split& tile_acts(const T* x, int64_t xs, int rows, int K) {
       const __m512 v0 = load16(xg), v1 = load16(xg + 16);
       const float mx = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
       const int64_t at = static_cast<int64_t>(r) * ng + g;
-      const __m512 inv = _mm512_set1_ps(mx > 0.f ? kQMax / mx : 0.f);
+      const __m512 inv = _mm512_set1_ps(mx > 0.f ? qmax / mx : 0.f);
       const __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, inv)), q1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, inv));
-      a.d[at] = mx / kQMax;
+      a.d[at] = mx / qmax;
       if (F::kHalf) {
         a.xs0[at] = _mm512_reduce_add_ps(v0), a.xs1[at] = _mm512_reduce_add_ps(v1);
         a.qs0[at] = _mm512_reduce_add_epi32(q0), a.qs1[at] = _mm512_reduce_add_epi32(q1);
@@ -58,6 +67,11 @@ const Split& tile_acts(const T* x, int64_t xs, int rows, int K) {
       }
       int8_t* h = a.h.data() + static_cast<int64_t>(r) * K + g * kG;
       int8_t* l = a.l.data() + static_cast<int64_t>(r) * K + g * kG;
+      if (narrow) {
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(l), _mm512_cvtepi32_epi8(q0));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(l + 16), _mm512_cvtepi32_epi8(q1));
+        continue;
+      }
       for (int half = 0; half < 2; ++half) {
         const __m512i q = half ? q1 : q0;
         const __m512i hi = _mm512_srai_epi32(_mm512_add_epi32(q, c128), 8);
@@ -153,11 +167,15 @@ void tile_rows(const Block<F>& b, const Split& a, int r0, int K, U* y, int64_t y
       __m512i sh[P], sl[P];
       for (int p = 0; p < P; ++p)
         sh[p] = _mm512_setzero_si512(), sl[p] = _mm512_set1_epi32(-F::kCentre * (p ? a.qs1[at] : a.qs0[at]));
-      for (int c = 0; c < 4; ++c) {
-        sh[0] = dot4<F::kBits>(sh[0], lo[c], h + 4 * c), sl[0] = dot4<F::kBits>(sl[0], lo[c], l + 4 * c);
-        sh[P - 1] = dot4<F::kBits>(sh[P - 1], hi[c], h + 16 + 4 * c);
-        sl[P - 1] = dot4<F::kBits>(sl[P - 1], hi[c], l + 16 + 4 * c);
-      }
+      if (a.narrow)  // the h bytes are all zero
+        for (int c = 0; c < 4; ++c)
+          sl[0] = dot4<F::kBits>(sl[0], lo[c], l + 4 * c), sl[P - 1] = dot4<F::kBits>(sl[P - 1], hi[c], l + 16 + 4 * c);
+      else
+        for (int c = 0; c < 4; ++c) {
+          sh[0] = dot4<F::kBits>(sh[0], lo[c], h + 4 * c), sl[0] = dot4<F::kBits>(sl[0], lo[c], l + 4 * c);
+          sh[P - 1] = dot4<F::kBits>(sh[P - 1], hi[c], h + 16 + 4 * c);
+          sl[P - 1] = dot4<F::kBits>(sl[P - 1], hi[c], l + 16 + 4 * c);
+        }
       const __m512 d = _mm512_set1_ps(a.d[at]);
       for (int p = 0; p < P; ++p) {
         // sum((q - centre) * xq), exact in int32 (at most 32 * 255 * 32639 < 2^28), then scale * d times it
