@@ -119,8 +119,9 @@ def main() -> None:
     ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=4, help="A B B A rounds")
-    ap.add_argument("--narrow", action="store_true", help="B rounds the activations to int8 (the narrow argument: a "
-                    "batch of decodes past backend.options.int8_decode_rows), A to int16")
+    ap.add_argument("--narrow", nargs="?", const="b", choices=("b", "both"), default=None,
+                    help="int8 activations (the narrow argument: a step's decodes past backend.options."
+                    "int8_decode_rows) for B, A keeping int16 (b, the default), or for both builds (both)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
@@ -147,7 +148,7 @@ def main() -> None:
                         for s in "ABBA":
                             fmt, packed = packs[s]
                             got[s].append(time_calls(libs[s], fmt, packed, x, ys[s], n, k, rows, args.threads, calls,
-                                                              rows if args.narrow and s == "B" else 0))
+                                                              rows if args.narrow == "both" or (args.narrow and s == "B") else 0))
                     err = (ys["A"] - ys["B"]).abs().max().item() / max(ys["A"].abs().max().item(), 1e-30)
                     a, b = statistics.median(got["A"]), statistics.median(got["B"])
                     results.append({"model": model, "type": t, "n": n, "k": k, "rows": rows, "times": times,
