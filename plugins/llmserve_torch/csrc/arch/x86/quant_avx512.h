@@ -162,25 +162,27 @@ void tile_rows(const Block<F>& b, const Split& a, int r0, int K, U* y, int64_t y
       const int64_t row = r0 + r, at = row * ng + g;
       const int8_t* h = a.h.data() + row * K + g * kG;
       const int8_t* l = a.l.data() + row * K + g * kG;
-      // per part: the high and low activation bytes' sums, the low ones from -centre * sum(xq): the centre's term
-      // taken in the start value, not by a subtraction after (one vector op fewer a row)
-      __m512i sh[P], sl[P];
-      for (int p = 0; p < P; ++p)
-        sh[p] = _mm512_setzero_si512(), sl[p] = _mm512_set1_epi32(-F::kCentre * (p ? a.qs1[at] : a.qs0[at]));
-      if (a.narrow)  // the h bytes are all zero
+      // per part: sum((q - centre) * xq), exact in int32 (at most 32 * 255 * 32639 < 2^28), from -centre * sum(xq):
+      // the centre's term taken in the start value, not by a subtraction after (one vector op fewer a row); the low
+      // activation bytes' products summed into it, the high ones' (none where narrow) apart, then 256 times them
+      __m512i s[P];
+      for (int p = 0; p < P; ++p) s[p] = _mm512_set1_epi32(-F::kCentre * (p ? a.qs1[at] : a.qs0[at]));
+      if (a.narrow) {
         for (int c = 0; c < 4; ++c)
-          sl[0] = dot4<F::kBits>(sl[0], lo[c], l + 4 * c), sl[P - 1] = dot4<F::kBits>(sl[P - 1], hi[c], l + 16 + 4 * c);
-      else
+          s[0] = dot4<F::kBits>(s[0], lo[c], l + 4 * c), s[P - 1] = dot4<F::kBits>(s[P - 1], hi[c], l + 16 + 4 * c);
+      } else {
+        __m512i sh[P];
+        for (int p = 0; p < P; ++p) sh[p] = _mm512_setzero_si512();
         for (int c = 0; c < 4; ++c) {
-          sh[0] = dot4<F::kBits>(sh[0], lo[c], h + 4 * c), sl[0] = dot4<F::kBits>(sl[0], lo[c], l + 4 * c);
+          sh[0] = dot4<F::kBits>(sh[0], lo[c], h + 4 * c), s[0] = dot4<F::kBits>(s[0], lo[c], l + 4 * c);
           sh[P - 1] = dot4<F::kBits>(sh[P - 1], hi[c], h + 16 + 4 * c);
-          sl[P - 1] = dot4<F::kBits>(sl[P - 1], hi[c], l + 16 + 4 * c);
+          s[P - 1] = dot4<F::kBits>(s[P - 1], hi[c], l + 16 + 4 * c);
         }
+        for (int p = 0; p < P; ++p) s[p] = _mm512_add_epi32(_mm512_slli_epi32(sh[p], 8), s[p]);
+      }
       const __m512 d = _mm512_set1_ps(a.d[at]);
       for (int p = 0; p < P; ++p) {
-        // sum((q - centre) * xq), exact in int32 (at most 32 * 255 * 32639 < 2^28), then scale * d times it
-        const __m512i s = _mm512_add_epi32(_mm512_slli_epi32(sh[p], 8), sl[p]);
-        acc[r] = _mm512_fmadd_ps(sc[p], _mm512_mul_ps(_mm512_cvtepi32_ps(s), d), acc[r]);
+        acc[r] = _mm512_fmadd_ps(sc[p], _mm512_mul_ps(_mm512_cvtepi32_ps(s[p]), d), acc[r]);
         if (F::kOff) zacc[r] = _mm512_fmadd_ps(zc[p], _mm512_set1_ps(p ? a.xs1[at] : a.xs0[at]), zacc[r]);
       }
     }
