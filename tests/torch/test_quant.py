@@ -371,7 +371,7 @@ def test_every_simd_path_of_the_group_kernel_matches_the_reference(tmp_path, mon
     monkeypatch.setattr(quant, "_own_kernels", lambda: lib)
     assert lib.llmserve_quant_isa().decode() == isa
     assert lib.llmserve_quant_tile() == (16 if "avx512bw" in needs else 8 if "avx2" in needs else 1)
-    for rows, n, k in [(1, 40, 576), (2, 37, 256), (7, 96, 512), (9, 16, 1536)]:
+    for rows, n, k in [(1, 40, 576), (2, 37, 256), (7, 96, 512), (9, 16, 1536), (27, 24, 256)]:  # 27: 16 + 8 + 3
         x = torch.randn(rows, k)
         for name, qw in _group_weights(n, k, rows).items():
             qw = quant.kernel_form(qw)
