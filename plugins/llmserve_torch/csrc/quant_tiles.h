@@ -1,20 +1,12 @@
 // The group kernel over weight tiles (quant_matmul.cpp includes it after the ISA's path where the build has tiles:
-// arch/x86/quant_avx512.h, arch/x86/quant_avx2.h). The path supplies tile_acts (each row of x quantized its way) and
-// tile_rows (one tile against a block of rows of x); this shares the tiles out and blocks the rows.
+// arch/x86/quant_avx512.h, arch/x86/quant_avx2.h). The path supplies tile_acts (each row of x quantized its way),
+// tile_rows (one tile against a block of rows of x) and row_block (the rows a block holds); this shares the tiles out
+// and blocks the rows.
 #pragma once
 
 #include "quant_format.h"
 
 namespace quant {
-
-// Rows of x that share one unpacking of a tile's group: 16 with AVX-512's 32 registers for formats without offsets
-// (each group's unpacking and scales then feed more rows: at 64 rows against 4, Q5_0 8-11 % faster, Q6_K 17 %; 16
-// against 8: a Qwen2.5-0.5B step's linears 2-5 % with int16 activations, 5 % with int8), else 4: offsets' second chain
-// a row spilled 8 rows' registers (Q4_K 9 % slower), and AVX2 has 16
-template <typename F>
-constexpr int row_block() {
-  return kTile == 16 && !F::kOff ? 16 : 4;
-}
 
 // How far ahead a member asks for its weights with up to four rows of x: 8 KiB for AVX-512's tiles of 16 (a kernel
 // reading few rows reads fastest, so it needs more bytes in flight), 4 KiB for AVX2's tiles of 8, which read about
@@ -37,6 +29,7 @@ void group_matmul(const Team& tm, const T* x, int64_t xs, int rows, const uint8_
     int r0 = 0;
     constexpr int RB = row_block<F>();
     for (; r0 + RB <= rows; r0 += RB) tile_rows<F, RB>(b, a, r0, K, y, ys, t * kTile, N, ahead);
+    if (RB > 8 && rows - r0 >= 8) tile_rows<F, 8>(b, a, r0, K, y, ys, t * kTile, N, ahead), r0 += 8;
     if (RB > 8 && rows - r0 >= 8) tile_rows<F, 8>(b, a, r0, K, y, ys, t * kTile, N, ahead), r0 += 8;
     if (RB > 4 && rows - r0 >= 4) tile_rows<F, 4>(b, a, r0, K, y, ys, t * kTile, N, ahead), r0 += 4;
     switch (rows - r0) {

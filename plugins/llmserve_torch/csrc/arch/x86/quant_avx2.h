@@ -79,6 +79,14 @@ inline bool split_rows(int rows) {
   return (kDpbusd || F::kBits < 8) && (F::kParts == 1 || rows <= 2);
 }
 
+// Rows of x that share one unpacking of a tile's group (quant_tiles.h): 6 for 8-bit weights in int16 pairs (the
+// Qwen2.5-0.5B file's Q8_0 head and q|k|v at 64 rows 1.26-1.28x against 4), else 4: the 16 registers hold no more
+// (6 rows: Q5_0 0.98x, Q6_K 0.90x)
+template <typename F>
+constexpr int row_block() {
+  return F::kBits == 8 && !F::kOff && !kDpbusd ? 6 : 4;
+}
+
 // Whether these weights have int8 products with int8 activations here: vpdpbusd takes any, vpmaddubsw those below 8
 // bits (8-bit ones stay int16 pairs, so their activations stay int16)
 template <typename F>
