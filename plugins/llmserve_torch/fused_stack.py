@@ -120,8 +120,8 @@ class FusedStack:
         # read per kernel)
         self.stage_us: torch.Tensor | None = None
         self._relay: ForwardRelay | None = None  # made at the first call with a listener (decode_ahead)
-        # a batch of decodes of at least this many rows rounds the group kernels' activations to int8, not int16 (0:
-        # never): half their integer products where many rows make the step compute-bound (backend option
+        # a step with at least this many decodes rounds their rows' activations in the group kernels to int8, not
+        # int16 (0: never): half their integer products where many rows make the step compute-bound (backend option
         # int8_decode_rows)
         self.int8_rows = 0
 

@@ -30,7 +30,6 @@ void group_matmul(const Team& tm, const T* x, int64_t xs, int rows, const uint8_
     constexpr int RB = row_block<F>();
     for (; r0 + RB <= rows; r0 += RB) tile_rows<F, RB>(b, a, r0, K, y, ys, t * kTile, N, ahead);
     if (RB > 8 && rows - r0 >= 8) tile_rows<F, 8>(b, a, r0, K, y, ys, t * kTile, N, ahead), r0 += 8;
-    if (RB > 8 && rows - r0 >= 8) tile_rows<F, 8>(b, a, r0, K, y, ys, t * kTile, N, ahead), r0 += 8;
     if (RB > 4 && rows - r0 >= 4) tile_rows<F, 4>(b, a, r0, K, y, ys, t * kTile, N, ahead), r0 += 4;
     switch (rows - r0) {
       case 3: tile_rows<F, 3>(b, a, r0, K, y, ys, t * kTile, N, ahead); break;
