@@ -218,6 +218,11 @@ HOT_INLINE __m256i dot_bytes(__m256i acc, __m256i u, const int8_t* s4) {
 #endif
 }
 
+// int8 activations with vpdpbusd and one part (whole groups): the lo and hi chunks' products in two int32 chains, not
+// one, whose eight dependent vpdpbusd a row bound it by their latency (as on AVX-512)
+template <typename F, bool Narrow>
+constexpr bool kNarrowPair = Narrow && kDpbusd && F::kParts == 1;
+
 // One tile's group against RB rows, with the activations' bytes (split_rows): per row and part, the h bytes' and l
 // bytes' products summed (dot_bytes) for kChunksHeld chunks at a time, then 256 * sum(h products) + sum(l products)
 // in int32
@@ -233,6 +238,10 @@ HOT_INLINE void split_sums(const uint8_t* wg, const int8_t* const* xg, __m256i (
     for (int r = 0; r < RB; ++r) {
       const int8_t* h = xg[r] + 4 * c;
       const int8_t* l = h + kG;
+      if (kNarrowPair<F, Narrow>) {  // the hi chunks' products in sh, the second chain (see kNarrowPair)
+        sl[r][0] = dot_bytes(sl[r][0], lo, l), sh[r][0] = dot_bytes(sh[r][0], hi, l + 16);
+        continue;
+      }
       sl[r][0] = dot_bytes(sl[r][0], lo, l), sl[r][P - 1] = dot_bytes(sl[r][P - 1], hi, l + 16);
       if (!Narrow) sh[r][0] = dot_bytes(sh[r][0], lo, h), sh[r][P - 1] = dot_bytes(sh[r][P - 1], hi, h + 16);
     }
@@ -240,7 +249,8 @@ HOT_INLINE void split_sums(const uint8_t* wg, const int8_t* const* xg, __m256i (
     for (int r = 0; r < RB; ++r)  // into int32
       for (int p = 0; p < P; ++p) {
 #if defined(QUANT_DPBUSD256)
-        const __m256i t = Narrow ? sl[r][p] : _mm256_add_epi32(_mm256_slli_epi32(sh[r][p], 8), sl[r][p]);
+        const __m256i t = kNarrowPair<F, Narrow> ? _mm256_add_epi32(sl[r][p], sh[r][p])
+                          : Narrow ? sl[r][p] : _mm256_add_epi32(_mm256_slli_epi32(sh[r][p], 8), sl[r][p]);
 #else
         const __m256i tl = _mm256_madd_epi16(sl[r][p], _mm256_set1_epi16(1));
         const __m256i t = Narrow ? tl : _mm256_add_epi32(_mm256_madd_epi16(sh[r][p], _mm256_set1_epi16(256)), tl);

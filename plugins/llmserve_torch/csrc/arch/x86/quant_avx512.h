@@ -177,17 +177,28 @@ void tile_rows(const Block<F>& b, const Split& a, int r0, int K, U* y, int64_t y
       __m512i s[P];
       for (int p = 0; p < P; ++p) s[p] = _mm512_set1_epi32(-F::kCentre * (p ? a.qs1[at] : a.qs0[at]));
       if (a.narrow) {
+        // two chains where the parts share one (P == 1): eight dependent vpdpbusd a row were its latency's bound
+        __m512i t = P > 1 ? s[P - 1] : _mm512_setzero_si512();
         for (int c = 0; c < 4; ++c)
-          s[0] = dot4<F::kBits>(s[0], lo[c], l + 4 * c), s[P - 1] = dot4<F::kBits>(s[P - 1], hi[c], l + 16 + 4 * c);
+          s[0] = dot4<F::kBits>(s[0], lo[c], l + 4 * c), t = dot4<F::kBits>(t, hi[c], l + 16 + 4 * c);
+        if (P > 1)
+          s[P - 1] = t;
+        else
+          s[0] = _mm512_add_epi32(s[0], t);
       } else {
-        __m512i sh[P];
-        for (int p = 0; p < P; ++p) sh[p] = _mm512_setzero_si512();
+        // four chains where the parts share two (P == 1), as the narrow sums above
+        __m512i sh[2] = {_mm512_setzero_si512(), _mm512_setzero_si512()};
+        __m512i t = P > 1 ? s[P - 1] : _mm512_setzero_si512();
         for (int c = 0; c < 4; ++c) {
           sh[0] = dot4<F::kBits>(sh[0], lo[c], h + 4 * c), s[0] = dot4<F::kBits>(s[0], lo[c], l + 4 * c);
-          sh[P - 1] = dot4<F::kBits>(sh[P - 1], hi[c], h + 16 + 4 * c);
-          s[P - 1] = dot4<F::kBits>(s[P - 1], hi[c], l + 16 + 4 * c);
+          sh[1] = dot4<F::kBits>(sh[1], hi[c], h + 16 + 4 * c), t = dot4<F::kBits>(t, hi[c], l + 16 + 4 * c);
         }
-        for (int p = 0; p < P; ++p) s[p] = _mm512_add_epi32(_mm512_slli_epi32(sh[p], 8), s[p]);
+        if (P > 1) {
+          s[0] = _mm512_add_epi32(_mm512_slli_epi32(sh[0], 8), s[0]);
+          s[P - 1] = _mm512_add_epi32(_mm512_slli_epi32(sh[1], 8), t);
+        } else {
+          s[0] = _mm512_add_epi32(_mm512_slli_epi32(_mm512_add_epi32(sh[0], sh[1]), 8), _mm512_add_epi32(s[0], t));
+        }
       }
       const __m512 d = _mm512_set1_ps(a.d[at]);
       for (int p = 0; p < P; ++p) {
