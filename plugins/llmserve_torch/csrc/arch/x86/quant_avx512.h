@@ -26,11 +26,12 @@ struct Split {
 
 // Rows of x that share one unpacking of a tile's group (quant_tiles.h): 16 with the 32 registers for formats without
 // offsets (each group's unpacking and scales then feed more rows: at 64 rows against 4, Q5_0 8-11 % faster, Q6_K 17 %;
-// 16 against 8: a Qwen2.5-0.5B step's linears 2-5 % with int16 activations, 5 % with int8), else 4: offsets' second
-// chain a row spilled 8 rows' registers (Q4_K 9 % slower)
+// 16 against 8: a Qwen2.5-0.5B step's linears 2-5 % with int16 activations, 5 % with int8), 8 for those with, whose
+// zero terms then take a pass of their own (zero_terms): against 4, Q4_K 7-8 % faster with int16 activations and
+// 14 % with int8, Q4_1 3-5 % and 10 %; 16 rows ran a 49152-output Q4_1 head 6 % slower at 500 int16 rows
 template <typename F>
 constexpr int row_block() {
-  return F::kOff ? 4 : 16;
+  return F::kOff ? 8 : 16;
 }
 
 // Every format has int8 products with int8 activations here (vpdpbusd, or vpmaddubsw on nibbles)
@@ -146,6 +147,23 @@ HOT_INLINE __m512 tile_scales(const Block<F>& b, int g, int part, int kind) {
   return _mm512_mul_ps(v, load16_half(b.factors(g, kind)));
 }
 
+// zacc[r] += each group's zero point (the tile's, per lane) times row r0 + r's exact sum of x over the group: the
+// same operations in the same order as tile_rows' own zero chain, so the same sums; a pass of its own for blocks of
+// more than 4 rows, whose second chain a row would spill the registers the products need (the tile's scales and
+// offsets, a few KiB, are still in L1)
+template <typename F, int RB>
+HOT_INLINE void zero_terms(const Block<F>& b, const Split& a, int r0, int K, __m512* zacc) {
+  const int ng = K / kG;
+  for (int g = 0; g < ng; ++g)
+    for (int p = 0; p < F::kParts; ++p) {
+      const __m512 zc = _mm512_fmadd_ps(_mm512_set1_ps(F::kCentre), tile_scales<F>(b, g, p, 0), tile_scales<F>(b, g, p, 1));
+      for (int r = 0; r < RB; ++r) {
+        const int64_t at = static_cast<int64_t>(r0 + r) * ng + g;
+        zacc[r] = _mm512_fmadd_ps(zc, _mm512_set1_ps(p ? a.xs1[at] : a.xs0[at]), zacc[r]);
+      }
+    }
+}
+
 // One tile against RB rows of x from row r0: y[r0.., n0..n0+15] (outputs past N are padding, not stored). Each
 // group asks for the weights `ahead` bytes on (prefetch_distance): the hardware prefetcher alone left a one-row
 // matmul short of the machine's bandwidth (a step's 30 layers do not fit the L3)
@@ -153,7 +171,10 @@ template <typename F, int RB, typename U>
 void tile_rows(const Block<F>& b, const Split& a, int r0, int K, U* y, int64_t ys, int n0, int N, int ahead) {
   const int ng = K / kG;
   constexpr int P = F::kParts;
-  __m512 acc[RB], zacc[RB];  // two chains per row: the scale and the zero terms
+  // two sums per row: the scale and the zero terms; the zero terms in a pass of their own after the products
+  // (zero_terms) where a block has more than 4 rows, so the products' loop holds only one per row
+  constexpr bool kZeroApart = F::kOff && RB > 4;
+  __m512 acc[RB], zacc[RB];
   for (int r = 0; r < RB; ++r) acc[r] = _mm512_setzero_ps(), zacc[r] = _mm512_setzero_ps();
   for (int g = 0; g < ng; ++g) {
     const uint8_t* wg = b.values(g);
@@ -164,7 +185,7 @@ void tile_rows(const Block<F>& b, const Split& a, int r0, int K, U* y, int64_t y
     __m512 sc[P], zc[P];
     for (int p = 0; p < P; ++p) {
       sc[p] = tile_scales<F>(b, g, p, 0);
-      if (F::kOff)  // the zero point
+      if (F::kOff && !kZeroApart)  // the zero point
         zc[p] = _mm512_fmadd_ps(_mm512_set1_ps(F::kCentre), sc[p], tile_scales<F>(b, g, p, 1));
     }
     for (int r = 0; r < RB; ++r) {
@@ -203,10 +224,12 @@ void tile_rows(const Block<F>& b, const Split& a, int r0, int K, U* y, int64_t y
       const __m512 d = _mm512_set1_ps(a.d[at]);
       for (int p = 0; p < P; ++p) {
         acc[r] = _mm512_fmadd_ps(sc[p], _mm512_mul_ps(_mm512_cvtepi32_ps(s[p]), d), acc[r]);
-        if (F::kOff) zacc[r] = _mm512_fmadd_ps(zc[p], _mm512_set1_ps(p ? a.xs1[at] : a.xs0[at]), zacc[r]);
+        if (F::kOff && !kZeroApart)
+          zacc[r] = _mm512_fmadd_ps(zc[p], _mm512_set1_ps(p ? a.xs1[at] : a.xs0[at]), zacc[r]);
       }
     }
   }
+  if constexpr (kZeroApart) zero_terms<F, RB>(b, a, r0, K, zacc);
   const int valid = N - n0 < kTile ? N - n0 : kTile;
   for (int r = 0; r < RB; ++r) {
     alignas(64) float out[kTile];
