@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import dataclasses
 import logging
+import uuid
 from typing import Any
 
 from llmserve.engine_client import RequestStream, Streams
@@ -24,6 +26,17 @@ log = logging.getLogger("llmserve.ray")
 # registers it): the ingress reads the running replicas and the router's costs from it
 ROUTERS: dict[str, Any] = {}
 REPLICAS = "EngineReplica"  # the replicas' deployment (launch.py names it so): the ingress's key into ROUTERS
+
+
+def own_serve_request_id() -> None:
+    """Give the Serve calls of the current task (its own copy of the context) an internal request id of their own.
+
+    Serve's request router indexes pending calls by that id, and every call made while serving one HTTP request
+    carries the request's: of two concurrent calls (a request of several prompts) the second was never routed."""
+    from ray.serve import context
+
+    ctx = context._get_serve_request_context()
+    context._serve_request_context.set(dataclasses.replace(ctx, _internal_request_id=uuid.uuid4().hex))
 
 
 class FleetView:
@@ -114,6 +127,7 @@ class FleetEngine:
         return stream
 
     async def _pump(self, rid: str, ids: list[int], params, priority: int, salt: str | None, pooling) -> None:
+        own_serve_request_id()  # (a task of its own: the HTTP request's other calls keep theirs)
         gen = self.handle.options(stream=True).generate.remote(ids, params, rid, priority, salt, pooling)
         waiting = params.n
         self._waiting += waiting

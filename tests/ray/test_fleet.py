@@ -115,10 +115,17 @@ def test_openai_sdk_through_the_ingress(fleet):
     bad = httpx.post(fleet.url + "/v1/completions", json={"model": "embedded", "prompt": "x", "max_tokens": -1})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "max_tokens"
     assert httpx.get(fleet.url + "/health").json() == {"status": "ok"}
-    # an embedding crosses to a replica and back as a generation does (one input a request: a request of several
-    # prompts, completions' too, waits forever at the ingress, a fault older than embeddings)
+    # an embedding crosses to a replica and back as a generation does
     e = [c.embeddings.create(model="embedded", input=x).data[0].embedding for x in ("a b", "c", "a b")]
     assert e[0] == e[2] != e[1] and len(e[0]) == 64
+    # a request of several prompts is several concurrent replica calls, each routed (Serve indexes pending calls by
+    # the internal request id they would share; the second waited forever)
+    many = c.embeddings.create(model="embedded", input=["a b", "c", "a b"], timeout=15)
+    assert [d.embedding for d in many.data] == e
+    r = c.completions.create(model="embedded", prompt=["Hello, fleet", "another prompt", "a third"], max_tokens=4,
+                             timeout=15)
+    assert sorted(ch.index for ch in r.choices) == [0, 1, 2] and r.usage.completion_tokens == 12
+    assert all(ch.finish_reason == "length" for ch in r.choices)
 
 
 def test_fleet_stats_and_metrics_per_replica(fleet):
