@@ -54,12 +54,12 @@ class AsyncEngine:
     """The EngineClient of an Engine in this process: built on a dedicated thread, stepped there; each request gets an
     async stream of outputs."""
 
-    def __init__(self, engine: Any, idle_timeout: float = 1.0):
+    def __init__(self, engine: Any, idle_timeout: float = 1.0, check_threads: bool = True):
         """engine: a zero-argument factory (built on the engine thread: what the server does) or a built Engine
-        (EngineLoop says what that costs)."""
+        (EngineLoop says what that costs); check_threads: EngineLoop's."""
         self.streams = Streams()
         self.outbox = LoopOutbox(self.streams)
-        self.core = EngineLoop(engine, self.outbox, idle_timeout)
+        self.core = EngineLoop(engine, self.outbox, idle_timeout, check_threads)
         self.built: concurrent.futures.Future = self.core.built  # the Engine, or why it failed
         self.serving: concurrent.futures.Future = concurrent.futures.Future()  # its ServingModel, or why it failed
         self.built.add_done_callback(self._describe)

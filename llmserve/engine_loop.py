@@ -44,12 +44,16 @@ class Outbox(Protocol):
 class EngineLoop:
     """The step loop of one Engine and its command list; `run` on the thread that is to own the engine."""
 
-    def __init__(self, build: Callable[[], Any] | Any, outbox: Outbox, idle_timeout: float = 1.0):
+    def __init__(self, build: Callable[[], Any] | Any, outbox: Outbox, idle_timeout: float = 1.0,
+                 check_threads: bool = True):
         """build: a zero-argument factory (called by `run`, on the loop's thread) or a built Engine.
 
         A built Engine is stepped on another thread than the one that built it, which costs a torch
         backend ~40% on a CPU once that thread has run torch; fine for the fake backend in tests.
+        check_threads: warn at start-up when another thread already holds an OpenMP pool (threads.py); off where
+        the process's own native threads defeat the count (a Ray worker's).
         """
+        self.check_threads = check_threads
         self._build: Callable[[], Any] = build if callable(build) else (lambda: build)
         self.engine: Any = None if callable(build) else build
         self.outbox = outbox
@@ -139,7 +143,8 @@ class EngineLoop:
         self._started = True
         name_os_thread(ENGINE_THREAD_NAME)  # the OpenMP workers this thread starts carry its name
         try:
-            warn_if_foreign_pool()
+            if self.check_threads:
+                warn_if_foreign_pool()
             eng = self.engine = self._build()
         except BaseException as e:  # reported to whoever waits on `built` (the CLI, /health)
             self.dead = e

@@ -46,6 +46,15 @@ def native_threads() -> dict[int, str]:
     return out
 
 
+def python_thread_names() -> dict[int, str]:
+    """The OS names of the threads Python started: tid → name (a native thread started by one inherits it)."""
+    out: dict[int, str] = {}
+    for t in threading.enumerate():
+        with contextlib.suppress(OSError, TypeError):  # ended meanwhile; not Linux (no native_id, no /proc)
+            out[t.native_id] = Path(f"/proc/self/task/{t.native_id}/comm").read_text().strip()
+    return out
+
+
 def warn_if_foreign_pool() -> bool:
     """At engine start-up (on the engine thread, before loading): warn when another thread already has an OpenMP pool."""
     torch = sys.modules.get("torch")
@@ -53,8 +62,11 @@ def warn_if_foreign_pool() -> bool:
         return False  # nobody ran torch yet: no pool can exist
     # torch itself starts one native thread on import and a pthreadpool of threads - 1 workers on
     # set_num_threads; more than that before the engine loads means some thread ran parallel
-    # torch work and holds an OpenMP pool (threads - 1 more workers)
-    extra = native_threads()
+    # torch work and holds an OpenMP pool (threads - 1 more workers). All of them carry the OS name of the Python
+    # thread that started them; native threads named otherwise belong to some library (a Ray worker runs ~18:
+    # gRPC's, Ray's io) and are not counted
+    inherited = set(python_thread_names().values())
+    extra = [name for name in native_threads().values() if name in inherited]
     if len(extra) <= torch.get_num_threads():
         return False
     log.warning("%d native threads exist before the engine loads: another thread of this process has run "

@@ -49,7 +49,9 @@ class EngineReplica:
             return a
 
         plugins.registries["cache"][reg.name] = Registration(reg.name, capture, reg.plugin)
-        self.aengine = AsyncEngine(lambda: Engine(cfg, plugins))
+        # no OpenMP-pool check: a Ray worker's own native threads (gRPC's, its io) carry stale copies of the names
+        # Ray gives its main thread, so the count cannot tell them from a pool (llmserve/threads.py)
+        self.aengine = AsyncEngine(lambda: Engine(cfg, plugins), check_threads=False)
         self.aengine.start()
         self.engine = self.aengine.wait_built()
         try:

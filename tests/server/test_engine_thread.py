@@ -103,6 +103,15 @@ _POOL_SCRIPT = textwrap.dedent("""
     torch.set_num_threads(2)
     if sys.argv[1] == "main-ran-torch":
         torch.randn(1500, 1500) @ torch.randn(1500, 1500)  # a parallel region: the main thread's pool
+    if sys.argv[1] == "library-threads":  # native threads a library started and named (a Ray worker's gRPC, io)
+        import _thread, time
+        from llmserve.threads import name_os_thread
+        def named(i):
+            name_os_thread(f"grpc_worker_{i}")
+            time.sleep(600)
+        for i in range(8):
+            _thread.start_new_thread(named, (i,))  # (not a threading.Thread: native, as the library's are)
+        time.sleep(0.5)
     from llmserve.async_engine import AsyncEngine
     from llmserve.engine import Engine
     ae = AsyncEngine(lambda: Engine.from_config({"backend": {"kv_cache_memory": "16MiB"},
@@ -124,3 +133,4 @@ def _pool_run(mode: str) -> str:
 def test_start_up_warns_when_another_thread_already_has_an_openmp_pool():
     assert "holds an OpenMP pool" in _pool_run("main-ran-torch")
     assert "holds an OpenMP pool" not in _pool_run("clean")
+    assert "holds an OpenMP pool" not in _pool_run("library-threads")
