@@ -61,7 +61,8 @@ def create_app(config: EngineConfig, engine=None) -> Starlette:
             # the register_routes hook's callback; openapi: {"path": path item, "schemas": components} for
             # /openapi.json; errors: ApiError → the error body of the route's API, for it and the paths below it
             if path in taken:
-                log.warning("a plugin route %s clashes with an existing route; skipped", path)
+                if path not in st.owned_paths:
+                    log.warning("a plugin route %s clashes with an existing route; skipped", path)
                 return
             app.router.routes.append(Route(path, endpoint, methods=list(methods)))
             if openapi is not None:

@@ -37,6 +37,9 @@ class ServerState:
     openapi_paths: dict[str, dict] = field(default_factory=dict)
     # path → what writes an ApiError as that route's API writes errors (a route plugin's own shape; OpenAI's else)
     error_bodies: dict[str, Callable[[Any], dict]] = field(default_factory=dict)
+    # paths whose route the app's owner set in place of any plugin's (the Ray ingress's fleet-wide /metrics): a
+    # plugin's route there is skipped quietly, not reported as a clash
+    owned_paths: set[str] = field(default_factory=set)
     created: int = field(default_factory=lambda: int(time.time()))
     _snapshot: tuple[float, dict] | None = None  # (monotonic time, /stats body): polling never costs a step
     _snapshot_lock: asyncio.Lock = field(default_factory=asyncio.Lock)

@@ -44,6 +44,7 @@ class Ingress:
         # taken before the plugins' register_routes runs, so the Prometheus plugin's single-engine /metrics steps aside
         app.router.routes.append(Route("/metrics", metrics, methods=["GET"]))
         self.state = app.state.llm  # (`app` is a property of Serve's ASGI wrapper)
+        self.state.owned_paths.add("/metrics")
         return app
 
     async def drain(self, timeout: float) -> bool:

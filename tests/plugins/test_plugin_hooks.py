@@ -6,6 +6,7 @@ tests/plugins/test_plugin_meta.py fails when a hook spec has no test of this nam
 from __future__ import annotations
 
 import argparse
+import logging
 import types
 
 from llmserve.engine import Engine
@@ -200,6 +201,29 @@ def test_hook_register_routes():
         assert client.post("/example/queue").status_code == 405  # only the methods it registered
         assert "scheduler" in client.get("/stats").json()  # the built-in /stats still answers
         assert client.get("/metrics").status_code == 200  # the default plugin's route is there too
+
+
+def test_a_route_the_app_owner_set_takes_a_plugins_place_quietly(caplog):
+    """A plugin's route at a path the app's owner took (the Ray ingress's fleet-wide /metrics) is skipped without the
+    clash warning; a clash with a built-in route still warns."""
+    from starlette.responses import PlainTextResponse
+    from starlette.routing import Route
+    from starlette.testclient import TestClient
+
+    from llmserve.server import create_app
+
+    def register_routes(register, model, client):
+        register("/metrics", lambda request: PlainTextResponse("the plugin's"))
+        register("/stats", lambda request: PlainTextResponse("the plugin's"))
+
+    engine = Engine.from_config(FAKE, extra_plugins=[plugin("clashing", register_routes=register_routes)])
+    app = create_app(engine.config, engine)
+    app.router.routes.append(Route("/metrics", lambda request: PlainTextResponse("the owner's")))
+    app.state.llm.owned_paths.add("/metrics")
+    with caplog.at_level(logging.WARNING, logger="llmserve.server"), TestClient(app) as client:
+        assert client.get("/metrics").text == "the owner's"
+    clashes = [r.getMessage() for r in caplog.records if "clashes" in r.getMessage()]
+    assert clashes == ["a plugin route /stats clashes with an existing route; skipped"]
 
 
 def test_hook_register_commands(site, capsys):
