@@ -222,11 +222,15 @@ void tile_rows(const Block<F>& b, const Split& a, int r0, int K, U* y, int64_t y
         }
       }
       const __m512 d = _mm512_set1_ps(a.d[at]);
-      for (int p = 0; p < P; ++p) {
-        acc[r] = _mm512_fmadd_ps(sc[p], _mm512_mul_ps(_mm512_cvtepi32_ps(s[p]), d), acc[r]);
-        if (F::kOff && !kZeroApart)
-          zacc[r] = _mm512_fmadd_ps(zc[p], _mm512_set1_ps(p ? a.xs1[at] : a.xs0[at]), zacc[r]);
+      if constexpr (P == 2) {  // d * (sc0 * s0 + sc1 * s1): one multiply by d a row, not one a part
+        const __m512 t = _mm512_fmadd_ps(sc[1], _mm512_cvtepi32_ps(s[1]), _mm512_mul_ps(sc[0], _mm512_cvtepi32_ps(s[0])));
+        acc[r] = _mm512_fmadd_ps(t, d, acc[r]);
+      } else {
+        acc[r] = _mm512_fmadd_ps(sc[0], _mm512_mul_ps(_mm512_cvtepi32_ps(s[0]), d), acc[r]);
       }
+      if (F::kOff && !kZeroApart)
+        for (int p = 0; p < P; ++p)
+          zacc[r] = _mm512_fmadd_ps(zc[p], _mm512_set1_ps(p ? a.xs1[at] : a.xs0[at]), zacc[r]);
     }
   }
   if constexpr (kZeroApart) zero_terms<F, RB>(b, a, r0, K, zacc);
