@@ -62,17 +62,20 @@ class Arena:
 
     def granted_bytes(self) -> int:
         """Of the mapping, the bytes the kernel backs with huge pages now (/proc/self/smaps' AnonHugePages; reading
-        it takes tens of milliseconds in a process that has loaded torch: not for a hot path)."""
-        end, total, inside = self.start + len(self._map), 0, False
+        it takes tens of milliseconds in a process that has loaded torch: not for a hot path).
+
+        The kernel merges a mapping with a neighbour of the same flags (another arena), and smaps counts the merged
+        one's huge pages: each mapping's count is taken up to the huge pages its overlap with this one holds."""
+        end, total, overlap = self.start + len(self._map), 0, 0
         try:
             with open("/proc/self/smaps") as f:
                 for line in f:
                     head = line.split(maxsplit=1)[0]
                     if "-" in head and not head.endswith(":"):  # a mapping's first line: start-end perms ...
                         lo, hi = (int(v, 16) for v in head.split("-"))
-                        inside = lo < end and hi > self.start
-                    elif inside and head == "AnonHugePages:":
-                        total += int(line.split()[1]) * 1024
+                        overlap = max(0, min(hi, end) - max(lo, self.start)) // HUGE * HUGE
+                    elif overlap and head == "AnonHugePages:":
+                        total += min(int(line.split()[1]) * 1024, overlap)
         except OSError:
             return 0
         return total

@@ -83,3 +83,20 @@ def test_a_failed_mapping_leaves_the_weights_where_they_were(qwen2_dir, monkeypa
     plain = make_backend(str(path), quantization="int4", options={"huge_pages": "off"})
     for got, want in zip(_logits(b), _logits(plain)):
         assert torch.equal(got, want)
+
+
+def test_granted_bytes_count_only_huge_pages_that_fit_the_arena(monkeypatch):
+    """The kernel merges the arena's mapping with a neighbour of the same flags (another arena), and smaps then
+    reports the merged mapping's huge pages: the arena counts at most the huge pages its own range holds."""
+    import builtins
+    import io
+
+    arena = Arena(HUGE)  # a mapping of 2 huge pages' bytes: one whole aligned huge page at least
+    start, end = arena.start, arena.start + len(arena._map)
+    merged = (f"{start - 4 * HUGE:x}-{end:x} rw-p 00000000 00:00 0\nSize: 1 kB\nAnonHugePages: {6 * HUGE // 1024} kB\n"
+              f"{end + HUGE:x}-{end + 2 * HUGE:x} rw-p 00000000 00:00 0\nAnonHugePages: {HUGE // 1024} kB\n")
+    real_open = builtins.open
+    monkeypatch.setattr(builtins, "open", lambda p, *a, **k: io.StringIO(merged) if p == "/proc/self/smaps"
+                        else real_open(p, *a, **k))
+    got = arena.granted_bytes()
+    assert got == len(arena._map) // HUGE * HUGE  # the merged mapping's 6 huge pages, capped at the arena's 1
