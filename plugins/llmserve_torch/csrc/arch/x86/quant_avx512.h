@@ -147,6 +147,12 @@ HOT_INLINE __m512 tile_scales(const Block<F>& b, int g, int part, int kind) {
   return _mm512_mul_ps(v, load16_half(b.factors(g, kind)));
 }
 
+// A tile's 16 zero points of group g's part, given its scales sc: centre * scale + offset
+template <typename F>
+HOT_INLINE __m512 tile_zero(const Block<F>& b, int g, int part, __m512 sc) {
+  return _mm512_fmadd_ps(_mm512_set1_ps(F::kCentre), sc, tile_scales<F>(b, g, part, 1));
+}
+
 // zacc[r] += each group's zero point (the tile's, per lane) times row r0 + r's exact sum of x over the group: the
 // same operations in the same order as tile_rows' own zero chain, so the same sums; a pass of its own for blocks of
 // more than 4 rows, whose second chain a row would spill the registers the products need (the tile's scales and
@@ -156,7 +162,7 @@ HOT_INLINE void zero_terms(const Block<F>& b, const Split& a, int r0, int K, __m
   const int ng = K / kG;
   for (int g = 0; g < ng; ++g)
     for (int p = 0; p < F::kParts; ++p) {
-      const __m512 zc = _mm512_fmadd_ps(_mm512_set1_ps(F::kCentre), tile_scales<F>(b, g, p, 0), tile_scales<F>(b, g, p, 1));
+      const __m512 zc = tile_zero<F>(b, g, p, tile_scales<F>(b, g, p, 0));
       for (int r = 0; r < RB; ++r) {
         const int64_t at = static_cast<int64_t>(r0 + r) * ng + g;
         zacc[r] = _mm512_fmadd_ps(zc, _mm512_set1_ps(p ? a.xs1[at] : a.xs0[at]), zacc[r]);
@@ -186,7 +192,7 @@ void tile_rows(const Block<F>& b, const Split& a, int r0, int K, U* y, int64_t y
     for (int p = 0; p < P; ++p) {
       sc[p] = tile_scales<F>(b, g, p, 0);
       if (F::kOff && !kZeroApart)  // the zero point
-        zc[p] = _mm512_fmadd_ps(_mm512_set1_ps(F::kCentre), sc[p], tile_scales<F>(b, g, p, 1));
+        zc[p] = tile_zero<F>(b, g, p, sc[p]);
     }
     for (int r = 0; r < RB; ++r) {
       const int64_t row = r0 + r, at = row * ng + g;
