@@ -33,26 +33,27 @@ def name_os_thread(name: str) -> None:
         ctypes.CDLL(None).prctl(15, name.encode()[:15], 0, 0, 0)  # PR_SET_NAME
 
 
+def _os_names(tids) -> dict[int, str]:
+    """tid → the thread's OS name, for those of tids still running (none where there is no /proc)."""
+    out: dict[int, str] = {}
+    for tid in tids:
+        with contextlib.suppress(OSError, TypeError):  # ended meanwhile; not Linux (no native_id, no /proc)
+            out[tid] = Path(f"/proc/self/task/{tid}/comm").read_text().strip()
+    return out
+
+
 def native_threads() -> dict[int, str]:
     """Threads of this process that Python did not start (OpenMP and other native pools): tid → OS name."""
     try:
         tids = {int(t) for t in os.listdir("/proc/self/task")} - {t.native_id for t in threading.enumerate()}
     except OSError:  # not Linux: nothing to report
         return {}
-    out: dict[int, str] = {}
-    for tid in tids:
-        with contextlib.suppress(OSError):  # the thread ended meanwhile
-            out[tid] = Path(f"/proc/self/task/{tid}/comm").read_text().strip()
-    return out
+    return _os_names(tids)
 
 
 def python_thread_names() -> dict[int, str]:
     """The OS names of the threads Python started: tid → name (a native thread started by one inherits it)."""
-    out: dict[int, str] = {}
-    for t in threading.enumerate():
-        with contextlib.suppress(OSError, TypeError):  # ended meanwhile; not Linux (no native_id, no /proc)
-            out[t.native_id] = Path(f"/proc/self/task/{t.native_id}/comm").read_text().strip()
-    return out
+    return _os_names(t.native_id for t in threading.enumerate())
 
 
 def warn_if_foreign_pool() -> bool:
