@@ -14,8 +14,9 @@ from typing import Any
 from llmserve.server.errors import bad_request
 
 # where JSON Schema keeps subschemas: a map of them, one, or a list of them
-_MAPS = ("properties", "$defs", "definitions", "patternProperties")
-_ONE = ("items", "additionalProperties", "not", "contains", "if", "then", "else")
+_MAPS = ("properties", "$defs", "definitions", "patternProperties", "dependentSchemas")
+_ONE = ("items", "additionalProperties", "not", "contains", "if", "then", "else", "propertyNames", "additionalItems",
+        "unevaluatedProperties", "unevaluatedItems")
 _LISTS = ("anyOf", "oneOf", "allOf", "prefixItems", "items")
 
 
@@ -28,7 +29,7 @@ def check_strict(schema: Any, what: str, param: str, code: str | None = None) ->
     if root != "object":
         got = "no type" if root is None else f"'type: {json.dumps(root)}'"
         raise refuse(f"schema must be a JSON Schema of 'type: \"object\"', got {got}.")
-    for context, node in _subschemas(schema, ()):
+    for context, node in subschemas(schema):
         if not _is_object(node):
             continue
         if node.get("additionalProperties") is not False:
@@ -44,16 +45,17 @@ def _is_object(node: dict) -> bool:
     return kind == "object" or (isinstance(kind, list) and "object" in kind) or "properties" in node
 
 
-def _subschemas(node: Any, context: tuple) -> Iterator[tuple[tuple, dict]]:
-    """Every schema in node (itself first), each with the keys that lead to it."""
+def subschemas(node: Any, context: tuple = ()) -> Iterator[tuple[tuple, dict]]:
+    """Every schema in node (itself first), each with the keys that lead to it: not the values in const, enum or
+    default, which are data."""
     if not isinstance(node, dict):
         return
     yield context, node
     for key in _MAPS:
         for name, sub in (node.get(key) or {}).items() if isinstance(node.get(key), dict) else ():
-            yield from _subschemas(sub, (*context, key, name))
+            yield from subschemas(sub, (*context, key, name))
     for key in _ONE:
-        yield from _subschemas(node.get(key), (*context, key))
+        yield from subschemas(node.get(key), (*context, key))
     for key in _LISTS:
         for i, sub in enumerate(node[key]) if isinstance(node.get(key), list) else ():
-            yield from _subschemas(sub, (*context, key, str(i)))
+            yield from subschemas(sub, (*context, key, str(i)))

@@ -17,6 +17,7 @@ from llmserve.interfaces import ReasoningParser, ToolCallDelta, ToolParser
 from llmserve.request import StructuredOutput
 from llmserve.server.errors import bad_request
 from llmserve.server.jsoncalls import JsonCalls
+from llmserve.server.strict import subschemas
 
 
 class _Named(ToolParser):
@@ -91,18 +92,53 @@ def tool_grammar(req: Any, current: StructuredOutput | None) -> StructuredOutput
         raise bad_request("tool_choice required or a named function cannot be combined with another output "
                           "constraint (response_format, guided_*)", "tool_choice")
     if choice == "required":
-        items = [{"type": "object", "properties": {"name": {"const": t.function.name},
-                                                   "parameters": t.function.parameters or EMPTY},
-                  "required": ["name", "parameters"], "additionalProperties": False} for t in tools]
+        items, defs = [], {}
+        for i, t in enumerate(tools):
+            params, own = _nested(t.function.parameters or EMPTY, i)
+            defs |= own
+            items.append({"type": "object", "properties": {"name": {"const": t.function.name}, "parameters": params},
+                          "required": ["name", "parameters"], "additionalProperties": False})
         schema = {"type": "array", "minItems": 1, "items": {"anyOf": items}} | ({} if req.parallel_tool_calls
                                                                                 else {"maxItems": 1})
-        return StructuredOutput("json", json.dumps(schema), "tools")
+        return StructuredOutput("json", json.dumps(schema | ({"$defs": defs} if defs else {})), "tools")
     names = [t.function.name for t in tools]
     if choice.function.name not in names:
         raise bad_request(f"tool_choice names the function {choice.function.name!r}, which is not among tools "
                           f"({', '.join(names)})", "tool_choice.function.name")
     i = names.index(choice.function.name)
     return StructuredOutput("json", json.dumps(tools[i].function.parameters or EMPTY), f"tools[{i}].function.parameters")
+
+
+def _nested(params: dict, i: int) -> tuple[dict, dict]:
+    """Tool i's parameters made to work below the root of tool_choice required's schema: a copy whose `$defs` and
+    `definitions` go to the root under names of this tool's own (returned apart), its local `$ref`s pointed there.
+    Nested pydantic models come as such refs (the openai SDK's pydantic_function_tool, openai-agents); left as they
+    were, "#/$defs/Address" would point at the combined schema's root, where nothing is (vLLM hoists them too)."""
+    params = json.loads(json.dumps(params))  # the request's own schema is answered back unchanged elsewhere
+    prefix = {"$defs": f"t{i}_", "definitions": f"t{i}d_"}  # digits then "_" or "d_": no two tools' names meet
+    whole = False  # a ref into the parameters themselves ("#", "#/properties/…"): they become a def as well
+
+    def moved(ref: str) -> str:
+        nonlocal whole
+        if ref in ("#", "#/"):
+            whole = True
+            return f"#/$defs/t{i}"
+        if not ref.startswith("#/"):
+            return ref  # not local: the grammar engine says what it makes of it
+        top, _, rest = ref[2:].partition("/")
+        if top in prefix and rest:
+            return f"#/$defs/{prefix[top]}{rest}"
+        whole = True
+        return f"#/$defs/t{i}/{ref[2:]}"
+
+    for _, node in subschemas(params):
+        if isinstance(node.get("$ref"), str):
+            node["$ref"] = moved(node["$ref"])
+    defs = {prefix[key] + name: sub for key in prefix if isinstance(params.get(key), dict)
+            for name, sub in params.pop(key).items()}
+    if whole:
+        defs[f"t{i}"] = params
+    return params, defs
 
 
 def choice_parsers(st: Any, req: Any, sp: Any, prompt: str) -> Callable[[], ChoiceParser] | None:

@@ -151,6 +151,34 @@ def test_parallel_tool_calls_false_answers_one_call(paced, way):
     assert assembled(pieces) == calls_of(whole)
 
 
+def _nested_tool(name: str, key: str, value: str) -> dict:
+    """A tool whose parameters hold a {"place": Place} with Place under $defs (as pydantic writes a nested model), and
+    an optional "next" of the same parameters again (a ref to the root, "#")."""
+    place = {"type": "object", "properties": {key: {"enum": [value]}}, "required": [key], "additionalProperties": False}
+    return {"type": "function", "function": {"name": name, "parameters": {
+        "type": "object", "properties": {"place": {"$ref": "#/$defs/Place"}, "next": {"$ref": "#"}},
+        "required": ["place"], "additionalProperties": False, "$defs": {"Place": place}}}}
+
+
+NESTED = [_nested_tool("visit", "city", "Paris"), _nested_tool("clock", "zone", "utc")]
+
+
+def test_required_takes_tools_whose_parameters_use_defs(paced):
+    # each tool's "#/$defs/Place" is its own: both named Place, of different shapes
+    said = ('[{"name":"visit","parameters":{"place":{"city":"Paris"},"next":{"place":{"city":"Paris"}}}},'
+            '{"name":"clock","parameters":{"place":{"zone":"utc"}}}]')
+    whole, pieces = answer(paced, said, tools=NESTED, tool_choice="required")
+    assert whole["finish_reason"] == "tool_calls"
+    assert [(n, json.loads(a)) for n, a in calls_of(whole)] == [
+        ("visit", {"place": {"city": "Paris"}, "next": {"place": {"city": "Paris"}}}),
+        ("clock", {"place": {"zone": "utc"}})]
+    assert assembled(pieces) == calls_of(whole)
+    # clock's Place is not visit's: the grammar stops the echo at "city"
+    whole, _ = answer(paced, '[{"name":"clock","parameters":{"place":{"city":"Paris"}}}]', tools=NESTED,
+                      tool_choice="required")
+    assert "Paris" not in calls_of(whole)[0][1]
+
+
 def test_tool_choice_none_leaves_the_text_alone(echo):
     c = ask(echo, CALL, tools=[WEATHER], tool_choice="none").choices[0]
     assert c.message.content == CALL and not c.message.tool_calls and c.finish_reason == "stop"
