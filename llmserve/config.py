@@ -123,7 +123,7 @@ class ServerConfig:
     api_key: str | None = None  # or env LLMSERVE_API_KEY
     cors_origins: list[str] = field(default_factory=list)
     max_waiting_requests: int = 1024  # sequences; a request that would queue past this gets 429 with Retry-After
-    max_prompts_per_request: int = 256  # prompts in one /v1/completions body; more is a 400 naming prompt
+    max_prompts_per_request: int = 256  # prompts in one /v1/completions body (400 past it); embeddings: a wave
     max_sequences_per_request: int = 512  # prompts × n; more is a 400 naming n
     request_timeout: float | None = 600.0  # seconds; 504 past it
     max_body_bytes: int = 4 * 1024 * 1024  # larger bodies get 413

@@ -21,7 +21,8 @@ class Generation:
 
     def __init__(self, client: EngineClient, prompts: Sequence[list[int]], sp: SamplingParams, priority: int,
                  timeout: float | None, request_id: str, cache_salt: str | None = None,
-                 pooling: PoolingParams | None = None):
+                 pooling: PoolingParams | None = None, started: float | None = None):
+        """timeout: seconds from `started` (the loop's clock; None: now) until the streams end with a 504."""
         self.client = client
         self.streams = []
         self._pending: dict[asyncio.Future, int] = {}  # several prompts: each stream's next read → its index
@@ -37,7 +38,9 @@ class Generation:
         if len(self.streams) > 1:
             self._pending = {asyncio.ensure_future(s.next_batch()): i for i, s in enumerate(self.streams)}
         if timeout:
-            self._timer = asyncio.get_running_loop().call_later(timeout, self._on_timeout, timeout)
+            loop = asyncio.get_running_loop()
+            self._timer = loop.call_at((loop.time() if started is None else started) + timeout, self._on_timeout,
+                                       timeout)
 
     def _on_timeout(self, timeout: float) -> None:
         err = ApiError(504, f"the request did not finish within the server's request_timeout ({timeout:g} s)",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import functools
 import struct
@@ -21,6 +22,9 @@ from llmserve.server.protocol import Int, plugin_openapi
 from llmserve.server.routes import admit_body, check_fan_out, encode
 
 _NO_SAMPLING = SamplingParams(max_tokens=None)  # an embedding samples nothing (what the limits check reads)
+# inputs in one request: OpenAI's limit (LangChain's OpenAIEmbeddings sends 1000 a request); they go to the engine in
+# waves of server.max_prompts_per_request, so the queue never holds more of one request than a completions body can
+MAX_INPUTS = 2048
 
 
 class EmbeddingRequest(BaseModel):
@@ -110,15 +114,23 @@ async def _collect(gen: Generation, n: int) -> list[RequestOutput]:
 async def embeddings(request: Request) -> Response:
     """POST /v1/embeddings."""
     st, client, req = await admit_body(request, EmbeddingRequest)
-    check_fan_out(st, len(req.inputs), 1, "input")
+    if len(req.inputs) > MAX_INPUTS:
+        raise bad_request(f"{len(req.inputs)} inputs in one request; the limit is {MAX_INPUTS}", "input")
+    wave = st.config.server.max_prompts_per_request
+    check_fan_out(st, min(len(req.inputs), wave), 1, "input")
     pooling = st.model.check_pooling(req.pooling())  # (the engine's rule: 400 naming dimensions)
     prompts = await _input_ids(st, req)
-    rid = f"embd-{uuid.uuid4().hex}"
-    gen = Generation(client, prompts, _NO_SAMPLING, req.priority or 0, st.config.server.request_timeout, rid,
-                     pooling=pooling)
-    outs = await until_answered(request.receive, gen, _collect(gen, len(prompts)))
-    if outs is GONE:
-        return Response(status_code=499)
+    rid, outs, started = f"embd-{uuid.uuid4().hex}", [], asyncio.get_running_loop().time()
+    for start in range(0, len(prompts), wave):
+        part = prompts[start:start + wave]
+        if start:
+            st.check_room(len(part))  # (the first wave's room: check_fan_out's)
+        gen = Generation(client, part, _NO_SAMPLING, req.priority or 0, st.config.server.request_timeout,
+                         f"{rid}-{start}" if start else rid, pooling=pooling, started=started)  # one deadline
+        got = await until_answered(request.receive, gen, _collect(gen, len(part)))
+        if got is GONE:
+            return Response(status_code=499)
+        outs += got
     data = []
     for i, o in enumerate(outs):
         if o is None or o.embedding is None:  # ended without a vector (aborted by the server): say so, never 200

@@ -214,6 +214,21 @@ def test_inputs_past_the_context_are_refused_unless_truncation_is_asked_for(fake
     refused(post(fake, {"input": text, "truncate_prompt_tokens": 513}), param="truncate_prompt_tokens")
 
 
+def test_more_inputs_than_a_completions_body_takes_go_in_waves(fake):
+    # LangChain's OpenAIEmbeddings sends up to 1000 texts a request (OpenAI takes 2048); this server takes 64
+    # prompts a body, so the 300 go to the engine as five waves and come back whole, in order
+    from langchain_openai import OpenAIEmbeddings
+
+    texts = [f"document number {i}" for i in range(300)]
+    emb = OpenAIEmbeddings(model="embedded", base_url=fake.url + "/v1", api_key="unused", check_embedding_ctx_length=False,
+                           max_retries=0)
+    docs = emb.embed_documents(texts)
+    assert len(docs) == 300 and all(len(d) == 64 for d in docs)
+    for i in (0, 63, 64, 299):  # each wave's edges: the vector of its own text
+        assert docs[i] == post(fake, {"input": texts[i]}).json()["data"][0]["embedding"]
+    assert fake.wait_idle(10)["cache"]["used_blocks"] == 0
+
+
 BAD = [
     ({}, "input"), ({"input": None}, "input"), ({"input": ""}, "input"), ({"input": []}, "input"),
     ({"input": [[]]}, "input"), ({"input": 7}, "input"), ({"input": [1.5]}, "input"), ({"input": [["a"]]}, "input"),
@@ -221,7 +236,7 @@ BAD = [
     ({"input": "x", "encoding_format": "hex"}, "encoding_format"), ({"input": "x", "dimensions": 0}, "dimensions"),
     ({"input": "x", "dimensions": "8"}, "dimensions"), ({"input": "x", "dimensions": 2**70}, "dimensions"),
     ({"input": "x", "user": 5}, "user"), ({"input": "x", "normalize": "yes"}, "normalize"),
-    ({"input": "x", "priority": 1}, "priority"), ({"input": ["x"] * 65}, "input"), ({"input": "x", "model": "gpt"}, "model"),
+    ({"input": "x", "priority": 1}, "priority"), ({"input": ["x"] * 2049}, "input"), ({"input": "x", "model": "gpt"}, "model"),
 ]
 
 
