@@ -83,10 +83,12 @@ class LLGuidanceEngine(GrammarEngine):
     """Compiles constraints to llguidance matchers over one tokenizer (built once: ~1 s for a 150k vocabulary)."""
 
     def __init__(self, tokenizer: Tokenizer, vocab_size: int, whitespace_flexible: bool = False):
-        # built in a thread: it took 1.3 s of every start and only a constrained request needs it (compile() waits)
+        # built in a thread: it took 1.3 s of every start and only a constrained request needs it (compile() waits).
+        # Not a daemon: a process that ended meanwhile would stop it inside llguidance's Rust code, where the
+        # interpreter's exit (pthread_exit on retaking the GIL) unwinds through frames that cannot be unwound, a
+        # segfault in one exit of two; the exit waits for it instead
         self._tokenizer = concurrent.futures.Future()
-        threading.Thread(target=self._build, args=(tokenizer, vocab_size), name="llmserve-llguidance-vocab",
-                         daemon=True).start()
+        threading.Thread(target=self._build, args=(tokenizer, vocab_size), name="llmserve-llguidance-vocab").start()
         self.whitespace_flexible = whitespace_flexible
 
     def _build(self, tokenizer: Tokenizer, vocab_size: int) -> None:

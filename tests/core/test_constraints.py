@@ -288,3 +288,26 @@ def test_a_grammar_that_breaks_mid_stream_fails_its_sequence_alone(eng):
                 ends[o.request_id] = o
     assert ends[bad].finish_reason is FinishReason.ERROR and "row limit reached" in ends[bad].error
     assert ends[good].finish_reason is FinishReason.LENGTH and ends[good].num_output_tokens == 10
+
+
+def test_a_process_that_exits_while_the_vocabulary_builds_exits_cleanly(tmp_path):
+    # llguidance's view of a vocabulary builds in a thread (~1 s for Qwen2.5's); a process ending meanwhile (a script,
+    # a start-up that failed) segfaulted when that thread, a daemon then, came back from llguidance to a finalizing
+    # interpreter
+    import os
+    import subprocess
+    import sys
+
+    code = ("from llmserve.interfaces import Tokenizer\n"
+            "from llmserve_grammar.llg import LLGuidanceEngine\n"
+            "class Big(Tokenizer):\n"
+            "    eos_token_id, vocab_size = 0, 300_000\n"
+            "    def encode(self, text, add_special_tokens=True): return list(text.encode())\n"
+            "    def decode(self, ids, skip_special_tokens=True): return ''\n"
+            "    def vocab_bytes(self): return [b'<eos>'] + [b'%x ' % i for i in range(1, self.vocab_size)]\n"
+            "import time; LLGuidanceEngine(Big(), Big.vocab_size); time.sleep(0.05)\n")  # exits mid-build
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.path.join(root, "plugins")])}
+    for _ in range(4):
+        r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0, (r.returncode, r.stderr[-2000:])
