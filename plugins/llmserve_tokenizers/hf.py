@@ -113,12 +113,17 @@ class HFTokenizer(Tokenizer):
         return self._tok.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
 
     def token_bytes(self, token_id: int) -> bytes:
-        """UTF-8 bytes of one token's text (for OpenAI's logprobs `bytes` field)."""
-        return self._tok.decode([token_id], skip_special_tokens=False).encode("utf-8", errors="replace")
+        """One token's bytes for OpenAI's logprobs `bytes` field (snapshot.shown_bytes)."""
+        return snapshot.shown_bytes(self._tok.decode([token_id], skip_special_tokens=False),
+                                    lambda: self._own_bytes[token_id])
 
     def vocab_bytes(self) -> list[bytes]:
         """Each id's bytes: byte-level BPE pieces mapped back to bytes, SentencePiece's "▁" and <0xNN> undone."""
         return _vocab_bytes(self._tok)
+
+    @functools.cached_property
+    def _own_bytes(self) -> list[bytes]:
+        return self.vocab_bytes()  # built once, on the first token that holds part of a character
 
     def apply_chat_template(self, messages: list[dict[str, Any]], /, add_generation_prompt: bool = True,
                             tools: list[dict] | None = None, continue_final_message: bool = False, **kwargs) -> str:

@@ -5,12 +5,13 @@ registry (about a second of every start of a GGUF model, whose cache directory h
 from __future__ import annotations
 
 import base64
+import functools
 import itertools
 import json
 import os
 import tempfile
 from array import array
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -66,6 +67,12 @@ def transformers_version() -> str | None:
         return metadata.version("transformers")
     except metadata.PackageNotFoundError:
         return None
+
+
+def shown_bytes(text: str, own: Callable[[], bytes]) -> bytes:
+    """A token's bytes for OpenAI's logprobs `bytes` field: its text's UTF-8, or its own bytes (`own()`) where it holds
+    part of a character, which decoded alone shows as U+FFFD: joined, a choice's `bytes` are then its text's."""
+    return own() if "\ufffd" in text else text.encode()
 
 
 class SnapshotTokenizer(Tokenizer):
@@ -131,14 +138,20 @@ class SnapshotTokenizer(Tokenizer):
         return text
 
     def token_bytes(self, token_id: int) -> bytes:
-        """UTF-8 bytes of one token's text (for OpenAI's logprobs `bytes` field)."""
-        return self.decode([token_id], skip_special_tokens=False).encode("utf-8", errors="replace")
+        """One token's bytes for OpenAI's logprobs `bytes` field (shown_bytes)."""
+        at = self._starts
+        return shown_bytes(self.decode([token_id], skip_special_tokens=False),
+                           lambda: self._data[at[token_id]:at[token_id + 1]])
 
     def vocab_bytes(self) -> list[bytes]:
         """Each id's bytes, as the snapshot's writer computed them (HFTokenizer.vocab_bytes)."""
-        blob, ends = self._data, itertools.accumulate(self._lengths)
-        starts = itertools.chain((0,), itertools.accumulate(self._lengths))
-        return [blob[a:b] for a, b in zip(starts, ends)]
+        at = self._starts
+        return [self._data[at[i]:at[i + 1]] for i in range(len(at) - 1)]
+
+    @functools.cached_property
+    def _starts(self) -> list[int]:
+        """Where each id's bytes start in the blob, and where the last ends."""
+        return list(itertools.accumulate(self._lengths, initial=0))
 
     def apply_chat_template(self, messages: list[dict[str, Any]], /, add_generation_prompt: bool = True,
                             tools: list[dict] | None = None, continue_final_message: bool = False, **kwargs) -> str:

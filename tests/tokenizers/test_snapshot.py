@@ -143,6 +143,15 @@ def test_vocab_bytes_are_each_tokens_bytes(pair):
     assert vb[1] == b"<|im_start|>"
 
 
+def test_token_bytes_join_into_the_text_where_tokens_split_a_character(pair):
+    """OpenAI's logprobs `bytes`: a token holding part of a character carries those bytes, not U+FFFD's."""
+    for tok in pair:
+        for text in ("👩👩 ok", "héllo ✓ wörld 🙂"):
+            ids = tok.encode(text, add_special_tokens=False)
+            assert b"".join(tok.token_bytes(i) for i in ids) == text.encode()
+            assert any("\ufffd" in tok.decode([i]) for i in ids)  # the case: some token alone is not text
+
+
 _WORDS = ["hello", " world", " ", "   ", "\n", "\n\n", "\t", "\r\n", "é", "🙂"]
 _PIECES = st.one_of(st.sampled_from(SPECIALS + _WORDS), st.text(max_size=8), st.characters(categories=["Cs"]))
 
