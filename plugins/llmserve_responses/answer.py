@@ -24,7 +24,7 @@ class ResponsesAnswer(ChatAnswer):
         super().__init__(st, req.chat, sp, [ids], prompt)
         self.rreq, self.history, self.store = req, history, store
         self.id = new_id("resp")
-        self.created_at = time.time()
+        self.created_at = int(time.time())  # whole seconds, as OpenAI sends them (and chat's created)
         self.output = Output()
         self._seq = 0
 
@@ -52,7 +52,7 @@ class ResponsesAnswer(ChatAnswer):
         r, ended = self.rreq, status != "in_progress"
         return {
             "id": self.id, "object": "response", "created_at": self.created_at, "status": status,
-            "completed_at": time.time() if ended else None, "background": False, "error": None,
+            "completed_at": int(time.time()) if ended else None, "background": False, "error": None,
             "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
             "instructions": r.instructions, "max_output_tokens": r.max_output_tokens, "max_tool_calls": None,
             "model": self.st.model_name, "output": self.output.items if ended else [],

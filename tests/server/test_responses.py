@@ -73,6 +73,7 @@ def test_text_input_answers_a_message(echo):
     # the raw body validates strictly against the SDK's Response model
     raw = httpx.post(echo.url + "/v1/responses", json={"input": script("Hi."), "store": False}, timeout=30).json()
     assert Response.model_validate(raw).output_text == "Hi."
+    assert type(raw["created_at"]) is int and type(raw["completed_at"]) is int  # whole seconds, as OpenAI's
 
 
 def test_item_input_with_message_parts(echo):
