@@ -13,11 +13,11 @@ from llmserve.errors import EngineDeadError, InvalidRequestError
 
 log = logging.getLogger("llmserve.server")
 
-# status → OpenAI's error `type` for it, where it is not invalid_request_error (4xx) or server_error (5xx)
+# status → OpenAI's error `type` for it, where it is not invalid_request_error (4xx, 404 included: an unknown model or
+# URL is one there) or server_error (5xx)
 _TYPES = {
     401: "authentication_error",
     403: "permission_error",
-    404: "not_found_error",
     429: "rate_limit_error",
     503: "service_unavailable",
     504: "timeout_error",

@@ -203,6 +203,10 @@ class CountTokensRequest(_Body):
             raise bad_request(f"tool_choice {tc.type} needs tools", "tool_choice")
         if tc.type == "tool" and tc.name is None:
             raise bad_request("tool_choice of type tool needs the tool's name", "tool_choice.name")
+        names = [t.name for t in self.tools or ()]
+        if tc.type == "tool" and tc.name not in names:  # here, or the chat's rule would name its own field
+            raise bad_request(f"tool_choice names the tool {tc.name!r}, which is not among tools ({', '.join(names)})",
+                              "tool_choice.name")
         choice = {"auto": "auto", "any": "required", "none": "none"}.get(tc.type) or {
             "type": "function", "function": {"name": tc.name}}
         return {"tool_choice": choice, "parallel_tool_calls": not tc.disable_parallel_tool_use}

@@ -252,7 +252,8 @@ BAD = [
     (TEXT | {"tools": [{"name": "f", "input_schema": {"type": "string"}}]}, "tools[0].input_schema"),
     (TEXT | {"tools": [{"type": "web_search_20250305", "name": "web_search"}]}, "web_search_20250305"),
     (TEXT | {"tools": TOOLS, "tool_choice": {"type": "tool"}}, "tool_choice.name"),
-    (TEXT | {"tools": TOOLS, "tool_choice": {"type": "tool", "name": "nope"}}, "'nope'"),
+    (TEXT | {"tools": TOOLS, "tool_choice": {"type": "tool", "name": "nope"}},
+     "tool_choice.name: tool_choice names the tool 'nope'"),  # Anthropic's field, not the chat's
     (TEXT | {"tool_choice": {"type": "any"}}, "tool_choice any needs tools"),
     (TEXT | {"tools": TOOLS, "tool_choice": {"type": "sometimes"}}, "tool_choice.type"),
     (TEXT | {"tools": TOOLS, "tool_choice": "auto"}, "tool_choice"),

@@ -264,6 +264,7 @@ def test_unknown_model_is_404(client):
     with pytest.raises(openai.NotFoundError) as e:
         client.completions.create(model="gpt-4", prompt="x", max_tokens=2)
     assert e.value.body["code"] == "model_not_found" and e.value.body["param"] == "model"
+    assert e.value.body["type"] == "invalid_request_error"  # OpenAI's type for an unknown model
 
 
 def test_invalid_json_and_error_body_shape(fake_server):
