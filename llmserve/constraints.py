@@ -111,7 +111,12 @@ class Constraints:
         m = self._matchers.get(r.request_id) if self._matchers else None
         if m is None:
             return None
-        if not m.accept(token_id):
+        try:
+            allowed = m.accept(token_id)
+        except ValueError as e:  # the grammar reached the engine's limits: the request's own error
+            raise InvalidRequestError(f"the grammar engine failed on this request's grammar: {e}",
+                                      param=r.sampling.structured.param) from None
+        if not allowed:
             raise ValueError(f"token {token_id} is not allowed by the request's grammar")
         return m.is_terminated()
 

@@ -190,7 +190,7 @@ class Tokenizer(ABC):
         """Every token id's exact bytes, in id order (grammar engines build their token trie from it)."""
         raise NotImplementedError(f"{type(self).__name__} cannot list its vocabulary")
 
-    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+    def apply_chat_template(self, messages: list[dict[str, Any]], /, add_generation_prompt: bool = True,
                             tools: list[dict] | None = None, continue_final_message: bool = False, **kwargs) -> str:
         """Render chat messages into one prompt string; tools (OpenAI's shape) and kwargs are the template's."""
         raise NotImplementedError(f"{type(self).__name__} has no chat template")
@@ -212,7 +212,8 @@ class GrammarMatcher(ABC):
 
     @abstractmethod
     def accept(self, token_id: int) -> bool:
-        """Advance past a sampled token; False if the grammar does not allow it."""
+        """Advance past a sampled token; False if the grammar does not allow it, ValueError where the grammar
+        reaches the engine's limits (the request fails with a 400 naming its constraint)."""
 
     @abstractmethod
     def is_terminated(self) -> bool:

@@ -6,7 +6,7 @@ import json
 import logging
 
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 
 from llmserve.errors import EngineDeadError, InvalidRequestError
@@ -87,6 +87,11 @@ async def handle_http_exception(request: Request, exc: HTTPException) -> Respons
     return error_response(ApiError(exc.status_code, msg, code=code, headers=dict(exc.headers or {})), request.scope)
 
 
+async def handle_disconnect(request: Request, exc: ClientDisconnect) -> Response:
+    """A client that left while its body was read: nobody to answer, nothing to log (the request log says 499)."""
+    return Response(status_code=499)
+
+
 async def handle_unexpected(request: Request, exc: Exception) -> Response:
     log.exception("unhandled error on %s %s", request.method, request.url.path, exc_info=exc)
     return error_response(ApiError(500, f"internal server error: {type(exc).__name__}", code="internal_error"),
@@ -98,5 +103,6 @@ EXCEPTION_HANDLERS = {
     InvalidRequestError: handle_error,
     EngineDeadError: handle_error,  # any route that needs the engine after it stopped: 503
     HTTPException: handle_http_exception,
+    ClientDisconnect: handle_disconnect,
     Exception: handle_unexpected,
 }

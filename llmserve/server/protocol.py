@@ -404,7 +404,7 @@ def _json_object(text: str) -> Any:
     """text parsed, when it is a JSON object; else text as it is."""
     try:
         v = json.loads(text)
-    except ValueError:
+    except (ValueError, RecursionError):  # not JSON, or nested past the parser's limit
         return text
     return v if isinstance(v, dict) else text
 

@@ -28,7 +28,7 @@ async def admit(request: Request, model) -> tuple[ServerState, EngineClient, Any
     client = st.admit()
     body = await request.body()  # within the limits SizeLimitMiddleware enforces while this reads
     # validating long token-id lists costs ~20 ms per MB: a big body is parsed off the event loop
-    req, sp = await _off_loop_if(len(body) > _BIG_BODY, parse, model, body, request.url.path,
+    req, sp = await off_loop_if(len(body) > _BIG_BODY, parse, model, body, request.url.path,
                                  st.model.generation_defaults)
     st.check_model(req.model)
     check_fan_out(st, len(req.prompts) if isinstance(req, CompletionRequest) else 1, sp.n)
@@ -46,7 +46,7 @@ async def admit_body(request: Request, model) -> tuple[ServerState, EngineClient
     st = _state(request)
     client = st.admit()
     body = await request.body()
-    req = await _off_loop_if(len(body) > _BIG_BODY, validate, model, body, request.url.path)
+    req = await off_loop_if(len(body) > _BIG_BODY, validate, model, body, request.url.path)
     st.check_model(req.model)
     return st, client, req
 
@@ -73,18 +73,18 @@ def _bad_words(tok, words: list[str]) -> list[list[int]]:
     return [list(s) for s in seqs if s]
 
 
-_BIG_TEXT = 16_384  # characters; longer texts are tokenized off the event loop
+BIG_TEXT = 16_384  # characters (or tokens); longer texts are tokenized (detokenized) off the event loop
 _BIG_BODY = 64 * 1024  # bytes; larger bodies are parsed off the event loop
 
 
-async def _off_loop_if(big: bool, fn, *args):
+async def off_loop_if(big: bool, fn, *args):
     """fn(*args), in a worker thread when the input is big, so streams keep flowing meanwhile."""
     return await asyncio.to_thread(fn, *args) if big else fn(*args)
 
 
 async def encode(tok, text: str, add_special_tokens: bool = True) -> list[int]:
     """Token ids of text; a long text is tokenized in a worker thread."""
-    return await _off_loop_if(len(text) >= _BIG_TEXT, tok.encode, text, add_special_tokens)
+    return await off_loop_if(len(text) >= BIG_TEXT, tok.encode, text, add_special_tokens)
 
 
 # --- /v1/completions --------------------------------------------------------------------------
@@ -142,7 +142,7 @@ async def chat_prompt_ids(st: ServerState, req: ChatRequest) -> list[int]:
 
 
 # the request fields chat_prompt hands the renderer by name (Tokenizer.apply_chat_template's own arguments)
-_RENDER_FIELDS = frozenset({"add_generation_prompt", "tools", "continue_final_message"})
+_RENDER_FIELDS = frozenset({"messages", "add_generation_prompt", "tools", "continue_final_message"})
 
 
 def chat_prompt(st: ServerState, req: ChatRequest) -> str:

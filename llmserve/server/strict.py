@@ -34,7 +34,12 @@ def check_strict(schema: Any, what: str, param: str, code: str | None = None) ->
             continue
         if node.get("additionalProperties") is not False:
             raise refuse(f"In context={context}, 'additionalProperties' is required to be supplied and to be false.")
-        missing = [k for k in node.get("properties") or {} if k not in (node.get("required") or ())]
+        props, required = node.get("properties") or {}, node.get("required") or []
+        if not isinstance(props, dict):
+            raise refuse(f"In context={context}, 'properties' must be an object.")
+        if not isinstance(required, list) or not all(isinstance(k, str) for k in required):
+            raise refuse(f"In context={context}, 'required' must be an array of strings.")
+        missing = [k for k in props if k not in required]
         if missing:
             raise refuse(f"In context={context}, 'required' is required to be supplied and to be an array including "
                          f"every key in properties. Missing {missing[0]!r}.")

@@ -10,7 +10,8 @@ from starlette.responses import JSONResponse, Response
 import llmserve
 from llmserve.server.errors import bad_request
 from llmserve.server.protocol import DetokenizeRequest, TokenizeChatRequest, TokenizeRequest, validate
-from llmserve.server.routes import chat_prompt_ids, encode
+from llmserve.server.answer import dumps
+from llmserve.server.routes import BIG_TEXT, chat_prompt_ids, encode, off_loop_if
 from llmserve.server.state import ServerState
 
 
@@ -27,15 +28,20 @@ async def tokenize(request: Request) -> Response:
     raw = await request.body()
     try:
         chat = "messages" in json.loads(raw)
-    except (ValueError, TypeError):
-        chat = False  # not a JSON object: validate says so
+    except (ValueError, TypeError, RecursionError):
+        chat = False  # not a JSON object (or nested past the parser's limit): validate says so
     req = validate(TokenizeChatRequest if chat else TokenizeRequest, raw, request.url.path)
     st.check_model(req.model)
     tok = _tokenizer(st, "messages" if chat else "prompt")
     ids = await chat_prompt_ids(st, req) if chat else await encode(tok, req.prompt, req.add_special_tokens)
-    strs = [tok.decode([t], skip_special_tokens=False) for t in ids] if req.return_token_strs else None
-    return JSONResponse({"count": len(ids), "max_model_len": st.model.max_model_len, "tokens": ids,
-                         "token_strs": strs})
+    strs = await off_loop_if(len(ids) >= BIG_TEXT, _strs, tok, ids) if req.return_token_strs else None
+    body = {"count": len(ids), "max_model_len": st.model.max_model_len, "tokens": ids, "token_strs": strs}
+    return Response(await off_loop_if(len(ids) >= BIG_TEXT, dumps, body), media_type="application/json")
+
+
+def _strs(tok, ids: list[int]) -> list[str]:
+    """Each token's text (a long prompt's are made in a worker thread: a 4 MB one took ~2 s)."""
+    return [tok.decode([t], skip_special_tokens=False) for t in ids]
 
 
 async def detokenize(request: Request) -> Response:
@@ -48,7 +54,8 @@ async def detokenize(request: Request) -> Response:
     bad = next((t for t in req.tokens if not 0 <= t < tok.vocab_size), None)
     if bad is not None:
         raise bad_request(f"token id {bad} in tokens is outside the vocabulary [0, {tok.vocab_size})", "tokens")
-    return JSONResponse({"prompt": tok.decode(req.tokens, skip_special_tokens=False)})
+    text = await off_loop_if(len(req.tokens) >= BIG_TEXT, tok.decode, req.tokens, False)
+    return JSONResponse({"prompt": text})
 
 
 async def version(request: Request) -> Response:

@@ -41,6 +41,8 @@ def to_grammar(spec: StructuredOutput, whitespace_flexible: bool) -> str:
             schema = json.loads(spec.value if spec.kind == "json" else OBJECT_SCHEMA)
         except json.JSONDecodeError as e:
             raise InvalidRequestError(f"the JSON schema is not valid JSON: {e}", param=spec.param) from None
+        except RecursionError:  # a schema sent as a string is parsed here, past the body parser's depth limit
+            raise InvalidRequestError("the JSON schema is nested too deeply", param=spec.param) from None
         if schema is False or not isinstance(schema, (dict, bool)):
             raise InvalidRequestError("a JSON schema is an object (or true); false allows no value", param=spec.param)
         schema = {} if schema is True else schema
@@ -71,8 +73,12 @@ class LLGuidanceMatcher(GrammarMatcher):
             raise ValueError(_short(self._m.get_error()))
 
     def accept(self, token_id: int) -> bool:
-        """Consume a sampled token."""
-        return self._m.consume_token(token_id)
+        """Consume a sampled token; ValueError when the grammar hits llguidance's limits on it."""
+        if self._m.consume_token(token_id):
+            return True
+        if self._m.is_error():  # e.g. a recursive schema past the parser's item limit, on the first token it allowed
+            raise ValueError(_short(self._m.get_error()))
+        return False
 
     def is_terminated(self) -> bool:
         """True once the grammar allows no further token."""
@@ -119,11 +125,16 @@ class LLGuidanceEngine(GrammarEngine):
         first = torch.zeros((1, (self.tokenizer.vocab_size + 31) // 32), dtype=torch.int32)
         try:  # twice: copies share the lexer, and one past its limits may fail only on the second mask
             for _ in range(2):
-                LLGuidanceMatcher(m.deep_copy()).fill_bitmask(first, 0)
+                probe = LLGuidanceMatcher(m.deep_copy())
+                probe.fill_bitmask(first, 0)
+            if not first.any():
+                raise InvalidRequestError(f"{spec.param}: the grammar matches no text", param=spec.param)
+            # and one token on: a schema that recurses without end passes both masks and fails on its first token
+            word = int(first[0].nonzero()[0])
+            bits = int(first[0, word]) & 0xFFFFFFFF
+            probe.accept(32 * word + (bits & -bits).bit_length() - 1)
         except ValueError as e:
             raise InvalidRequestError(f"{spec.param}: {e}", param=spec.param) from None
-        if not first.any():
-            raise InvalidRequestError(f"{spec.param}: the grammar matches no text", param=spec.param)
         return m
 
     def matcher(self, compiled: llguidance.LLMatcher) -> GrammarMatcher:

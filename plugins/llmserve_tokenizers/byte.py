@@ -89,7 +89,7 @@ class ByteTokenizer(Tokenizer):
         """The 256 bytes, then the EOS text."""
         return [bytes([i]) for i in range(256)] + [EOS_TEXT.encode()]
 
-    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+    def apply_chat_template(self, messages: list[dict[str, Any]], /, add_generation_prompt: bool = True,
                             tools: list[dict] | None = None, continue_final_message: bool = False, **kwargs) -> str:
         """Render with the simple ``role: content`` template of the module docstring (it shows no tools)."""
         return render_simple_chat(messages, add_generation_prompt, continue_final_message)

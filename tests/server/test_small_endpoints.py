@@ -46,6 +46,9 @@ def test_detokenize(fake_server):
     ("/tokenize", {"prompt": "x", "add_special_tokens": "yes"}, 400, "add_special_tokens"),
     ("/tokenize", {"messages": [{"role": "robot", "content": "x"}]}, 400, "messages[0].role"),
     ("/tokenize", {"prompt": "x", "model": "other"}, 404, "model"),
+    # an argument of the renderer (the byte tokenizer's too), not a template variable
+    ("/tokenize", {"messages": [{"role": "user", "content": "x"}], "chat_template_kwargs": {"messages": []}}, 400,
+     "chat_template_kwargs.messages"),
     ("/detokenize", {}, 400, "tokens"),
     ("/detokenize", {"tokens": [1, "a"]}, 400, "tokens[1]"),
     ("/detokenize", {"tokens": [1, 257]}, 400, "tokens"),
@@ -58,7 +61,7 @@ def test_bad_bodies_are_4xx_naming_the_field(fake_server, path, body, status, pa
 
 @pytest.mark.parametrize("path", ["/tokenize", "/detokenize"])
 def test_a_body_that_is_not_a_json_object_is_a_400(fake_server, path):
-    for raw in (b"{bad", b"[1]", b"", b'"messages"'):
+    for raw in (b"{bad", b"[1]", b"", b'"messages"', b"[" * 100_000 + b"]" * 100_000, b'{"a":' * 50_000):
         r = httpx.post(fake_server.url + path, content=raw, timeout=10)
         assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
 

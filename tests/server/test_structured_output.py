@@ -139,6 +139,12 @@ def test_constraints_that_exclude_every_token_are_the_clients_error(server, body
     ({"guided_grammar": "start: a\na: a"}, "guided_grammar"),  # matches no text
     ({"guided_json": False}, "guided_json"),
     ({"structured_outputs": {"json": {"$ref": "#/nowhere"}}}, "structured_outputs.json"),
+    ({"guided_json": "[" * 3000 + "]" * 3000}, "guided_json"),  # a string, parsed past the body's depth limit
+    ({"structured_outputs": {"json": "[" * 3000 + "]" * 3000}}, "structured_outputs.json"),
+    # compiles, then fails on its first token (llguidance's item limit): an object that must hold itself
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+        "$defs": {"n": {"type": "object", "properties": {"c": {"$ref": "#/$defs/n"}}, "required": ["c"]}},
+        "$ref": "#/$defs/n"}}}}, "response_format.json_schema.schema"),
 ])
 def test_a_bad_constraint_is_a_400_naming_the_field(server, body, param):
     r = post(server, "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], **body})
@@ -191,6 +197,9 @@ CLOSED = {"type": "object", "properties": {"a": {"type": "integer"}}, "required"
      "context=('$defs', 'p'), 'additionalProperties' is required"),
     (CLOSED | {"properties": {"a": {"anyOf": [{"type": "null"}, {"type": "object", "additionalProperties": True}]}}},
      "context=('properties', 'a', 'anyOf', '1'), 'additionalProperties' is required"),
+    (CLOSED | {"required": 5}, "'required' must be an array of strings"),
+    (CLOSED | {"properties": [{}], "required": {"a": 1}}, "'properties' must be an object"),
+    (CLOSED | {"properties": True}, "'properties' must be an object"),
 ])
 def test_strict_schemas_openai_refuses_are_400(echo, schema, says):
     r = post(echo, "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],

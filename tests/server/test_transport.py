@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+import socket
 import time
 
 import pytest
@@ -65,6 +67,16 @@ def test_a_body_that_stops_arriving_closes_the_connection(server):
         read_all(s)
         assert 0.5 < time.monotonic() - t0 < 3
     assert server.wait_idle()["server"]["active_requests"] == 0
+
+
+def test_a_client_that_leaves_mid_body_is_no_error_of_ours(server, caplog):
+    # it closes its side after 10 of the 100 bytes it announced: nobody to answer, no 500 and no traceback logged
+    with connect(server) as s:
+        s.sendall(request(b'{"prompt": "hi", "max_tokens": 1}' + b" " * 66)[:-90])
+        s.shutdown(socket.SHUT_WR)
+        assert read_all(s) == b""
+    assert server.wait_idle()["server"]["active_requests"] == 0
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
 
 
 def test_an_idle_connection_is_closed_new_or_kept_alive(server):
