@@ -69,6 +69,9 @@ def transformers_version() -> str | None:
         return None
 
 
+_LONG = 16_384  # characters: a text the server tokenizes in a worker thread (llmserve.server.routes.BIG_TEXT)
+
+
 def shown_bytes(text: str, own: Callable[[], bytes]) -> bytes:
     """A token's bytes for OpenAI's logprobs `bytes` field: its text's UTF-8, or its own bytes (`own()`) where it holds
     part of a character, which decoded alone shows as U+FFFD: joined, a choice's `bytes` are then its text's."""
@@ -127,6 +130,8 @@ class SnapshotTokenizer(Tokenizer):
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of text."""
+        if len(text) >= _LONG:  # the same ids; encode holds the GIL throughout (a 4 MB prompt: 2 s), encode_batch not
+            return self._core.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
         return self._core.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:

@@ -143,6 +143,35 @@ def test_vocab_bytes_are_each_tokens_bytes(pair):
     assert vb[1] == b"<|im_start|>"
 
 
+def test_a_long_text_gets_the_same_ids_and_leaves_the_gil_to_others(pair):
+    """Past 16k characters the snapshot encodes with encode_batch, which lets the event loop's thread run."""
+    import threading
+    import time
+
+    hf, snap = pair
+    text = "héllo wörld 🙂 <|im_start|> " * 40_000
+    gaps, done = [], threading.Event()
+
+    def tick():
+        last = time.perf_counter()
+        while not done.is_set():
+            time.sleep(0.002)
+            now = time.perf_counter()
+            gaps.append(now - last)
+            last = now
+
+    t = threading.Thread(target=tick)
+    t.start()
+    time.sleep(0.02)
+    started = time.perf_counter()
+    ids = snap.encode(text)
+    took = time.perf_counter() - started
+    done.set()
+    t.join()
+    assert ids == hf.encode(text) and len(ids) > 100_000
+    assert max(gaps) < max(0.1, took / 2), (max(gaps), took)  # held throughout, the gap was the whole encode
+
+
 def test_token_bytes_join_into_the_text_where_tokens_split_a_character(pair):
     """OpenAI's logprobs `bytes`: a token holding part of a character carries those bytes, not U+FFFD's."""
     for tok in pair:
