@@ -334,7 +334,9 @@ class Engine:
 
     @property
     def num_waiting(self) -> int:
-        return self.scheduler.num_waiting
+        """Sequences waiting: the scheduler's, and those of n > 1 groups held until their prompt is computed (read
+        from the server's thread too: list() copies the groups in one step)."""
+        return self.scheduler.num_waiting + sum(len(g.held) for g in list(self._holding.values()))
 
     @property
     def num_running(self) -> int:

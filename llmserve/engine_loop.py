@@ -61,7 +61,7 @@ class EngineLoop:
         self.idle_timeout = idle_timeout  # an idle loop wakes this often anyway (a safety net)
         self.dead: BaseException | None = None  # why the loop stopped, if it crashed or the build failed
         self.num_steps = 0
-        self.num_added = 0  # adds applied so far (an engine process reports it: its client's backpressure)
+        self.num_added = 0  # sequences added so far (an engine process reports it: its client's backpressure)
         self._cv = threading.Condition()
         self._cmds: list[tuple[str, Any]] = []
         self._stop = False
@@ -115,8 +115,9 @@ class EngineLoop:
 
     @property
     def num_waiting(self) -> int:
-        """Sequences queued in the engine plus requests not yet handed to it."""
-        queued = sum(1 for c in self._cmds if c[0] == "add")
+        """Sequences queued in the engine plus those of the requests not yet handed to it (n each: a request of
+        n = 128 counted as one let concurrent ones past max_waiting_requests)."""
+        queued = sum(c[1][2].n for c in list(self._cmds) if c[0] == "add")
         return (self.engine.num_waiting if self.engine is not None else 0) + queued
 
     @property
@@ -205,7 +206,7 @@ class EngineLoop:
         eng = self.engine
         if kind == "add":
             rid, prompt, params, priority, salt, arrival, pooling = arg
-            self.num_added += 1
+            self.num_added += params.n
             try:
                 eng.add_request(prompt, params, request_id=rid, priority=priority, arrival_time=arrival,
                                 cache_salt=salt, pooling=pooling)

@@ -144,7 +144,7 @@ class ProcessEngine:
 
     @property
     def num_waiting(self) -> int:
-        """Sequences waiting in the child, as it last reported, plus the requests sent since."""
+        """Sequences waiting in the child, as it last reported, plus those sent since."""
         waiting, adds_seen, _ = self._reported
         return waiting + self._adds_sent - adds_seen
 
@@ -171,7 +171,7 @@ class ProcessEngine:
         if self.loop is None or not self.running:
             raise EngineDeadError(f"the engine is not running{f': {self.dead}' if self.dead else ''}")
         stream = self.streams.open(request_id, params.n, self.loop)
-        self._adds_sent += 1
+        self._adds_sent += params.n  # sequences, as the child's num_added counts them
         self._commands.put(("add", (stream.request_id, list(prompt_token_ids), params, priority, cache_salt,
                                      time.perf_counter(), pooling)))
         return stream

@@ -70,6 +70,23 @@ def test_admission_counts_the_request_own_sequences():
         s.stop()
 
 
+def test_concurrent_requests_of_many_sequences_stay_within_the_queue():
+    # each request is 4 prompts × n = 16 = 64 sequences; the queue holds 128, and one sequence runs at a time: two
+    # are admitted. Queued requests used to count one sequence each (and held n > 1 groups none), so most got in
+    cfg = FAKE | {"backend": {"name": "fake", "options": {"step_cost_s": 0.01}},
+                  "scheduler": {"max_num_seqs": 1, "max_num_batched_tokens": 64},
+                  "server": {"max_waiting_requests": 128, "max_sequences_per_request": 64}}
+    s = start_server(cfg)
+    body = {"prompt": ["a longer prompt of more than one block"] * 4, "n": 16, "max_tokens": 2, "ignore_eos": True}
+    try:
+        with concurrent.futures.ThreadPoolExecutor(8) as pool:
+            codes = list(pool.map(lambda _: httpx.post(s.url + "/v1/completions", json=body, timeout=120).status_code,
+                                  range(8)))
+        assert sorted(codes) == [200] * 2 + [429] * 6, codes
+    finally:
+        s.stop()
+
+
 def test_a_big_body_is_parsed_off_the_event_loop_and_rejected_by_length_first(srv, monkeypatch):
     from llmserve.server import routes
 
