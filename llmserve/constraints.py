@@ -62,6 +62,7 @@ class Constraints:
         self.words = (vocab_size + 31) // 32
         self._matchers: dict[str, GrammarMatcher] = {}
         self._allowed: dict[str, torch.Tensor] = {}  # allowed_token_ids as a bitmask row
+        self._bad: dict[str, _BadWords] = {}  # bad_words, indexed
         self._constrained: set[str] = set()  # sequences with any constraint: empty → a step pays nothing
         self._broken: dict[str, tuple[str, str]] = {}  # sequences whose constraints cannot go on → (why, param)
 
@@ -98,6 +99,8 @@ class Constraints:
             row = torch.zeros(self.words, dtype=torch.int32)
             _set_bits(row, sp.allowed_token_ids, True)
             self._allowed[r.request_id] = row
+        if sp.bad_words_token_ids:
+            self._bad[r.request_id] = _BadWords(sp.bad_words_token_ids)
 
     def accept(self, r: Request, token_id: int) -> bool | None:
         """Advance the sequence's matcher: None when it has none, else whether the grammar is complete.
@@ -126,6 +129,7 @@ class Constraints:
             self._constrained.discard(request_id)
             self._matchers.pop(request_id, None)
             self._allowed.pop(request_id, None)
+            self._bad.pop(request_id, None)
             self._broken.pop(request_id, None)
 
     # --- per step ---------------------------------------------------------------------------------
@@ -151,8 +155,9 @@ class Constraints:
             allowed = self._allowed.get(sr.request_id)
             if allowed is not None:
                 mask[k] &= allowed
-            if sp.bad_words_token_ids:
-                _set_bits(mask[k], self._banned(sp.bad_words_token_ids, seqs[sr.request_id]), False)
+            bad = self._bad.get(sr.request_id)
+            if bad is not None:
+                _set_bits(mask[k], bad.banned(seqs[sr.request_id]), False)
             if sr.request_id not in self._broken and not bool(mask[k].any()):
                 # the grammar, allowed_token_ids and bad_words leave nothing to sample
                 # named: the narrowing applied last (a grammar alone always allows a token)
@@ -162,8 +167,23 @@ class Constraints:
                                                "and bad_words exclude every token", param)
         batch.token_bitmask, batch.bitmask_rows = mask, rows
 
-    @staticmethod
-    def _banned(bad_words: list[list[int]], r: Request) -> list[int]:
+
+
+class _BadWords:
+    """A request's bad words by the tokens before their last: a step looks up the output's tail once per length of
+    those, not once per word (1024 words a row of every step cost what the model did)."""
+
+    def __init__(self, words: list[list[int]]):
+        self.always = sorted({w[-1] for w in words if len(w) == 1})
+        self.after: dict[int, dict[tuple[int, ...], list[int]]] = {}
+        for w in words:
+            if len(w) > 1:
+                self.after.setdefault(len(w) - 1, {}).setdefault(tuple(w[:-1]), []).append(w[-1])
+
+    def banned(self, r: Request) -> list[int]:
         """The last token of each bad word whose other tokens the output ends with (vLLM's rule)."""
-        out = r.token_ids[r.num_prompt_tokens:]
-        return [w[-1] for w in bad_words if len(w) == 1 or (len(out) >= len(w) - 1 and out[len(out) - len(w) + 1:] == w[:-1])]
+        out, got = r.token_ids[r.num_prompt_tokens:], list(self.always)
+        for n, table in self.after.items():
+            if len(out) >= n:
+                got += table.get(tuple(out[-n:]), ())
+        return got

@@ -10,7 +10,7 @@ from starlette.responses import JSONResponse, Response
 
 from llmserve.engine_client import EngineClient
 from llmserve.limits import check_request
-from llmserve.request import SamplingParams
+from llmserve.request import MAX_BAD_WORDS, SamplingParams
 from llmserve.server.answer import ChatAnswer, CompletionAnswer, dumps
 from llmserve.server.errors import ApiError, bad_request
 from llmserve.server.protocol import ChatRequest, CompletionRequest, openapi, parse, sampling_defaults, validate
@@ -69,6 +69,8 @@ def _bad_words(tok, words: list[str]) -> list[list[int]]:
     """Each bad word's token ids, alone and after a space (vLLM's rule: both spellings are banned)."""
     if tok is None:
         raise bad_request("bad_words needs a tokenizer and this server has none", "bad_words")
+    if len(words) > MAX_BAD_WORDS:  # (before tokenizing them all on the event loop)
+        raise bad_request(f"bad_words may hold at most {MAX_BAD_WORDS} words, got {len(words)}", "bad_words")
     seqs = {tuple(tok.encode(p + w, add_special_tokens=False)) for w in words for p in ("", " ") if w.strip()}
     return [list(s) for s in seqs if s]
 

@@ -311,3 +311,17 @@ def test_a_process_that_exits_while_the_vocabulary_builds_exits_cleanly(tmp_path
     for _ in range(4):
         r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
         assert r.returncode == 0, (r.returncode, r.stderr[-2000:])
+
+
+@settings(max_examples=200, deadline=None, derandomize=True)
+@given(words=st.lists(st.lists(st.integers(0, 5), min_size=1, max_size=4), max_size=12),
+       out=st.lists(st.integers(0, 5), max_size=8))
+def test_bad_words_ban_what_the_rule_says(words, out):
+    """The indexed bad words ban what vLLM's rule does: the last token of each word whose others end the output."""
+    from types import SimpleNamespace
+
+    from llmserve.constraints import _BadWords
+
+    r = SimpleNamespace(token_ids=[9, 9] + out, num_prompt_tokens=2)
+    rule = {w[-1] for w in words if len(w) == 1 or (len(out) >= len(w) - 1 and out[len(out) - len(w) + 1:] == w[:-1])}
+    assert set(_BadWords(words).banned(r)) == rule

@@ -28,6 +28,10 @@ def srv():
     ({"prompt": ["ab"] * 5000, "n": 128, "max_tokens": 1}, "prompt"),
     ({"prompt": ["ab"] * 17, "max_tokens": 1}, "prompt"),
     ({"prompt": ["ab"] * 8, "n": 5, "max_tokens": 1}, "n"),
+    # lists every token of the request is checked against
+    ({"prompt": "hi", "stop": [f"s{i}" for i in range(257)]}, "stop"),
+    ({"prompt": "hi", "stop_token_ids": list(range(257))}, "stop_token_ids"),
+    ({"prompt": "hi", "bad_words": [f"w{i}" for i in range(1025)]}, "bad_words"),
 ])
 def test_unbounded_work_is_a_400_naming_the_field(srv, body, param):
     r = httpx.post(srv.url + "/v1/completions", json=body, timeout=30)
