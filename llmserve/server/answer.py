@@ -7,6 +7,7 @@ and stream loops. CompletionAnswer and ChatAnswer hold only how their choices lo
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 import uuid
@@ -42,6 +43,7 @@ class _Choice:
     num_cached: int = 0  # prompt tokens served from the prefix cache
 
 
+_BIG_ANSWER = 16_384  # tokens × (1 + logprobs): a larger whole answer is built off the event loop
 PING_SECONDS = 15  # a quiet stream's keep-alive comment (": ping - <time>"), for proxies that drop idle connections
 
 
@@ -83,7 +85,10 @@ class Answer:
                                 headers={"Cache-Control": "no-cache"})
         if await until_answered(request.receive, gen, self._fold_all(gen, batch)) is GONE:
             return Response(status_code=499)
-        return Response(dumps(self.body()), media_type="application/json")
+        if self.usage()["completion_tokens"] * (1 + (self.sp.logprobs or 0)) < _BIG_ANSWER:
+            return Response(dumps(self.body()), media_type="application/json")
+        # many long choices with logprobs: megabytes, built in a worker thread while the streams flow on
+        return Response(await asyncio.to_thread(lambda: dumps(self.body())), media_type="application/json")
 
     def body(self) -> dict[str, Any]:
         """The whole answer's JSON body, once every choice has ended."""

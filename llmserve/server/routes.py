@@ -31,7 +31,10 @@ async def admit(request: Request, model) -> tuple[ServerState, EngineClient, Any
     req, sp = await off_loop_if(len(body) > _BIG_BODY, parse, model, body, request.url.path,
                                  st.model.generation_defaults)
     st.check_model(req.model)
-    check_fan_out(st, len(req.prompts) if isinstance(req, CompletionRequest) else 1, sp.n)
+    prompts = len(req.prompts) if isinstance(req, CompletionRequest) else 1
+    check_fan_out(st, prompts, sp.n)
+    if sp.logprobs is not None and not req.stream:
+        check_logprob_entries(prompts * sp.n * (sp.max_tokens or st.model.max_model_len) * (1 + sp.logprobs))
     if req.bad_words:
         sp.bad_words_token_ids = _bad_words(st.model.tokenizer, req.bad_words)
     if sp.structured is not None or sp.allowed_token_ids is not None:
@@ -63,6 +66,18 @@ def check_fan_out(st: ServerState, prompts: int, n: int, param: str = "prompt") 
         raise bad_request(f"{prompts} prompts × n={n} is {prompts * n} sequences; the limit is {limit} "
                           "(server.max_sequences_per_request, server.max_waiting_requests)", "n")
     st.check_room(prompts * n)
+
+
+# logprob entries (tokens × (1 + top logprobs)) an answer that is not streamed may hold: n = 128 choices of 4000
+# tokens with 20 alternatives each made a 660 MB body and held 5 GB while it was built
+MAX_LOGPROB_ENTRIES = 1 << 21
+
+
+def check_logprob_entries(entries: int) -> None:
+    """A 400 naming logprobs when a whole answer could hold more than MAX_LOGPROB_ENTRIES (streamed, none piles up)."""
+    if entries > MAX_LOGPROB_ENTRIES:
+        raise bad_request(f"this answer could hold {entries} logprob entries (prompts × n × max_tokens × (1 + "
+                          f"logprobs)); the limit is {MAX_LOGPROB_ENTRIES}: stream it, or ask for fewer", "logprobs")
 
 
 def _bad_words(tok, words: list[str]) -> list[list[int]]:

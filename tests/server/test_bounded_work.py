@@ -32,6 +32,8 @@ def srv():
     ({"prompt": "hi", "stop": [f"s{i}" for i in range(257)]}, "stop"),
     ({"prompt": "hi", "stop_token_ids": list(range(257))}, "stop_token_ids"),
     ({"prompt": "hi", "bad_words": [f"w{i}" for i in range(1025)]}, "bad_words"),
+    # a whole answer of 32 × 4000 tokens × 21 logprobs: hundreds of MB (streamed, nothing piles up)
+    ({"prompt": "hi", "n": 32, "logprobs": 20, "max_tokens": 4000}, "logprobs"),
 ])
 def test_unbounded_work_is_a_400_naming_the_field(srv, body, param):
     r = httpx.post(srv.url + "/v1/completions", json=body, timeout=30)
@@ -106,6 +108,19 @@ def test_a_big_body_is_parsed_off_the_event_loop_and_rejected_by_length_first(sr
     loop_thread = threads[1]  # the small body is parsed on the event loop's thread
     assert threads[0] != loop_thread
     assert checked and set(checked) == {3}  # the huge prompt's ids were never scanned: its length rejected it
+
+
+def test_a_big_whole_answer_is_built_off_the_event_loop(srv, monkeypatch):
+    from llmserve.server import answer
+
+    threads = []
+    dumps = answer.dumps
+    monkeypatch.setattr(answer, "dumps", lambda d: threads.append(threading.current_thread().name) or dumps(d))
+    body = {"prompt": "hi", "n": 16, "logprobs": 5, "max_tokens": 300, "ignore_eos": True}  # 16 × 300 × 6 entries
+    for b in (body, {"prompt": "hi", "max_tokens": 3}):
+        assert httpx.post(srv.url + "/v1/completions", json=b, timeout=60).status_code == 200
+    big, small = threads
+    assert big != small  # the small one on the event loop's thread
 
 
 def test_stats_and_metrics_pollers_share_a_snapshot(srv, monkeypatch):
