@@ -188,6 +188,9 @@ class _Request(_Model):
         if k > max_model_len:
             raise bad_request(f"truncate_prompt_tokens ({k}) exceeds the context length ({max_model_len})",
                               "truncate_prompt_tokens")
+        if k == -1 and (max_tokens or 1) >= max_model_len:
+            raise bad_request(f"max_tokens ({max_tokens}) leaves no room for a prompt in the context length "
+                              f"({max_model_len})", "max_tokens")
         return ids[-(max_model_len - (max_tokens or 1) if k == -1 else k):]
 
     def _sampling(self, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None = None,

@@ -9,10 +9,11 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from llmserve.engine_client import EngineClient
+from llmserve.errors import InvalidRequestError
 from llmserve.limits import check_request
 from llmserve.request import MAX_BAD_WORDS, SamplingParams
 from llmserve.server.answer import ChatAnswer, CompletionAnswer, dumps
-from llmserve.server.errors import ApiError, bad_request
+from llmserve.server.errors import ApiError, bad_request, map_error
 from llmserve.server.protocol import ChatRequest, CompletionRequest, openapi, parse, sampling_defaults, validate
 from llmserve.server.state import ServerState
 
@@ -38,8 +39,13 @@ async def admit(request: Request, model) -> tuple[ServerState, EngineClient, Any
     if req.bad_words:
         sp.bad_words_token_ids = _bad_words(st.model.tokenizer, req.bad_words)
     if sp.structured is not None or sp.allowed_token_ids is not None:
-        # compiled off the event loop (a large schema takes a while), cached for the engine's own check
-        await asyncio.to_thread(st.model.constraints.check, sp)
+        # compiled off the event loop (a large schema takes a while), cached for the engine's own check; a bad one
+        # named in the body's own fields (a route plugin's body served as a chat body says how: its renamed())
+        try:
+            await asyncio.to_thread(st.model.constraints.check, sp)
+        except InvalidRequestError as e:
+            rename = getattr(req, "renamed", None)
+            raise (rename(map_error(e)) if rename else e) from None
     return st, client, req, sp
 
 

@@ -15,7 +15,7 @@ from typing import Annotated, Any, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, PrivateAttr, Tag, ValidationError
 
 from llmserve.request import SamplingParams
-from llmserve.server.errors import bad_request
+from llmserve.server.errors import ApiError, bad_request
 from llmserve.server.protocol import ChatRequest, Int
 
 
@@ -281,6 +281,14 @@ class MessagesRequest(CountTokensRequest):
         """The chat request this body became in sampling()."""
         assert self._chat is not None, "sampling() builds it"
         return self._chat
+
+    @staticmethod
+    def renamed(err: ApiError) -> ApiError:
+        """A grammar error of the chat request this body is served as, in this body's names (admit() asks)."""
+        err.param = {"response_format.json_schema.schema": "output_config.format.schema"}.get(err.param, err.param)
+        if err.param and err.param.startswith("tools[") and err.param.endswith("].function.parameters"):
+            err.param = err.param.removesuffix(".function.parameters") + ".input_schema"
+        return err
 
     def sampling(self, defaults: dict[str, Any] | None = None) -> SamplingParams:
         """The SamplingParams of this body, through the chat request it is (the chat endpoint's rules and defaults)."""

@@ -132,6 +132,10 @@ class ResponsesRequest(_Model):
         """vLLM's field, which this API does not have (admit() asks every body)."""
         return None
 
+    def renamed(self, err: ApiError) -> ApiError:
+        """An error of the chat request this body is served as, in this body's names (admit() asks every body)."""
+        return _renamed(err)
+
     def sampling(self, defaults: dict[str, Any] | None = None) -> SamplingParams:
         """The SamplingParams of the chat request this body is served as (with no earlier response yet)."""
         self._check()

@@ -45,6 +45,9 @@ def test_truncate_prompt_tokens_keeps_the_last_tokens(fake_server):
     for k, status in ((513, 400), (0, 400)):
         resp = httpx.post(fake_server.url + "/v1/completions", json={"prompt": "x", "truncate_prompt_tokens": k})
         assert resp.status_code == status and resp.json()["error"]["param"] == "truncate_prompt_tokens"
+    resp = httpx.post(fake_server.url + "/v1/completions",  # -1 with max_tokens that leaves no room: said so
+                      json={"prompt": "x", "truncate_prompt_tokens": -1, "max_tokens": 5000})
+    assert resp.status_code == 400 and resp.json()["error"]["param"] == "max_tokens", resp.text
 
 
 def test_return_tokens_as_token_ids_names_tokens_by_id(fake_server):

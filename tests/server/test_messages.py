@@ -286,6 +286,12 @@ def test_bad_bodies_are_400s_in_anthropics_shape(qwen, body, says):
         assert err["error"]["type"] == "invalid_request_error" and says in err["error"]["message"], err
 
 
+def test_a_schema_the_grammar_engine_refuses_is_named_in_anthropics_fields(qwen):
+    body = TEXT | {"output_config": {"format": {"type": "json_schema", "schema": {"$ref": "#/nowhere"}}}}
+    r = httpx.post(qwen.url + "/v1/messages", headers={"x-api-key": KEY}, json=body, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["message"].startswith("output_config.format.schema: "), r.text
+
+
 def test_other_errors_in_anthropics_shape(qwen):
     r = httpx.post(qwen.url + "/v1/messages", headers={"x-api-key": KEY}, content=b"x" * ((1 << 20) + 1))
     assert r.status_code == 413 and r.json()["error"]["type"] == "request_too_large"

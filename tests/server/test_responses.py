@@ -215,6 +215,8 @@ BAD = [
     ({"input": "x", "text": {"format": {"type": "json_schema", "name": "w", "strict": True,
                                         "schema": {"type": "object"}}}}, "text.format.schema"),
     ({"input": "x", "text": {"format": {"type": "yaml"}}}, "text.format.type"),
+    ({"input": "x", "text": {"format": {"type": "json_schema", "name": "w",  # the grammar engine's refusal
+                                        "schema": {"$ref": "#/nowhere"}}}}, "text.format.schema"),
     ({"input": "x", "max_output_tokens": 0}, "max_output_tokens"),
     ({"input": "x", "max_output_tokens": 10 ** 30}, "max_output_tokens"),
     ({"input": "x", "temperature": -1}, "temperature"), ({"input": "x", "top_p": "1"}, "top_p"),
