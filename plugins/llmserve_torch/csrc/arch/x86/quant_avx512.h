@@ -204,14 +204,24 @@ void tile_rows(const Block<F>& b, const Split& a, int r0, int K, U* y, int64_t y
       __m512i s[P];
       for (int p = 0; p < P; ++p) s[p] = _mm512_set1_epi32(-F::kCentre * (p ? a.qs1[at] : a.qs0[at]));
       if (a.narrow) {
-        // two chains where the parts share one (P == 1): eight dependent vpdpbusd a row were its latency's bound
+        // two chains where the parts share one (P == 1): eight dependent vpdpbusd a row were its latency's bound;
+        // four in blocks of 8 rows with plain scales (Q4_1, Q5_1), where the registers hold them
         __m512i t = P > 1 ? s[P - 1] : _mm512_setzero_si512();
-        for (int c = 0; c < 4; ++c)
-          s[0] = dot4<F::kBits>(s[0], lo[c], l + 4 * c), t = dot4<F::kBits>(t, hi[c], l + 16 + 4 * c);
-        if (P > 1)
-          s[P - 1] = t;
-        else
-          s[0] = _mm512_add_epi32(s[0], t);
+        if (P == 1 && RB <= 8 && !F::kSup) {
+          __m512i u0 = _mm512_setzero_si512(), u1 = _mm512_setzero_si512();
+          for (int c = 0; c < 4; c += 2) {
+            s[0] = dot4<F::kBits>(s[0], lo[c], l + 4 * c), t = dot4<F::kBits>(t, hi[c], l + 16 + 4 * c);
+            u0 = dot4<F::kBits>(u0, lo[c + 1], l + 4 * c + 4), u1 = dot4<F::kBits>(u1, hi[c + 1], l + 20 + 4 * c);
+          }
+          s[0] = _mm512_add_epi32(_mm512_add_epi32(s[0], u0), _mm512_add_epi32(t, u1));
+        } else {
+          for (int c = 0; c < 4; ++c)
+            s[0] = dot4<F::kBits>(s[0], lo[c], l + 4 * c), t = dot4<F::kBits>(t, hi[c], l + 16 + 4 * c);
+          if (P > 1)
+            s[P - 1] = t;
+          else
+            s[0] = _mm512_add_epi32(s[0], t);
+        }
       } else {
         // four chains where the parts share two (P == 1), as the narrow sums above
         __m512i sh[2] = {_mm512_setzero_si512(), _mm512_setzero_si512()};
