@@ -179,6 +179,8 @@ class CountTokensRequest(_Body):
             out.append({"role": "system",
                         "content": self.system if isinstance(self.system, str) else _text(self.system, "system")})
         for i, m in enumerate(self.messages):
+            if not m.content and not isinstance(m.content, str):  # (an empty list would leave no message at all)
+                raise bad_request(f"messages[{i}].content must hold at least one block", f"messages[{i}].content")
             if isinstance(m.content, str):
                 out.append({"role": m.role, "content": m.content})
             elif m.role == "user":

@@ -251,6 +251,7 @@ BAD = [
     (TEXT | {"tools": [{"name": "f"}]}, "tools[0].input_schema"),
     (TEXT | {"tools": [{"name": "f", "input_schema": {"type": "string"}}]}, "tools[0].input_schema"),
     (TEXT | {"tools": [{"type": "web_search_20250305", "name": "web_search"}]}, "web_search_20250305"),
+    (TEXT | {"messages": [{"role": "user", "content": []}]}, "messages[0].content must hold at least one block"),
     (TEXT | {"tools": TOOLS, "tool_choice": {"type": "tool"}}, "tool_choice.name"),
     (TEXT | {"tools": TOOLS, "tool_choice": {"type": "tool", "name": "nope"}},
      "tool_choice.name: tool_choice names the tool 'nope'"),  # Anthropic's field, not the chat's
