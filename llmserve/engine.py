@@ -28,7 +28,7 @@ from llmserve.batch import ModelOutput, SchedulerOutput
 from llmserve.config import EngineConfig, config_from_dict
 from llmserve.constraints import Constraints
 from llmserve.detokenize import IncrementalDetokenizer
-from llmserve.errors import BackendUnavailableError, InvalidRequestError, PluginError
+from llmserve.errors import BackendLostError, BackendUnavailableError, InvalidRequestError, PluginError
 from llmserve.interfaces import MetricSink, ModelBackend, Scheduler, Tokenizer
 from llmserve.limits import check_prompt
 from llmserve.metrics import MetricsCollector, RequestMetrics, StepMetrics
@@ -456,6 +456,8 @@ class Engine:
         only those and return the parts that ran (one request's bad parameters never fail another's)."""
         try:
             return [(batch, self.backend.execute(batch))]
+        except BackendLostError:  # no step can run any more: the engine loop stops the engine
+            raise
         except BackendUnavailableError as e:  # no sequence's fault: halving would only call a dead backend again
             for sr in batch.requests:
                 r = self._seqs.get(sr.request_id)

@@ -18,7 +18,7 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
-from llmserve.errors import EngineDeadError
+from llmserve.errors import BackendLostError, EngineDeadError
 from llmserve.request import FinishReason, PoolingParams, RequestOutput, SamplingParams
 from llmserve.threads import ENGINE_THREAD_NAME, name_os_thread, warn_if_foreign_pool
 
@@ -171,6 +171,11 @@ class EngineLoop:
                     continue
                 try:
                     out = eng.step()
+                except BackendLostError as e:  # nothing can run until a restart: say so once, and stop
+                    log.error("%s; the engine stops (its requests fail with 503 and /health says so)", e)
+                    self.dead = e
+                    self.outbox.fail_all(EngineDeadError(str(e)))
+                    break
                 except Exception as e:
                     # the engine itself failed (the backend's failures are handled inside step()
                     # and fail only that batch); fail every request in flight, keep serving

@@ -18,6 +18,11 @@ class BackendUnavailableError(LLMServeError):
     a retry may succeed once it answers again."""
 
 
+class BackendLostError(LLMServeError):
+    """The backend lost state the engine relies on (a remote worker restarted, or another server took it over):
+    the engine stops, its requests fail with 503 and /health says why, until the server is restarted."""
+
+
 class PluginError(LLMServeError):
     """A plugin failed to load, or two plugins registered the same component name."""
 

@@ -232,7 +232,8 @@ async def health(request: Request) -> Response:
         body = {"status": "error", "error": st.load_error} if st.load_error else {"status": "loading"}
         return JSONResponse(body, status_code=503)
     if not st.client.running:
-        return JSONResponse({"status": "stopped"}, status_code=503)
+        dead = getattr(st.client, "dead", None)  # why it stopped, where the client knows
+        return JSONResponse({"status": "stopped"} | ({"error": str(dead)} if dead else {}), status_code=503)
     return JSONResponse({"status": "ok"})
 
 

@@ -10,11 +10,11 @@ import grpc
 
 from llmserve.batch import ModelOutput, SchedulerOutput
 from llmserve.config import EngineConfig, ModelConfig, check_options
-from llmserve.errors import BackendUnavailableError, ConfigError, LLMServeError
+from llmserve.errors import BackendLostError, BackendUnavailableError, ConfigError, LLMServeError
 from llmserve.interfaces import ModelBackend
 from llmserve_grpc import worker_pb2 as pb
 from llmserve_grpc import worker_pb2_grpc as pb_grpc
-from llmserve_grpc.contract import PROTOCOL, batch_to_proto, output_from_proto
+from llmserve_grpc.contract import NO_SESSION, PROTOCOL, batch_to_proto, output_from_proto
 
 log = logging.getLogger("llmserve.grpc")
 
@@ -35,6 +35,10 @@ class WorkerError(LLMServeError):
 
 class WorkerUnavailable(WorkerError, BackendUnavailableError):
     """The worker is unreachable or silent: the step's requests fail with 503 (a retry may find it back)."""
+
+
+class WorkerLost(WorkerError, BackendLostError):
+    """The worker no longer holds this server's KV cache: what the scheduler believes computed is gone there."""
 
 
 class GrpcBackend(ModelBackend):
@@ -96,6 +100,10 @@ class GrpcBackend(ModelBackend):
                 why = f"the llmserve worker at {self.address} is unreachable ({details})"
             elif code == grpc.StatusCode.DEADLINE_EXCEEDED:
                 why = f"the llmserve worker at {self.address} did not answer within {timeout:g} s"
+            elif code == grpc.StatusCode.FAILED_PRECONDITION and details.startswith(NO_SESSION):
+                # it restarted, or another server initialised it: every KV block (prefix cache too) is gone there
+                raise WorkerLost(f"the llmserve worker at {self.address} lost this server's KV cache ({details})") \
+                    from None
             else:  # it answered: the engine logs the failed sequences with this message
                 raise WorkerError(f"the llmserve worker at {self.address} answered {code.name}: {details}") from None
             if not self._down:  # once per outage: every sequence of a failed step reports it too

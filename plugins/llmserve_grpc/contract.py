@@ -10,10 +10,14 @@ import numpy as np
 
 from llmserve.batch import ModelOutput, ScheduledRequest, SchedulerOutput
 from llmserve.interfaces import ModelBackend
+from llmserve.pooling import POOLING_TYPES
 from llmserve.request import Logprob, SamplingParams
 from llmserve_grpc import worker_pb2 as pb
 
 PROTOCOL = 1  # bump when a change to worker.proto means an older peer would misread it
+# how a worker's FAILED_PRECONDITION begins when it no longer holds the calling server's KV cache (it restarted, or
+# another server initialised it): the server's engine then stops until it is restarted (BackendLostError)
+NO_SESSION = "this worker has no KV cache"
 
 # SamplingParams fields the server keeps to itself (stops, fan-out, text, constraints: the bitmask carries those);
 # every other field travels in pb.Sampling (tests/grpc/test_contract.py holds the two lists to the dataclass)
@@ -105,8 +109,18 @@ class SequenceTokens:
 def batch_from_proto(msg: pb.Batch, tokens: SequenceTokens, vocab_size: int) -> SchedulerOutput:
     """The SchedulerOutput a hosted backend executes; ValueError naming what is malformed."""
     tokens.drop(msg.finished_request_ids)
-    reqs = []
+    reqs, seen = [], set()
     for s in msg.requests:
+        # what the server checked for its own requests, checked again: a worker answers whoever reaches its port
+        if s.request_id in seen:
+            raise ValueError(f"sequence {s.request_id!r} appears twice in the batch")
+        seen.add(s.request_id)
+        if s.new_token_ids and (min(s.new_token_ids) < 0 or max(s.new_token_ids) >= vocab_size):
+            raise ValueError(f"sequence {s.request_id!r}: a token id outside the vocabulary [0, {vocab_size})")
+        if s.pooling and s.pooling not in POOLING_TYPES:
+            raise ValueError(f"sequence {s.request_id!r}: pooling {s.pooling!r} is not one of {sorted(POOLING_TYPES)}")
+        sampling = sampling_from_proto(s.sampling)
+        sampling.validate()  # (InvalidRequestError is a ValueError: INVALID_ARGUMENT)
         ids = tokens.apply(s)
         if s.num_computed_tokens + s.num_new_tokens > len(ids) or s.num_prompt_tokens > len(ids):
             raise ValueError(f"sequence {s.request_id!r}: computes up to token "
@@ -114,7 +128,7 @@ def batch_from_proto(msg: pb.Batch, tokens: SequenceTokens, vocab_size: int) -> 
         reqs.append(ScheduledRequest(
             request_id=s.request_id, token_ids=ids, num_computed_tokens=s.num_computed_tokens,
             num_new_tokens=s.num_new_tokens, block_table=list(s.block_table),
-            sampling=sampling_from_proto(s.sampling), do_sample=s.do_sample, num_prompt_tokens=s.num_prompt_tokens,
+            sampling=sampling, do_sample=s.do_sample, num_prompt_tokens=s.num_prompt_tokens,
             num_output_tokens=s.num_output_tokens, pooling=s.pooling or None))
     bitmask = None
     if msg.bitmask_rows:

@@ -18,7 +18,8 @@ from llmserve.plugins import PluginSet
 from llmserve_grpc import worker_pb2 as pb
 from llmserve_grpc import worker_pb2_grpc as pb_grpc
 from llmserve_grpc.backend import CHANNEL_OPTIONS
-from llmserve_grpc.contract import PROTOCOL, SequenceTokens, batch_from_proto, model_info, output_to_proto
+from llmserve_grpc.contract import (NO_SESSION, PROTOCOL, SequenceTokens, batch_from_proto, model_info,
+                                   output_to_proto)
 
 log = logging.getLogger("llmserve.grpc")
 
@@ -73,9 +74,9 @@ class Worker(pb_grpc.ModelWorkerServicer):
         with self.lock:
             if not self.session or request.session != self.session:
                 context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                              "this worker has no KV cache for that server: it restarted, or another server "
-                              "connected since; restart the server" if self.session else
-                              "this worker has no KV cache yet (it restarted?): restart the server")
+                              f"{NO_SESSION} for that server: it restarted, or another server connected since; "
+                              "restart the server" if self.session else
+                              f"{NO_SESSION} yet (it restarted?): restart the server")
             try:
                 batch = batch_from_proto(request, self.tokens, self.backend.vocab_size)
             except LookupError as e:

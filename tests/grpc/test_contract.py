@@ -101,6 +101,13 @@ def test_the_worker_reports_its_model(worker):
      "token_bitmask"),
     (lambda m: m.bitmask_rows.append(7), grpc.StatusCode.INVALID_ARGUMENT, "token_bitmask"),
     (lambda m: m.requests[0].ClearField("block_table"), None, None),  # the fake backend reads no blocks
+    # what the server checks of its own requests, from whoever reaches the port: 2M logprobs built 27 MB, and a
+    # repeated id shrank the first's token ids after their check (an IndexError, INTERNAL)
+    (lambda m: setattr(m.requests[0].sampling, "logprobs", 2_000_000), grpc.StatusCode.INVALID_ARGUMENT, "logprobs"),
+    (lambda m: m.requests[0].new_token_ids.append(10**12), grpc.StatusCode.INVALID_ARGUMENT, "vocabulary"),
+    (lambda m: setattr(m.requests[0], "pooling", "bogus"), grpc.StatusCode.INVALID_ARGUMENT, "pooling"),
+    (lambda m: setattr(m.requests[1], "request_id", m.requests[0].request_id), grpc.StatusCode.INVALID_ARGUMENT,
+     "twice"),
 ])
 def test_a_malformed_or_stale_step_gets_a_status_that_names_it(worker, change, code, words):
     stub, session, _ = worker

@@ -144,6 +144,35 @@ def test_a_fake_worker_embeds_then_dies_mid_run_and_its_requests_fail_with_503(c
         proc.kill()
 
 
+def test_a_worker_that_lost_the_servers_kv_cache_stops_the_engine_with_503s(caplog):
+    # another server (or a restart) initialised the worker: the KV blocks this server's scheduler and prefix cache
+    # believe computed are gone there. Every request used to fail with a 500 and a traceback while /health said ok
+    import grpc
+    import httpx
+
+    from llmserve_grpc import worker_pb2 as pb
+    from llmserve_grpc import worker_pb2_grpc as pb_grpc
+
+    proc, address = start_worker("--backend", "fake")
+    server = start_server({"backend": {"name": "grpc", "options": {"address": address, "timeout_s": 20}},
+                           "tokenizer": {"name": "byte"}})
+    try:
+        body = {"prompt": "hi", "max_tokens": 3}
+        assert httpx.post(server.url + "/v1/completions", json=body, timeout=30).status_code == 200
+        with grpc.insecure_channel(address) as channel:
+            pb_grpc.ModelWorkerStub(channel).InitKvCache(pb.InitKvCacheRequest(num_blocks=10, block_size=16))
+        for _ in range(3):
+            r = httpx.post(server.url + "/v1/completions", json=body, timeout=30)
+            assert r.status_code == 503 and r.json()["error"]["code"] == "engine_unavailable", r.text
+        health = httpx.get(server.url + "/health", timeout=10)
+        assert health.status_code == 503 and "lost this server's KV cache" in health.json()["error"]
+        said = [r for r in caplog.records if "lost this server's KV cache" in r.getMessage()]
+        assert len(said) == 1 and not [r for r in caplog.records if r.exc_info], caplog.text  # once, no traceback
+    finally:
+        server.stop()
+        proc.kill()
+
+
 def test_constraints_reach_the_worker_as_its_mask(torch_worker):
     server, _ = torch_worker
     client = server.client(api_key="x")
