@@ -19,7 +19,7 @@ from llmserve.engine import Engine
 from llmserve.engine_client import EngineClient
 from llmserve.server import routes, tokenize, tools
 from llmserve.server.errors import EXCEPTION_HANDLERS
-from llmserve.server.middleware import ApiKeyMiddleware, RequestLogMiddleware, SizeLimitMiddleware
+from llmserve.server.middleware import ApiKeyMiddleware, RequestIdMiddleware, RequestLogMiddleware, SizeLimitMiddleware
 from llmserve.server.state import ServerState
 
 log = logging.getLogger("llmserve.server")
@@ -87,8 +87,10 @@ def create_app(config: EngineConfig, engine=None) -> Starlette:
             attaching.cancel()
             await client.shutdown(config.server.drain_timeout)
 
-    # outermost, so the line has the status and latency of a 401 or 413 too
-    middleware = [Middleware(RequestLogMiddleware)] if config.server.log_requests else []
+    # outermost, so a 401 or 413 has its id, and the line its status and latency, too
+    middleware = [Middleware(RequestIdMiddleware)]
+    if config.server.log_requests:
+        middleware.append(Middleware(RequestLogMiddleware))
     if config.server.cors_origins:
         middleware.append(Middleware(CORSMiddleware, allow_origins=list(config.server.cors_origins),
                                      allow_methods=["*"], allow_headers=["*"], allow_credentials=False))

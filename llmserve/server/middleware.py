@@ -1,5 +1,5 @@
 """Pure ASGI middleware: API-key auth on /v1/* (Bearer or x-api-key), the request's size limits (head and body),
-the per-request log line.
+the answer's x-request-id, the per-request log line.
 
 Pure ASGI (not BaseHTTPMiddleware) so streaming responses and disconnect detection pass
 through untouched.
@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import hmac
 import logging
+import re
 import time
+import uuid
 
 from starlette.datastructures import Headers
 
@@ -87,6 +89,30 @@ class SizeLimitMiddleware:
             return msg
 
         await self.app(scope, counting_receive, send)
+
+
+class RequestIdMiddleware:
+    """Every answer carries `x-request-id`, as OpenAI's do (the openai SDK reads it as `_request_id`): the client's
+    own X-Request-Id where it sent a usable one (1-128 of [A-Za-z0-9._:-]), else a new one."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        given = next((v for k, v in scope["headers"] if k == b"x-request-id"), b"")
+        header = (b"x-request-id", given if _ID.fullmatch(given) else f"req_{uuid.uuid4().hex}".encode())
+
+        async def with_id(msg):
+            if msg["type"] == "http.response.start":
+                msg = {**msg, "headers": [*msg.get("headers", ()), header]}
+            await send(msg)
+
+        await self.app(scope, receive, with_id)
+
+
+_ID = re.compile(rb"[A-Za-z0-9._:-]{1,128}")
 
 
 class RequestLogMiddleware:

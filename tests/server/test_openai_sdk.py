@@ -260,6 +260,19 @@ def test_context_length_error_names_both_numbers(client):
     assert "40000 tokens" in e3.value.body["message"]
 
 
+def test_every_answer_carries_a_request_id(client, fake_server):
+    # as OpenAI's: the SDK reads it as _request_id; a client's own usable X-Request-Id comes back
+    r = client.completions.create(model="embedded", prompt="x", max_tokens=2)
+    assert r._request_id.startswith("req_") and len(r._request_id) == 36
+    mine = {"x-request-id": "trace-42:a.b_c"}
+    for method, path, body in (("POST", "/v1/completions", {"prompt": "x", "max_tokens": 2, "stream": True}),
+                               ("POST", "/v1/completions", {"prompt": 5}), ("GET", "/health", None)):
+        r = httpx.request(method, fake_server.url + path, json=body, headers=mine, timeout=30)
+        assert r.headers["x-request-id"] == "trace-42:a.b_c", (path, r.status_code)
+    r = httpx.get(fake_server.url + "/health", headers={"x-request-id": "no spaces or\x7f"}, timeout=30)
+    assert r.headers["x-request-id"].startswith("req_")  # not echoed: a new one
+
+
 def test_unknown_model_is_404(client):
     with pytest.raises(openai.NotFoundError) as e:
         client.completions.create(model="gpt-4", prompt="x", max_tokens=2)
