@@ -8,16 +8,10 @@ it takes is then enforced as written, so no object can gain a key the schema doe
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from typing import Any
 
+from llmserve.json_schema import subschemas
 from llmserve.server.errors import bad_request
-
-# where JSON Schema keeps subschemas: a map of them, one, or a list of them
-_MAPS = ("properties", "$defs", "definitions", "patternProperties", "dependentSchemas")
-_ONE = ("items", "additionalProperties", "not", "contains", "if", "then", "else", "propertyNames", "additionalItems",
-        "unevaluatedProperties", "unevaluatedItems")
-_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems", "items")
 
 
 def check_strict(schema: Any, what: str, param: str, code: str | None = None) -> None:
@@ -48,19 +42,3 @@ def check_strict(schema: Any, what: str, param: str, code: str | None = None) ->
 def _is_object(node: dict) -> bool:
     kind = node.get("type")
     return kind == "object" or (isinstance(kind, list) and "object" in kind) or "properties" in node
-
-
-def subschemas(node: Any, context: tuple = ()) -> Iterator[tuple[tuple, dict]]:
-    """Every schema in node (itself first), each with the keys that lead to it: not the values in const, enum or
-    default, which are data."""
-    if not isinstance(node, dict):
-        return
-    yield context, node
-    for key in _MAPS:
-        for name, sub in (node.get(key) or {}).items() if isinstance(node.get(key), dict) else ():
-            yield from subschemas(sub, (*context, key, name))
-    for key in _ONE:
-        yield from subschemas(node.get(key), (*context, key))
-    for key in _LISTS:
-        for i, sub in enumerate(node[key]) if isinstance(node.get(key), list) else ():
-            yield from subschemas(sub, (*context, key, str(i)))

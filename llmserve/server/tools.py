@@ -14,10 +14,10 @@ from collections.abc import Callable
 from typing import Any
 
 from llmserve.interfaces import ReasoningParser, ToolCallDelta, ToolParser
+from llmserve.json_schema import subschemas
 from llmserve.request import StructuredOutput
 from llmserve.server.errors import bad_request
 from llmserve.server.jsoncalls import JsonCalls
-from llmserve.server.strict import subschemas
 
 
 class _Named(ToolParser):

@@ -12,6 +12,7 @@ import torch
 
 from llmserve.errors import InvalidRequestError
 from llmserve.interfaces import GrammarEngine, GrammarMatcher, Tokenizer
+from llmserve.json_schema import close_objects
 from llmserve.request import StructuredOutput
 
 # a free-form JSON object (response_format json_object)
@@ -34,8 +35,8 @@ class _Vocab:
         return self._encode(text, add_special_tokens=False)
 
 
-def to_grammar(spec: StructuredOutput, whitespace_flexible: bool) -> str:
-    """llguidance's grammar text for a constraint (not yet validated)."""
+def to_grammar(spec: StructuredOutput, whitespace_flexible: bool, open_objects: bool = False) -> str:
+    """llguidance's grammar text for a constraint (not yet validated); objects closed unless open_objects."""
     if spec.kind in ("json", "json_object"):
         try:
             schema = json.loads(spec.value if spec.kind == "json" else OBJECT_SCHEMA)
@@ -45,7 +46,7 @@ def to_grammar(spec: StructuredOutput, whitespace_flexible: bool) -> str:
             raise InvalidRequestError("the JSON schema is nested too deeply", param=spec.param) from None
         if schema is False or not isinstance(schema, (dict, bool)):
             raise InvalidRequestError("a JSON schema is an object (or true); false allows no value", param=spec.param)
-        schema = {} if schema is True else schema
+        schema = {} if schema is True else schema if open_objects else close_objects(schema)
         # compact JSON by default: a small model given free whitespace may emit it forever
         return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults={"whitespace_flexible": whitespace_flexible})
     if spec.kind == "regex":
@@ -88,14 +89,15 @@ class LLGuidanceMatcher(GrammarMatcher):
 class LLGuidanceEngine(GrammarEngine):
     """Compiles constraints to llguidance matchers over one tokenizer (built once: ~1 s for a 150k vocabulary)."""
 
-    def __init__(self, tokenizer: Tokenizer, vocab_size: int, whitespace_flexible: bool = False):
+    def __init__(self, tokenizer: Tokenizer, vocab_size: int, whitespace_flexible: bool = False,
+                 open_objects: bool = False):
         # built in a thread: it took 1.3 s of every start and only a constrained request needs it (compile() waits).
         # Not a daemon: a process that ended meanwhile would stop it inside llguidance's Rust code, where the
         # interpreter's exit (pthread_exit on retaking the GIL) unwinds through frames that cannot be unwound, a
         # segfault in one exit of two; the exit waits for it instead
         self._tokenizer = concurrent.futures.Future()
         threading.Thread(target=self._build, args=(tokenizer, vocab_size), name="llmserve-llguidance-vocab").start()
-        self.whitespace_flexible = whitespace_flexible
+        self.whitespace_flexible, self.open_objects = whitespace_flexible, open_objects
 
     def _build(self, tokenizer: Tokenizer, vocab_size: int) -> None:
         try:
@@ -112,7 +114,7 @@ class LLGuidanceEngine(GrammarEngine):
     def compile(self, spec: StructuredOutput) -> llguidance.LLMatcher:
         """A validated matcher at the grammar's start, kept as the prototype that matcher() copies."""
         try:
-            grammar = to_grammar(spec, self.whitespace_flexible)
+            grammar = to_grammar(spec, self.whitespace_flexible, self.open_objects)
         except InvalidRequestError as e:
             raise InvalidRequestError(f"{spec.param}: {e}", param=spec.param) from None
         except ValueError as e:  # llguidance's own refusal of a schema it cannot read

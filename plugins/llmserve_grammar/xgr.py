@@ -9,6 +9,7 @@ import xgrammar
 
 from llmserve.errors import InvalidRequestError
 from llmserve.interfaces import GrammarEngine, GrammarMatcher, Tokenizer
+from llmserve.json_schema import close_objects
 from llmserve.request import StructuredOutput
 from llmserve_grammar.llg import OBJECT_SCHEMA
 
@@ -26,11 +27,12 @@ GrammarMatcher.register(XGrammarMatcher)
 class XGrammarEngine(GrammarEngine):
     """Compiles constraints with xgrammar's GrammarCompiler over one tokenizer."""
 
-    def __init__(self, tokenizer: Tokenizer, vocab_size: int, whitespace_flexible: bool = False):
+    def __init__(self, tokenizer: Tokenizer, vocab_size: int, whitespace_flexible: bool = False,
+                 open_objects: bool = False):
         stop = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else None
         info = xgrammar.TokenizerInfo(tokenizer.vocab_bytes(), vocab_size=vocab_size, stop_token_ids=stop)
         self._compiler = xgrammar.GrammarCompiler(info, max_threads=2)
-        self.whitespace_flexible = whitespace_flexible
+        self.whitespace_flexible, self.open_objects = whitespace_flexible, open_objects
 
     def compile(self, spec: StructuredOutput) -> Any:
         """xgrammar's compiled grammar (its own compiler caches too)."""
@@ -38,8 +40,12 @@ class XGrammarEngine(GrammarEngine):
         try:
             if spec.kind in ("json", "json_object"):
                 # compact separators, as llguidance writes JSON when whitespace is not flexible
-                return c.compile_json_schema(spec.value if spec.kind == "json" else OBJECT_SCHEMA,
-                                             any_whitespace=self.whitespace_flexible,
+                # strict_mode (xgrammar's default) closes every object that says nothing of others, even one of no
+                # named properties; closed here as llguidance's are, so the two engines agree
+                schema = spec.value if spec.kind == "json" else OBJECT_SCHEMA
+                if not self.open_objects:
+                    schema = json.dumps(close_objects(json.loads(schema)))
+                return c.compile_json_schema(schema, any_whitespace=self.whitespace_flexible, strict_mode=False,
                                              separators=None if self.whitespace_flexible else (",", ":"))
             if spec.kind == "regex":
                 return c.compile_regex(spec.value)

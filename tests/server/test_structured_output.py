@@ -176,12 +176,39 @@ def test_a_strict_schema_allows_no_key_it_does_not_name(echo):
                                                 "max_tokens": 50, "response_format": fmt})
         return r.json()["choices"][0]["message"]["content"] if r.status_code == 200 else r.json()["error"]
 
-    assert said(strict_format(OPEN, strict=False)) == '{"a":1,"b":2}'  # JSON Schema's objects are open
+    # an object that names its properties takes no others unless it says so (llama.cpp's and xgrammar's rule)
+    assert said(strict_format(OPEN, strict=False)) == '{"a":1}'
+    assert said(strict_format(OPEN | {"additionalProperties": True}, strict=False)) == '{"a":1,"b":2}'
     assert said(strict_format(OPEN | {"additionalProperties": False})) == '{"a":1}'  # the extra key: impossible
     err = said(strict_format(OPEN))  # OpenAI refuses an open object in strict mode, as this server does
     assert err == {"message": "Invalid schema for response_format 'pair': In context=(), 'additionalProperties' is "
                               "required to be supplied and to be false.", "type": "invalid_request_error",
                    "param": "response_format.json_schema.schema", "code": None}
+
+
+def test_open_objects_follows_json_schemas_rule():
+    s = start_server(ECHO | {"structured_output": {"options": {"open_objects": True}}}, extra_plugins=[EchoPlugin()])
+    try:
+        r = post(s, "/v1/chat/completions", {"messages": [{"role": "user", "content": script('{"a":1,"b":2}')}],
+                                             "max_tokens": 50, "response_format": strict_format(OPEN, strict=False)})
+        assert r.json()["choices"][0]["message"]["content"] == '{"a":1,"b":2}'
+    finally:
+        s.stop()
+
+
+def test_close_objects_closes_only_objects_that_name_their_properties():
+    from llmserve.json_schema import close_objects
+
+    schema = {"type": "object", "properties": {"p": {"type": "object", "properties": {"x": {}}},
+                                               "any": {"type": "object"}, "pat": {"patternProperties": {"^a": {}}},
+                                               "list": {"items": {"properties": {"y": {}}}}},
+              "$defs": {"d": {"properties": {"z": {}}, "additionalProperties": True}}}
+    closed = close_objects(schema)
+    assert closed["additionalProperties"] is False and closed["properties"]["p"]["additionalProperties"] is False
+    assert closed["properties"]["list"]["items"]["additionalProperties"] is False
+    assert "additionalProperties" not in closed["properties"]["any"]  # no named properties: any object
+    assert "additionalProperties" not in closed["properties"]["pat"]
+    assert closed["$defs"]["d"]["additionalProperties"] is True  # said so: kept
 
 
 CLOSED = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"], "additionalProperties": False}
