@@ -61,7 +61,7 @@ class EngineLoop:
         self.idle_timeout = idle_timeout  # an idle loop wakes this often anyway (a safety net)
         self.dead: BaseException | None = None  # why the loop stopped, if it crashed or the build failed
         self.num_steps = 0
-        self.num_added = 0  # sequences added so far (an engine process reports it: its client's backpressure)
+        self.seqs_added = 0  # sequences added so far (an engine process reports it: its client's backpressure)
         self._cv = threading.Condition()
         self._cmds: list[tuple[str, Any]] = []
         self._stop = False
@@ -211,7 +211,7 @@ class EngineLoop:
         eng = self.engine
         if kind == "add":
             rid, prompt, params, priority, salt, arrival, pooling = arg
-            self.num_added += params.n
+            self.seqs_added += params.n
             try:
                 eng.add_request(prompt, params, request_id=rid, priority=priority, arrival_time=arrival,
                                 cache_salt=salt, pooling=pooling)

@@ -108,9 +108,9 @@ class ProcessEngine:
         self._call_ids = itertools.count()
         self._calls_lock = threading.Lock()  # the event loop adds calls, the receiving thread resolves them
         self._calls_closed = False  # the child is gone: a call fails at once rather than wait forever
-        # (num_waiting, adds applied, steps) as of the child's latest message, replaced whole (never torn)
+        # (num_waiting, sequences added, steps) as of the child's latest message, replaced whole (never torn)
         self._reported = (0, 0, 0)
-        self._adds_sent = 0
+        self._seqs_sent = 0
         self._bound = threading.Event()  # the event loop is known: `serve` starts this before uvicorn's loop exists
 
     def start(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
@@ -145,8 +145,8 @@ class ProcessEngine:
     @property
     def num_waiting(self) -> int:
         """Sequences waiting in the child, as it last reported, plus those sent since."""
-        waiting, adds_seen, _ = self._reported
-        return waiting + self._adds_sent - adds_seen
+        waiting, seqs_seen, _ = self._reported
+        return waiting + self._seqs_sent - seqs_seen
 
     @property
     def pid(self) -> int | None:
@@ -171,7 +171,7 @@ class ProcessEngine:
         if self.loop is None or not self.running:
             raise EngineDeadError(f"the engine is not running{f': {self.dead}' if self.dead else ''}")
         stream = self.streams.open(request_id, params.n, self.loop)
-        self._adds_sent += params.n  # sequences, as the child's num_added counts them
+        self._seqs_sent += params.n
         self._commands.put(("add", (stream.request_id, list(prompt_token_ids), params, priority, cache_salt,
                                      time.perf_counter(), pooling)))
         return stream
@@ -422,7 +422,7 @@ class PipeOutbox:
     def _post(self, name: str | None, *args: Any) -> None:
         core = self.core
         self.conn.send(("post", name, args, self.events.take(),
-                        (core.engine.num_waiting, core.num_added, core.num_steps)))
+                        (core.engine.num_waiting, core.seqs_added, core.num_steps)))
 
     def send_built(self, fut: concurrent.futures.Future) -> None:
         """The engine is built (its facts, for the server's ServingModel) or why it is not; its sink forwards here."""

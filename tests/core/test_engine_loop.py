@@ -60,7 +60,7 @@ def test_outputs_refusals_and_calls_cross_the_outbox_and_stop_ends_the_loop():
             assert out.ended.wait_for(lambda: len(out.tokens.get("a", [])) == 6 and "bad" in out.failed, 10)
         assert isinstance(out.failed["bad"], InvalidRequestError)
         assert loop.call(lambda e: loop.num_live).result(10) == 0  # "a" finished: nothing left to recover
-        assert loop.num_added == 2 and loop.num_steps >= 6 and out.idles >= 1 and loop.running
+        assert loop.seqs_added == 2 and loop.num_steps >= 6 and out.idles >= 1 and loop.running
     finally:
         loop.stop()
         loop.join(10)
