@@ -284,6 +284,9 @@ class TorchBackend(ModelBackend):
                 self.stack.int8_rows = rows = self.options["int8_decode_rows"]
                 if 0 < rows <= self.stack.max_rows:
                     self.stack_note += f"; int8 activations in batches of {rows}+ decodes"
+                    if kernel_library.amx(kernel_library.load()):
+                        self.stack_note += (f" ({max(rows, kernel_library.AMX_MIN_ROWS)}+: bf16 on AMX tiles, "
+                                            "the weights dequantized as they are read)")
                 self.forwards = Forwards(self.stack.max_forwards, self.stack.head_rows)  # (decode_ahead's rows)
             plan = self.loaded.kernels
             if plan is not None and plan.pending and self.tuner is None:

@@ -148,11 +148,14 @@ class Variant:
 
 _V3 = frozenset({"avx2", "fma", "f16c", "bmi1", "bmi2", "movbe"})  # x86-64-v3: Haswell, Zen 1, Alder Lake on
 _V4 = _V3 | {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"}  # x86-64-v4: Skylake-X on, Zen 4 on
-# per machine architecture, best first: each level the kernels have a path for (AVX-512 tiles with VNNI and BF16,
-# without them, AVX2 tiles with AVX-VNNI and without, scalar; NEON with and without the dot product)
+# per machine architecture, best first: each level the kernels have a path for (AVX-512 tiles with VNNI and BF16 and
+# AMX's for many rows, without AMX, without VNNI and BF16, AVX2 tiles with AVX-VNNI and without, scalar; NEON with and
+# without the dot product)
+_VNNI_BF16 = ("-mavx512vnni", "-mavx512bf16")
 VARIANTS = {
-    "x86_64": (Variant("avx512-vnni-bf16", "x86-64-v4", ("-mavx512vnni", "-mavx512bf16"),
-                       _V4 | {"avx512_vnni", "avx512_bf16"}),
+    "x86_64": (Variant("avx512-amx", "x86-64-v4", (*_VNNI_BF16, "-mamx-tile", "-mamx-bf16"),
+                       _V4 | {"avx512_vnni", "avx512_bf16", "amx_tile", "amx_bf16"}),
+               Variant("avx512-vnni-bf16", "x86-64-v4", _VNNI_BF16, _V4 | {"avx512_vnni", "avx512_bf16"}),
                Variant("avx512-vnni", "x86-64-v4", ("-mavx512vnni",), _V4 | {"avx512_vnni"}),
                Variant("avx512", "x86-64-v4", (), _V4),
                Variant("avx2-vnni", "x86-64-v3", ("-mavxvnni",), _V3 | {"avx_vnni"}),
@@ -308,7 +311,16 @@ def describe() -> dict:
         lib = load()
     except RuntimeError as e:
         return {"unavailable": str(e), "instead": WITHOUT}
-    return {"build": _build, "isa": lib.llmserve_quant_isa().decode(), "file": Path(lib._name).name}
+    return {"build": _build, "isa": lib.llmserve_quant_isa().decode(), "file": Path(lib._name).name,
+            "amx_rows": AMX_MIN_ROWS if amx(lib) else None}
+
+
+AMX_MIN_ROWS = api().limits["AMX_MIN_ROWS"]  # the fewest decodes in a step whose matmuls AMX runs
+
+
+def amx(lib: ctypes.CDLL) -> bool:
+    """Whether a batch of many decodes runs its quantized matmuls in bf16 on AMX tiles (csrc/arch/x86/quant_amx.h)."""
+    return lib.llmserve_quant_amx(-1) == 1
 
 
 def unavailable() -> str | None:

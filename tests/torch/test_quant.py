@@ -336,10 +336,20 @@ def _check_narrow(lib, qw, packed, x: torch.Tensor, wide: torch.Tensor, isa: str
         assert torch.equal(half[: rows // 2], y[: rows // 2]) and torch.equal(half[rows // 2:], wide[rows // 2:])
 
 
-def test_the_loaded_librarys_narrow_path_holds_int8_roundings_bound():
-    """This machine's own build (the one the server runs, e.g. AVX-512 with vpdpbusd), narrow in every format."""
+@pytest.fixture
+def int8_narrow():
+    """This machine's own library with AMX's bf16 form of narrow rows turned off (where it has one), so many narrow
+    rows round to int8 as on a CPU without AMX; turned back on after."""
     lib = kernel_library.load()
-    assert lib is not None, "the kernel library did not build here"
+    had = lib.llmserve_quant_amx(-1)
+    lib.llmserve_quant_amx(0)
+    yield lib
+    lib.llmserve_quant_amx(had)
+
+
+def test_the_loaded_librarys_narrow_path_holds_int8_roundings_bound(int8_narrow):
+    """This machine's own build (the one the server runs, e.g. AVX-512 with vpdpbusd), narrow in every format."""
+    lib = int8_narrow
     isa = lib.llmserve_quant_isa().decode()
     rows, n, k = 16, 40, 512
     x = torch.randn(rows, k)
@@ -350,6 +360,50 @@ def test_the_loaded_librarys_narrow_path_holds_int8_roundings_bound():
         lib.llmserve_quant_matmul(quant.weight_format(qw), x.data_ptr(), k, rows, packed.data_ptr(), wide.data_ptr(),
                                   n, n, k, 4, 4, 2, 0)
         _check_narrow(lib, qw, packed, x, wide, isa)
+
+
+def test_many_narrow_rows_run_in_bf16_on_amx_tiles():
+    """Where the CPU has AMX, LLMSERVE_AMX_MIN_ROWS or more narrow rows (a batch of many decodes) in every format are
+    bf16(x) · bf16(w)ᵀ summed in float32 (w as QuantWeight.dequantize holds it), at every remainder of the tiles'
+    blocks of 16 and 64 rows, a padded last tile, float32 and bf16 activations; fewer narrow rows, and the same rows
+    with AMX turned off, are the int8 path's."""
+    lib = kernel_library.load()
+    if not lib.llmserve_quant_amx(-1):
+        pytest.skip("this CPU (or its OS) has no AMX tiles: narrow rows round to int8 here")
+    low = kernel_library.AMX_MIN_ROWS
+    for rows, n, k in [(low, 40, 256), (low + 1, 37, 576), (40, 16, 256), (64, 24, 512), (65, 40, 256),
+                       (130, 21, 1280)]:
+        for dtype in DTYPES:
+            x = torch.randn(rows, k).to(dtype)
+            xb = x.bfloat16().float()
+            for name, qw in _group_weights(n, k, rows).items():
+                qw = quant.kernel_form(qw)
+                packed, fmt = quant.pack_own(qw), quant.weight_format(qw)
+                wb = _as_packed(qw).dequantize().bfloat16().float()
+                for out in DTYPES if dtype == torch.bfloat16 else [torch.float32]:
+                    y = torch.full((rows, n), float("nan"), dtype=out)
+                    lib.llmserve_quant_matmul(fmt, x.data_ptr(), k, rows, packed.data_ptr(), y.data_ptr(), n, n, k,
+                                              x.element_size(), y.element_size(), 2, rows)
+                    want = F.linear(xb, wb)
+                    slack = 1e-5 * (xb.abs() @ wb.abs().T) + (want.abs() / 256 if out == torch.bfloat16 else 0)
+                    assert ((y.float() - want).abs() <= slack).all(), (name, rows, n, k, dtype, out)
+            lib.llmserve_quant_amx(0)
+            try:  # the int8 path: other sums, and the same ones below the row count with AMX on
+                int8 = torch.full((rows, n), float("nan"))
+                lib.llmserve_quant_matmul(fmt, x.data_ptr(), k, rows, packed.data_ptr(), int8.data_ptr(), n, n, k,
+                                          x.element_size(), 4, 2, rows)
+                few = torch.full((low - 1, n), float("nan"))
+                lib.llmserve_quant_matmul(fmt, x.data_ptr(), k, low - 1, packed.data_ptr(), few.data_ptr(), n, n, k,
+                                          x.element_size(), 4, 2, low - 1)
+            finally:
+                assert lib.llmserve_quant_amx(1) == 1
+            amx = torch.full((rows, n), float("nan"))
+            lib.llmserve_quant_matmul(fmt, x.data_ptr(), k, rows, packed.data_ptr(), amx.data_ptr(), n, n, k,
+                                      x.element_size(), 4, 2, rows)
+            again = torch.full((low - 1, n), float("nan"))
+            lib.llmserve_quant_matmul(fmt, x.data_ptr(), k, low - 1, packed.data_ptr(), again.data_ptr(), n, n, k,
+                                      x.element_size(), 4, 2, low - 1)
+            assert not torch.equal(amx, int8) and torch.equal(again, few), (rows, n, k, dtype)
 
 
 @pytest.mark.parametrize("march", MARCHES)

@@ -31,6 +31,8 @@ extern "C" {
  * (llmserve_quant_format's code, which has this bit set) */
 #define LLMSERVE_KIND_INT8_ROWS 8
 #define LLMSERVE_GROUP_FORMAT 0x100
+/* The fewest narrow rows of a quantized matmul that run on AMX tiles, where the build and the OS have them */
+#define LLMSERVE_AMX_MIN_ROWS 16
 /* Bytes of the state llmserve_model.balance points to (the caller's zeroed buffer, kept between calls) */
 #define LLMSERVE_BALANCE_BYTES 192
 
@@ -137,9 +139,14 @@ LLMSERVE_API int llmserve_decode_layers(const struct llmserve_model* m, const st
 /* y = x · W^T for a group format (quant_matmul.cpp). x: [rows, K] float32 (elem_size 4) or bf16 (2), row stride xs;
  * K a multiple of 32; w as pack_own lays it out for llmserve_quant_tile(); y: [rows, N], float32 (out_size 4) or
  * bf16 (2, with bf16 x). x's rows [0, narrow) rounded to int8 per group of 32, not int16, where this build's tiles
- * have int8 products for the format (llmserve_quant_narrow); the rest int16 */
+ * have int8 products for the format (llmserve_quant_narrow), or where there are LLMSERVE_AMX_MIN_ROWS of them or more
+ * and llmserve_quant_amx says so, computed in bf16 on AMX tiles; the rest int16 */
 LLMSERVE_API void llmserve_quant_matmul(int fmt, const void* x, int64_t xs, int rows, const uint8_t* w, void* y,
                                         int64_t ys, int N, int K, int elem_size, int out_size, int th, int narrow);
+/* 1 where llmserve_quant_matmul's narrow rows, LLMSERVE_AMX_MIN_ROWS or more, run in bf16 on AMX tiles (the weights
+ * dequantized to bf16, the products summed in float32) instead of int8, else 0; want 0 turns that off, 1 on where the
+ * build and the OS have the tiles, -1 only asks */
+LLMSERVE_API int llmserve_quant_amx(int want);
 /* 1 where llmserve_quant_matmul's narrow rounds activations to int8 for format fmt on this build, else 0 */
 LLMSERVE_API int llmserve_quant_narrow(int fmt);
 /* Rows ids[0, rows) of an [N, K] weight in group format fmt (as pack_own lays it out), dequantized into y [rows, K]

@@ -24,6 +24,10 @@
 #if defined(__AVX512BW__)
 #include "arch/x86/quant_avx512.h"
 #include "quant_tiles.h"
+#if defined(__AMX_BF16__) && defined(__AMX_TILE__) && defined(__AVX512BF16__) && defined(__linux__)
+#define QUANT_AMX 1
+#include "arch/x86/quant_amx.h"
+#endif
 #elif defined(__AVX2__)
 #include "arch/x86/quant_avx2.h"
 #include "quant_tiles.h"
@@ -123,6 +127,11 @@ void team_quant_matmul(const Team& tm, int fmt, const void* x, int64_t xs, int r
   auto pass = [&](auto xt, auto yt, int r0, int n, bool int8) {
     if (n > 0)
       with_format(fmt, [&](auto f) {
+#if defined(QUANT_AMX)
+        // many narrow rows: bf16 on AMX tiles, where the products bind the step (quant_amx.h)
+        if (int8 && n >= kAmxRows && amx_on())
+          return amx_matmul<decltype(f)>(tm, xt + r0 * xs, xs, n, w, yt + r0 * ys, ys, N, K);
+#endif
         group_matmul<decltype(f)>(tm, xt + r0 * xs, xs, n, w, yt + r0 * ys, ys, N, K, int8);
       });
   };
@@ -158,6 +167,18 @@ const char* llmserve_quant_isa() {
   return "neon";
 #else
   return "scalar";
+#endif
+}
+
+// Whether a call's narrow rows, LLMSERVE_AMX_MIN_ROWS or more, run in bf16 on AMX tiles: where the build has them and
+// Linux grants the process their state; want 0 turns them off, 1 back on, -1 only asks
+int llmserve_quant_amx(int want) {
+#if defined(QUANT_AMX)
+  if (want >= 0) amx_wanted().store(want != 0);
+  return amx_on() ? 1 : 0;
+#else
+  (void)want;
+  return 0;
 #endif
 }
 
