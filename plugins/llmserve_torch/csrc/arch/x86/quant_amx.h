@@ -35,19 +35,18 @@ inline bool amx_granted() {
 }
 inline bool amx_on() { return amx_wanted().load(std::memory_order_relaxed) && amx_granted(); }
 
-// Tiles 0-3: float32 sums of four blocks of 16 rows against the tile's 16 outputs; 4 and 6: two blocks of rows of x
-// (bf16, 32 inputs: one group), taken in turn so a load need not wait for the product before it; 5: the weights' group
-// (16 pairs of inputs by 16 outputs). The configuration is loaded at each call: torch's oneDNN loads its own on the same
-// threads
-inline void amx_configure() {
-  struct alignas(64) {
-    uint8_t palette = 1, start_row = 0, reserved[14] = {};
-    uint16_t colsb[16] = {};
-    uint8_t rows[16] = {};
-  } cfg;
-  for (int t = 0; t < 7; ++t) cfg.colsb[t] = 64, cfg.rows[t] = 16;
-  _tile_loadconfig(&cfg);
-}
+// Tiles 0-3: float32 sums of four blocks of 16 rows against the tile's 16 outputs; 4, 6 and 7: blocks of rows of x
+// (bf16, 32 inputs: one group), taken in turn so a load need not wait for the product that reads the tile before it;
+// 5: the weights' group (16 pairs of inputs by 16 outputs). Every tile 16 rows of 64 bytes. The configuration is a
+// constant in memory (one built on the stack can be optimized away by the compiler: llama.cpp's tiles crashed so), and
+// loaded at each call: torch's oneDNN loads its own on the same threads
+struct alignas(64) AmxConfig {
+  uint8_t palette, start_row, reserved[14];
+  uint16_t colsb[16];
+  uint8_t rows[16];
+};
+inline constexpr AmxConfig kAmxConfig = {1, 0, {}, {64, 64, 64, 64, 64, 64, 64, 64}, {16, 16, 16, 16, 16, 16, 16, 16}};
+inline void amx_configure() { _tile_loadconfig(&kAmxConfig); }
 
 // Group g of a tile as tdpbf16ps's second operand: row k2 holds, for output r in 32-bit lane r, the bf16 pair of inputs
 // 2 * k2 and 2 * k2 + 1. unpack_tile's lo[c] (hi[c]) lane r holds inputs 4c..4c+3 (16 + 4c..) of output r: byte j of
@@ -145,12 +144,12 @@ void amx_rows(const Block<F>& b, const uint16_t* xa, int m0, int rows, int K, ui
       _tile_dpbf16ps(1, 6, 5);
     }
     if (MT > 2) {
-      _tile_loadd(4, xg + 2 * next, 64);
-      _tile_dpbf16ps(2, 4, 5);
+      _tile_loadd(7, xg + 2 * next, 64);
+      _tile_dpbf16ps(2, 7, 5);
     }
     if (MT > 3) {
-      _tile_loadd(6, xg + 3 * next, 64);
-      _tile_dpbf16ps(3, 6, 5);
+      _tile_loadd(4, xg + 3 * next, 64);
+      _tile_dpbf16ps(3, 4, 5);
     }
   }
   alignas(64) float out[4][16 * 16];
