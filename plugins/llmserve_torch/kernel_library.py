@@ -298,6 +298,8 @@ def load() -> ctypes.CDLL:
             found = None if os.environ.get("LLMSERVE_KERNEL_MARCH") else _prebuilt()
             path, build = found or _compiled()
             _lib, _build = bind(ctypes.CDLL(str(path))), build
+            if os.environ.get("LLMSERVE_AMX") == "0":  # int8 products for many decodes too (an A/B, a suspect)
+                _lib.llmserve_quant_amx(0)
             return _lib
         except (OSError, RuntimeError, AttributeError, subprocess.SubprocessError) as e:
             _error = f"llmserve's CPU kernel library could not be built ({e})"

@@ -183,6 +183,13 @@ def test_the_fused_call_times_its_kernels_when_asked(llama_dir):
     assert (timed.stack.stage_us > 0).all() and untimed.stack.stage_us is None
 
 
+def amx_note(rows: int) -> str:
+    """What the stack's note adds where this CPU runs a batch of that many decodes on AMX tiles."""
+    if not kernel_library.amx(kernel_library.load()):
+        return ""
+    return f" ({rows}+: bf16 on AMX tiles, the weights dequantized as they are read)"
+
+
 def test_without_dense_copies_it_covers_what_a_step_can_hold(qwen2_dir):
     """quant_rows above any step: no dense copy is kept, the quantized kernels take every step, and so does the
     stack, up to the scheduler's token budget (512 here), with buffers sized by the steps it sees."""
@@ -190,7 +197,7 @@ def test_without_dense_copies_it_covers_what_a_step_can_hold(qwen2_dir):
     opts = {"fuse_layers": "auto", "quant_rows": 100_000}
     fused = make_backend(str(path), quantization="int4", options=opts)
     plain = make_backend(str(path), quantization="int4", options={**opts, "fuse_layers": "off"})
-    assert fused.describe()["fused_layers"] == "up to 512 rows; int8 activations in batches of 16+ decodes"
+    assert fused.describe()["fused_layers"] == "up to 512 rows; int8 activations in batches of 16+ decodes" + amx_note(16)
     g = torch.Generator().manual_seed(3)
     ids = torch.randint(0, 200, (40,), generator=g).tolist()
     got, want = (b.compute_logits(batch_of([Driver(b).request("a", ids, 0, 40)])) for b in (fused, plain))
@@ -205,7 +212,7 @@ def test_a_steps_many_decodes_round_activations_to_int8_and_a_prompt_never(qwen2
     opts = {"fuse_layers": "auto", "quant_rows": 100_000}
     narrow = make_backend(str(path), quantization="int4", options={**opts, "int8_decode_rows": 6})
     wide = make_backend(str(path), quantization="int4", options={**opts, "int8_decode_rows": 0})
-    assert narrow.describe()["fused_layers"] == "up to 512 rows; int8 activations in batches of 6+ decodes"
+    assert narrow.describe()["fused_layers"] == "up to 512 rows; int8 activations in batches of 6+ decodes" + amx_note(16)
     assert wide.describe()["fused_layers"] == "up to 512 rows"
 
     def run(b, n):  # n prompts of 8 tokens in one step; one decode of each beside a new prompt's 8 tokens

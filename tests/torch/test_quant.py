@@ -6,9 +6,12 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import json
+import os
 import platform
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -404,6 +407,16 @@ def test_many_narrow_rows_run_in_bf16_on_amx_tiles():
             lib.llmserve_quant_matmul(fmt, x.data_ptr(), k, low - 1, packed.data_ptr(), again.data_ptr(), n, n, k,
                                       x.element_size(), 4, 2, low - 1)
             assert not torch.equal(amx, int8) and torch.equal(again, few), (rows, n, k, dtype)
+
+
+def test_llmserve_amx_0_keeps_many_decodes_on_the_int8_products():
+    """LLMSERVE_AMX=0 turns the AMX path off for the process (/stats: amx_rows null); unset, a process reports what
+    this one does."""
+    ask = "import json; from llmserve_torch import kernel_library as k; print(json.dumps(k.describe()['amx_rows']))"
+    env = {k: v for k, v in os.environ.items() if k != "LLMSERVE_AMX"}
+    rows = [json.loads(subprocess.run([sys.executable, "-c", ask], env={**env, **extra}, check=True,
+                                      capture_output=True, text=True).stdout) for extra in ({"LLMSERVE_AMX": "0"}, {})]
+    assert rows == [None, kernel_library.describe()["amx_rows"]]
 
 
 @pytest.mark.parametrize("march", MARCHES)
