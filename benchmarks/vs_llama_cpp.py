@@ -92,7 +92,24 @@ BUILDS: dict[str, tuple[str, str, list[str]]] = {
              ["-DGGML_NATIVE=OFF", "-DGGML_SSE42=ON", "-DGGML_AVX=ON", "-DGGML_AVX2=ON", "-DGGML_FMA=ON",
               "-DGGML_F16C=ON", "-DGGML_BMI2=ON", "-DGGML_AVX512=OFF", "-DGGML_AVX512_VBMI=OFF",
               "-DGGML_AVX512_VNNI=OFF", "-DGGML_AVX512_BF16=OFF", "-DGGML_AVX_VNNI=OFF"]),
+    # the native build's instruction sets less AMX, what "native" means on a CPU with AMX tiles: the pinned
+    # llama.cpp's AMX matmul dies with SIGILL at its first tilezero (its tile configuration, built on the stack, is
+    # not loaded on every thread; ggml-org/llama.cpp#26954), so llama-server would crash on the first decode
+    "noamx": ("build-noamx", "BUILT-noamx",
+              ["-DGGML_NATIVE=OFF", "-DGGML_SSE42=ON", "-DGGML_AVX=ON", "-DGGML_AVX2=ON", "-DGGML_FMA=ON",
+               "-DGGML_F16C=ON", "-DGGML_BMI2=ON", "-DGGML_AVX512=ON", "-DGGML_AVX512_VBMI=ON",
+               "-DGGML_AVX512_VNNI=ON", "-DGGML_AVX512_BF16=ON", "-DGGML_AVX_VNNI=ON", "-DGGML_AMX_TILE=OFF",
+               "-DGGML_AMX_INT8=OFF", "-DGGML_AMX_BF16=OFF"]),
 }
+
+
+def native_variant() -> str:
+    """The build that runs as this CPU would natively: "noamx" where the CPU has AMX tiles (BUILDS says why)."""
+    try:
+        flags = next(ln for ln in Path("/proc/cpuinfo").read_text().splitlines() if ln.startswith("flags")).split()
+    except (OSError, StopIteration):
+        return "native"
+    return "noamx" if "amx_tile" in flags else "native"
 # the llmserve server's environment under --avx2-only (recorded in the report's machine section)
 # oneDNN (torch's bf16/fp32 GEMMs) picks its ISA itself and ignores ATEN_CPU_CAPABILITY: capped to AVX2 too
 AVX2_ENV = {"LLMSERVE_KERNEL_MARCH": "x86-64-v3", "ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
@@ -956,7 +973,7 @@ def main(argv: list[str] | None = None) -> int:
             if args.avx2_only:
                 log(f"--avx2-only with --llama-server: {server_bin} runs as it was built")
         else:
-            bindir = build_llama_cpp(jobs=args.jobs, variant="avx2" if args.avx2_only else "native")
+            bindir = build_llama_cpp(jobs=args.jobs, variant="avx2" if args.avx2_only else native_variant())
             server_bin, quantize = bindir / "llama-server", bindir / "llama-quantize"
     if args.build_only:
         print(server_bin.parent)
