@@ -282,10 +282,18 @@ class TorchBackend(ModelBackend):
                                                       kernel_library.load(), max(sc.max_num_batched_tokens, sc.max_num_seqs))
             if self.stack is not None:  # greedy tokens fed back inside the one call
                 self.stack.int8_rows = rows = self.options["int8_decode_rows"]
-                if 0 < rows <= self.stack.max_rows:
+                amx = kernel_library.amx(kernel_library.load())
+                tiles = kernel_library.AMX_MIN_ROWS
+                amx = amx and tiles <= self.stack.max_rows
+                if self.dtype == torch.bfloat16 and amx:  # bf16 activations: every call of many rows on the tiles
+                    self.stack_note += (f"; steps of {tiles}+ rows (prompts too) in bf16 on AMX tiles, the weights "
+                                        "dequantized as they are read")
+                    if 0 < rows < tiles:
+                        self.stack_note += f"; int8 activations in smaller steps of {rows}+ decodes"
+                elif 0 < rows <= self.stack.max_rows:
                     self.stack_note += f"; int8 activations in batches of {rows}+ decodes"
-                    if kernel_library.amx(kernel_library.load()):
-                        self.stack_note += (f" ({max(rows, kernel_library.AMX_MIN_ROWS)}+: bf16 on AMX tiles, "
+                    if amx:
+                        self.stack_note += (f" ({max(rows, tiles)}+: bf16 on AMX tiles, "
                                             "the weights dequantized as they are read)")
                 self.forwards = Forwards(self.stack.max_forwards, self.stack.head_rows)  # (decode_ahead's rows)
             plan = self.loaded.kernels

@@ -317,11 +317,11 @@ def describe() -> dict:
             "amx_rows": AMX_MIN_ROWS if amx(lib) else None}
 
 
-AMX_MIN_ROWS = api().limits["AMX_MIN_ROWS"]  # the fewest decodes in a step whose matmuls AMX runs
+AMX_MIN_ROWS = api().limits["AMX_MIN_ROWS"]  # the fewest decodes (a bf16 model's rows) in a step AMX runs
 
 
 def amx(lib: ctypes.CDLL) -> bool:
-    """Whether a batch of many decodes runs its quantized matmuls in bf16 on AMX tiles (csrc/arch/x86/quant_amx.h)."""
+    """Whether a batch of many decodes (and a bf16 model's prompt) runs its quantized matmuls in bf16 on AMX tiles."""
     return lib.llmserve_quant_amx(-1) == 1
 
 

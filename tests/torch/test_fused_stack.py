@@ -204,6 +204,37 @@ def test_without_dense_copies_it_covers_what_a_step_can_hold(qwen2_dir):
     assert torch.equal(got, want) and fused.stack._rows == 40
 
 
+def test_a_bf16_models_prompt_of_many_rows_runs_on_amx_tiles(qwen2_dir):
+    """Where the CPU has AMX, a bf16 model's steps of 16+ rows, a prompt's among them, run the quantized linears in
+    bf16 on the tiles (the note says so): logits other than the int16 products' with the tiles off, and as close to
+    the model's as bf16's rounding allows; a prompt of fewer rows takes the int16 products either way."""
+    if not kernel_library.amx(kernel_library.load()):
+        pytest.skip("this CPU (or its OS) has no AMX tiles: a prompt's rows take int16 here")
+    path, _ = qwen2_dir
+    b = make_backend(str(path), dtype="bfloat16", quantization="int4",
+                     options={"fuse_layers": "auto", "quant_rows": 100_000})
+    tiles = kernel_library.AMX_MIN_ROWS
+    assert b.describe()["fused_layers"] == (f"up to 512 rows; steps of {tiles}+ rows (prompts too) in bf16 on AMX "
+                                            "tiles, the weights dequantized as they are read")
+    lib, g = kernel_library.load(), torch.Generator().manual_seed(4)
+
+    def prompt(n):
+        ids = torch.randint(0, 200, (n,), generator=g).tolist()
+        on = b.compute_logits(batch_of([Driver(b, seed=n).request("a", ids, 0, n)]))
+        lib.llmserve_quant_amx(0)
+        try:
+            off = b.compute_logits(batch_of([Driver(b, seed=n).request("a", ids, 0, n)]))
+        finally:
+            assert lib.llmserve_quant_amx(1) == 1
+        return on, off
+
+    on, off = prompt(tiles + 4)
+    assert not torch.equal(on, off)
+    torch.testing.assert_close(on, off, atol=0.05 * off.abs().max().item(), rtol=0)
+    on, off = prompt(tiles - 4)
+    assert torch.equal(on, off)
+
+
 def test_a_steps_many_decodes_round_activations_to_int8_and_a_prompt_never(qwen2_dir):
     """int8_decode_rows: where a step has that many decodes, their rows (listed first) run the group kernels on int8
     activations: close to int16's logits, not equal, where this build has the int8 products. Fewer decodes, and

@@ -409,6 +409,44 @@ def test_many_narrow_rows_run_in_bf16_on_amx_tiles():
             assert not torch.equal(amx, int8) and torch.equal(again, few), (rows, n, k, dtype)
 
 
+def test_a_prompts_bf16_rows_run_on_amx_tiles_too():
+    """With bf16 activations a call of LLMSERVE_AMX_MIN_ROWS rows or more runs on the tiles whatever its narrow rows
+    (a prompt's rows are as bound by their products as many decodes): the same sums as all rows narrow, not the
+    int16 path's; float32 activations keep a prompt's rows on int16, and fewer rows stay off the tiles."""
+    lib = kernel_library.load()
+    if not lib.llmserve_quant_amx(-1):
+        pytest.skip("this CPU (or its OS) has no AMX tiles: a prompt's rows take int16 here")
+    low, n, k = kernel_library.AMX_MIN_ROWS, 40, 512
+    qw = quant.kernel_form(_group_weights(n, k, 5)["Q4_K"])
+    packed, fmt = quant.pack_own(qw), quant.weight_format(qw)
+
+    def call(x, rows, narrow):
+        y = torch.full((rows, n), float("nan"))
+        lib.llmserve_quant_matmul(fmt, x.data_ptr(), k, rows, packed.data_ptr(), y.data_ptr(), n, n, k,
+                                  x.element_size(), 4, 2, narrow)
+        return y
+
+    for rows in (low, 70):
+        x = torch.randn(rows, k).bfloat16()
+        tiles = call(x, rows, rows)
+        assert torch.equal(call(x, rows, 0), tiles) and torch.equal(call(x, rows, rows // 2), tiles), rows
+        lib.llmserve_quant_amx(0)
+        try:
+            int16 = call(x, rows, 0)
+        finally:
+            assert lib.llmserve_quant_amx(1) == 1
+        assert not torch.equal(int16, tiles), rows
+        xf = x.float()  # the same values as float32: a prompt's rows on int16, as with the tiles off
+        assert torch.equal(call(xf, rows, 0), int16), rows
+    few = torch.randn(low - 1, k).bfloat16()
+    lib.llmserve_quant_amx(0)
+    try:
+        off = call(few, low - 1, 0)
+    finally:
+        assert lib.llmserve_quant_amx(1) == 1
+    assert torch.equal(call(few, low - 1, 0), off)
+
+
 def test_llmserve_amx_0_keeps_many_decodes_on_the_int8_products():
     """LLMSERVE_AMX=0 turns the AMX path off for the process (/stats: amx_rows null); unset, a process reports what
     this one does."""

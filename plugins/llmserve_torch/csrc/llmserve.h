@@ -140,10 +140,12 @@ LLMSERVE_API int llmserve_decode_layers(const struct llmserve_model* m, const st
  * K a multiple of 32; w as pack_own lays it out for llmserve_quant_tile(); y: [rows, N], float32 (out_size 4) or
  * bf16 (2, with bf16 x). x's rows [0, narrow) rounded to int8 per group of 32, not int16, where this build's tiles
  * have int8 products for the format (llmserve_quant_narrow), or where there are LLMSERVE_AMX_MIN_ROWS of them or more
- * and llmserve_quant_amx says so, computed in bf16 on AMX tiles; the rest int16 */
+ * and llmserve_quant_amx says so, computed in bf16 on AMX tiles; the rest int16. With bf16 x (elem_size 2) and
+ * llmserve_quant_amx on, a call of LLMSERVE_AMX_MIN_ROWS rows or more runs every row on the tiles, narrow or not */
 LLMSERVE_API void llmserve_quant_matmul(int fmt, const void* x, int64_t xs, int rows, const uint8_t* w, void* y,
                                         int64_t ys, int N, int K, int elem_size, int out_size, int th, int narrow);
-/* 1 where llmserve_quant_matmul's narrow rows, LLMSERVE_AMX_MIN_ROWS or more, run in bf16 on AMX tiles (the weights
+/* 1 where llmserve_quant_matmul's narrow rows, LLMSERVE_AMX_MIN_ROWS or more (any such call's rows with bf16
+ * activations), run in bf16 on AMX tiles (the weights
  * dequantized to bf16, the products summed in float32) instead of int8, else 0; want 0 turns that off, 1 on where the
  * build and the OS have the tiles, -1 only asks */
 LLMSERVE_API int llmserve_quant_amx(int want);

@@ -11,7 +11,8 @@
 // Not int8 as llama.cpp's Q8_1: SmolLM2's activations have outliers, a group's small values then round to zero, and
 // greedy answers changed with a prefix-cache hit (the last prompt rows taking this kernel instead of the dense copy).
 // Only a large batch of decodes asks for int8 (narrow, kQMax8): there the products bind the step, and int8 halves
-// them (a prompt never does, so the KV cache and a prefix-cache hit are int16's).
+// them (a prompt never does, so the KV cache and a prefix-cache hit are int16's). Where the CPU has AMX, many rows run
+// in bf16 on its tiles instead (quant_amx.h): narrow ones, and with bf16 activations every row of a call of many.
 //
 // Plain C ABI, loaded with ctypes together with the other CPU kernels (one library).
 
@@ -122,13 +123,28 @@ int64_t quant_tile_bytes(int fmt, int K) {
 void team_quant_matmul(const Team& tm, int fmt, const void* x, int64_t xs, int rows, const uint8_t* w, void* y,
                        int64_t ys, int N, int K, int elem_size, int out_size, int narrow) {
   narrow = narrow < 0 ? 0 : narrow > rows ? rows : narrow;
+#if defined(QUANT_AMX)
+  // bf16 activations lose nothing on the tiles (they take bf16 as it is), so then a call of many rows, a prompt's
+  // among them, is one pass there whatever narrow says: a prompt's rows are bound by their products as a big batch
+  // of decodes is
+  if (elem_size == 2 && rows >= kAmxRows && amx_on()) {
+    with_format(fmt, [&](auto f) {
+      const auto* xt = static_cast<const uint16_t*>(x);
+      if (out_size == 4)
+        amx_matmul<decltype(f)>(tm, xt, xs, rows, w, static_cast<float*>(y), ys, N, K);
+      else
+        amx_matmul<decltype(f)>(tm, xt, xs, rows, w, static_cast<uint16_t*>(y), ys, N, K);
+    });
+    return;
+  }
+#endif
   // rows [0, narrow) and [narrow, rows) as two passes over this member's tiles (no barrier: the same outputs'
   // columns); the weights are read twice, little beside the products of the many rows narrow is for
   auto pass = [&](auto xt, auto yt, int r0, int n, bool int8) {
     if (n > 0)
       with_format(fmt, [&](auto f) {
 #if defined(QUANT_AMX)
-        // many narrow rows: bf16 on AMX tiles, where the products bind the step (quant_amx.h)
+        // many narrow rows of float32 activations: bf16 on AMX tiles, where the products bind the step (quant_amx.h)
         if (int8 && n >= kAmxRows && amx_on())
           return amx_matmul<decltype(f)>(tm, xt + r0 * xs, xs, n, w, yt + r0 * ys, ys, N, K);
 #endif

@@ -1,6 +1,7 @@
 // The group kernel's many-row form on AMX tiles (quant_matmul.cpp includes it, after the AVX-512 path, where the
-// build has AMX-BF16: Intel Xeon from Sapphire Rapids on). A batch of many decodes (the narrow rows) is bound by its
-// integer products on the AVX-512 path: each row meets each group of each tile in eight vpdpbusd. Here a tile's group
+// build has AMX-BF16: Intel Xeon from Sapphire Rapids on). A batch of many decodes (the narrow rows), and a prompt's
+// rows, are bound by their integer products on the AVX-512 path: each row meets each group of each tile in eight
+// vpdpbusd (sixteen for a prompt's int16, one per byte). Here a tile's group
 // is dequantized once, with AVX-512, into bfloat16 (w = q * scale + offset, the value QuantWeight.dequantize holds,
 // rounded to bf16 as a bf16 model's dense weight is), and 16 rows at a time meet it in one tdpbf16ps, which sums the
 // products in float32 across every group: no activation is rounded to int8, no per-group sum leaves the tile.
