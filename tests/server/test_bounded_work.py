@@ -79,15 +79,23 @@ def test_admission_counts_the_request_own_sequences():
 def test_concurrent_requests_of_many_sequences_stay_within_the_queue():
     # each request is 4 prompts × n = 16 = 64 sequences; the queue holds 128, and one sequence runs at a time: two
     # are admitted. Queued requests used to count one sequence each (and held n > 1 groups none), so most got in
-    cfg = FAKE | {"backend": {"name": "fake", "options": {"step_cost_s": 0.01}},
+    # A request takes ≥ 64 × 3 steps × 20 ms ≈ 4 s, and all eight are sent at once (clients made before the barrier,
+    # since making one can take a second on a loaded CI machine): none can arrive after the first has finished
+    cfg = FAKE | {"backend": {"name": "fake", "options": {"step_cost_s": 0.02}},
                   "scheduler": {"max_num_seqs": 1, "max_num_batched_tokens": 64},
                   "server": {"max_waiting_requests": 128, "max_sequences_per_request": 64}}
     s = start_server(cfg)
     body = {"prompt": ["a longer prompt of more than one block"] * 4, "n": 16, "max_tokens": 2, "ignore_eos": True}
+    ready = threading.Barrier(8)
+
+    def post(_):
+        with httpx.Client(timeout=120) as client:
+            ready.wait()
+            return client.post(s.url + "/v1/completions", json=body).status_code
+
     try:
         with concurrent.futures.ThreadPoolExecutor(8) as pool:
-            codes = list(pool.map(lambda _: httpx.post(s.url + "/v1/completions", json=body, timeout=120).status_code,
-                                  range(8)))
+            codes = list(pool.map(post, range(8)))
         assert sorted(codes) == [200] * 2 + [429] * 6, codes
     finally:
         s.stop()

@@ -374,8 +374,9 @@ def test_many_narrow_rows_run_in_bf16_on_amx_tiles():
     if not lib.llmserve_quant_amx(-1):
         pytest.skip("this CPU (or its OS) has no AMX tiles: narrow rows round to int8 here")
     low = kernel_library.AMX_MIN_ROWS
+    # past 64 rows spans of 4 tiles and chunks of 4 groups: (200, 100, 288) ends both short, and its last block at 16
     for rows, n, k in [(low, 40, 256), (low + 1, 37, 576), (40, 16, 256), (64, 24, 512), (65, 40, 256),
-                       (130, 21, 1280)]:
+                       (130, 21, 1280), (200, 100, 288)]:
         for dtype in DTYPES:
             x = torch.randn(rows, k).to(dtype)
             xb = x.bfloat16().float()
