@@ -300,6 +300,8 @@ def load() -> ctypes.CDLL:
             _lib, _build = bind(ctypes.CDLL(str(path))), build
             if os.environ.get("LLMSERVE_AMX") == "0":  # int8 products for many decodes too (an A/B, a suspect)
                 _lib.llmserve_quant_amx(0)
+            if os.environ.get("LLMSERVE_FMA") == "0":  # a prompt's rows on AVX2's integer tiles (an A/B, a suspect)
+                _lib.llmserve_quant_fma(0)
             return _lib
         except (OSError, RuntimeError, AttributeError, subprocess.SubprocessError) as e:
             _error = f"llmserve's CPU kernel library could not be built ({e})"
@@ -314,10 +316,12 @@ def describe() -> dict:
     except RuntimeError as e:
         return {"unavailable": str(e), "instead": WITHOUT}
     return {"build": _build, "isa": lib.llmserve_quant_isa().decode(), "file": Path(lib._name).name,
-            "amx_rows": AMX_MIN_ROWS if amx(lib) else None}
+            "amx_rows": AMX_MIN_ROWS if amx(lib) else None,
+            "fma_rows": FMA_MIN_ROWS if lib.llmserve_quant_fma(-1) == 1 else None}
 
 
 AMX_MIN_ROWS = api().limits["AMX_MIN_ROWS"]  # the fewest decodes (a bf16 model's rows) in a step AMX runs
+FMA_MIN_ROWS = api().limits["FMA_MIN_ROWS"]  # the fewest rows AVX2 without VNNI runs in float32 FMA on panels
 
 
 def amx(lib: ctypes.CDLL) -> bool:

@@ -36,6 +36,7 @@ from llmserve_torch.quant import (GROUP, QuantLinear, QuantWeight, cat_rows, own
                                   quantize_int8)
 
 GGUF_TYPES = tuple(GGUF_KINDS)
+FMA_MIN_ROWS = kernel_library.FMA_MIN_ROWS
 DTYPES = [torch.float32, torch.bfloat16]
 
 
@@ -314,29 +315,45 @@ MARCHES = {"x86-64": ("x86-64", (), set(), "scalar"), "x86-64-v3": ("x86-64-v3",
            "x86-64-v4": ("x86-64-v4", (), _V3 | {"avx512f", "avx512bw", "avx512vl", "avx512dq"}, "avx512bw")}
 
 
+def _on_fma(lib, qw, rows: int, narrow: bool) -> bool:
+    """Whether a call of `rows` rows (narrow ones or not) on qw runs in float32 FMA on dequantized panels in `lib`'s
+    build (AVX2 without VNNI: weights below 8 bits, narrow ones with scales per 16), not on the integer tiles."""
+    on = getattr(lib, "llmserve_quant_fma", None)
+    return bool(on and on(-1)) and rows >= FMA_MIN_ROWS and qw.bits < 8 and (not narrow or qw.half)
+
+
+def _call(lib, qw, packed, x: torch.Tensor, n: int, narrow: int) -> torch.Tensor:
+    """lib's kernel on x's rows, the first `narrow` of them narrow."""
+    x = x.contiguous()
+    rows, k = x.shape
+    y = torch.full((rows, n), float("nan"))
+    lib.llmserve_quant_matmul(quant.weight_format(qw), x.data_ptr(), k, rows, packed.data_ptr(), y.data_ptr(), n, n, k,
+                              4, 4, 2, narrow)
+    return y
+
+
 def _check_narrow(lib, qw, packed, x: torch.Tensor, wide: torch.Tensor, isa: str) -> None:
     """The kernel with narrow (int8 activations, a large batch of decodes) on the weight `packed` holds: within int8
     rounding's bound of x @ w.T where the build has int8 products for the format (every format with AVX-512 or
-    vpdpbusd, those below 8 bits with AVX2), visibly not the int16 result `wide`; elsewhere the int16 result itself."""
+    vpdpbusd, those below 8 bits with AVX2) and the rows stay on its integer tiles, visibly not the int16 result
+    `wide`; elsewhere the result without narrow itself."""
     rows, k = x.shape
     n = wide.shape[1]
-    fmt = quant.weight_format(qw)
-    y = torch.full((rows, n), float("nan"))
-    lib.llmserve_quant_matmul(fmt, x.data_ptr(), k, rows, packed.data_ptr(), y.data_ptr(), n, n, k, 4, 4, 2, rows)
+    y = _call(lib, qw, packed, x, n, rows)
     expect = isa.startswith("avx512") or isa == "avx2-vnni" or (isa == "avx2" and qw.bits < 8)
-    assert lib.llmserve_quant_narrow(fmt) == int(expect), (isa, qw.kind)
-    if not expect:
-        assert torch.equal(y, wide), (isa, qw.kind)
-        return
-    held = _as_packed(qw)
-    bound = _rounding_bound(x, held, 127) + 2e-5 * (x.abs().sum(-1, keepdim=True) * held.dequantize().abs().amax())
-    assert ((y - F.linear(x, held.dequantize())).abs() <= bound).all(), (isa, qw.kind, rows)
-    assert not torch.equal(y, wide), (isa, qw.kind)  # int8 rounding shows
-    if rows > 1:  # the first rows int8, the rest int16: each as in the call of its kind
-        half = torch.full((rows, n), float("nan"))
-        lib.llmserve_quant_matmul(fmt, x.data_ptr(), k, rows, packed.data_ptr(), half.data_ptr(), n, n, k, 4, 4, 2,
-                                  rows // 2)
-        assert torch.equal(half[: rows // 2], y[: rows // 2]) and torch.equal(half[rows // 2:], wide[rows // 2:])
+    assert lib.llmserve_quant_narrow(quant.weight_format(qw)) == int(expect), (isa, qw.kind)
+    if not expect or _on_fma(lib, qw, rows, True):
+        assert torch.equal(y, wide), (isa, qw.kind, rows)
+    else:
+        held = _as_packed(qw)
+        bound = _rounding_bound(x, held, 127) + 2e-5 * (x.abs().sum(-1, keepdim=True) * held.dequantize().abs().amax())
+        assert ((y - F.linear(x, held.dequantize())).abs() <= bound).all(), (isa, qw.kind, rows)
+        assert not torch.equal(y, wide), (isa, qw.kind)  # int8 rounding shows
+    if rows > 1:  # the first rows narrow, the rest not: each as a call of those rows alone
+        h = rows // 2
+        half = _call(lib, qw, packed, x, n, h)
+        assert torch.equal(half[:h], _call(lib, qw, packed, x[:h], n, h)), (isa, qw.kind, rows)
+        assert torch.equal(half[h:], _call(lib, qw, packed, x[h:], n, 0)), (isa, qw.kind, rows)
 
 
 @pytest.fixture
@@ -472,21 +489,39 @@ def test_every_simd_path_of_the_group_kernel_matches_the_reference(tmp_path, mon
                    check=True, capture_output=True)
     lib = ctypes.CDLL(str(so))
     for name in ("llmserve_quant_isa", "llmserve_quant_tile", "llmserve_quant_format", "llmserve_quant_bytes",
-                 "llmserve_quant_matmul", "llmserve_quant_rows", "llmserve_pack_weight", "llmserve_quant_narrow"):
+                 "llmserve_quant_matmul", "llmserve_quant_rows", "llmserve_pack_weight", "llmserve_quant_narrow",
+                 "llmserve_quant_fma"):
         getattr(lib, name).restype, getattr(lib, name).argtypes = api().functions[name]
     monkeypatch.setattr(quant, "_own_kernels", lambda: lib)
     assert lib.llmserve_quant_isa().decode() == isa
     assert lib.llmserve_quant_tile() == (16 if "avx512bw" in needs else 8 if "avx2" in needs else 1)
-    for rows, n, k in [(1, 40, 576), (2, 37, 256), (7, 96, 512), (9, 16, 1536), (27, 24, 256)]:  # 27: 16 + 8 + 3
+    # 27: 16 + 8 + 3 (and AVX2's FMA panels: 4 blocks of 6 rows and 3); 140: two of its blocks of rows (128 + 12), 9
+    # groups (a panel of 8 and one)
+    for rows, n, k in [(1, 40, 576), (2, 37, 256), (7, 96, 512), (9, 16, 1536), (27, 24, 256), (140, 21, 288)]:
         x = torch.randn(rows, k)
         for name, qw in _group_weights(n, k, rows).items():
             qw = quant.kernel_form(qw)
             packed = quant.pack_own(qw)  # kept alive while the kernel reads it
-            y = torch.full((rows, n), float("nan"))
-            lib.llmserve_quant_matmul(quant.weight_format(qw), x.data_ptr(), k, rows, packed.data_ptr(), y.data_ptr(),
-                                      n, n, k, 4, 4, 2, 0)
+            y = _call(lib, qw, packed, x, n, 0)
             held = _as_packed(qw)
-            bound = _rounding_bound(x, held) + 2e-5 * (x.abs().sum(-1, keepdim=True) * held.dequantize().abs().amax())
+            scale = x.abs().sum(-1, keepdim=True) * held.dequantize().abs().amax()
+            if _on_fma(lib, qw, rows, False):  # float32 products on FMA panels: only the sums' rounding (int16
+                # activations' is 1e-6 of the scale and more), and the integer tiles' result where they are turned off
+                want = F.linear(x.double(), held.dequantize().double())
+                assert ((y - want).abs() <= 2e-7 * scale).all(), (name, rows, n, k)
+                lib.llmserve_quant_fma(0)
+                tiles = _call(lib, qw, packed, x, n, 0)
+                lib.llmserve_quant_fma(1)
+                assert not torch.equal(tiles, y), (name, rows)
+                assert ((tiles - want).abs() <= _rounding_bound(x, held) + 2e-5 * scale).all(), (name, rows, n, k)
+                # bf16 activations widen exactly: the same sums as their float32 values', rounded to bf16 out
+                xb = x.bfloat16()
+                for out in (torch.float32, torch.bfloat16):
+                    yb = torch.full((rows, n), float("nan"), dtype=out)
+                    lib.llmserve_quant_matmul(quant.weight_format(qw), xb.data_ptr(), k, rows, packed.data_ptr(),
+                                              yb.data_ptr(), n, n, k, 2, yb.element_size(), 2, 0)
+                    assert torch.equal(yb, _call(lib, qw, packed, xb.float(), n, 0).to(out)), (name, rows, out)
+            bound = _rounding_bound(x, held) + 2e-5 * scale
             assert ((y - F.linear(x, held.dequantize())).abs() <= bound).all(), (name, rows, n, k)
             _check_narrow(lib, qw, packed, x, y, isa)
             ids = torch.arange(n - 1, -1, -1)  # every row, each position of each tile

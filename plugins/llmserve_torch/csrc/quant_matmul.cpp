@@ -32,6 +32,10 @@
 #elif defined(__AVX2__)
 #include "arch/x86/quant_avx2.h"
 #include "quant_tiles.h"
+#if !defined(QUANT_DPBUSD256)
+#define QUANT_FMA 1
+#include "arch/x86/quant_fma.h"
+#endif
 #else
 #include "quant_rows.h"
 #endif
@@ -148,6 +152,12 @@ void team_quant_matmul(const Team& tm, int fmt, const void* x, int64_t xs, int r
         if (int8 && n >= kAmxRows && amx_on())
           return amx_matmul<decltype(f)>(tm, xt + r0 * xs, xs, n, w, yt + r0 * ys, ys, N, K);
 #endif
+#if defined(QUANT_FMA)
+        // many rows of weights below 8 bits in float32 FMA on dequantized panels, where the products of int16's two
+        // bytes bind (quant_fma.h); narrow ones too with scales per 16 (fma_rows_of)
+        if (n >= kFmaRows && fma_rows_of<decltype(f)>(int8) && fma_wanted().load(std::memory_order_relaxed))
+          return fma_matmul<decltype(f)>(tm, xt + r0 * xs, xs, n, w, yt + r0 * ys, ys, N, K);
+#endif
         group_matmul<decltype(f)>(tm, xt + r0 * xs, xs, n, w, yt + r0 * ys, ys, N, K, int8);
       });
   };
@@ -192,6 +202,18 @@ int llmserve_quant_amx(int want) {
 #if defined(QUANT_AMX)
   if (want >= 0) amx_wanted().store(want != 0);
   return amx_on() ? 1 : 0;
+#else
+  (void)want;
+  return 0;
+#endif
+}
+
+// Whether a call of LLMSERVE_FMA_MIN_ROWS rows or more runs in float32 FMA on dequantized panels: where the build is
+// AVX2 without VNNI; want 0 turns that off (the integer tiles then), 1 back on, -1 only asks
+int llmserve_quant_fma(int want) {
+#if defined(QUANT_FMA)
+  if (want >= 0) fma_wanted().store(want != 0);
+  return fma_wanted().load() ? 1 : 0;
 #else
   (void)want;
   return 0;
