@@ -318,8 +318,7 @@ MARCHES = {"x86-64": ("x86-64", (), set(), "scalar"), "x86-64-v3": ("x86-64-v3",
 def _on_fma(lib, qw, rows: int, narrow: bool) -> bool:
     """Whether a call of `rows` rows (narrow ones or not) on qw runs in float32 FMA on dequantized panels in `lib`'s
     build (AVX2 without VNNI: weights below 8 bits, narrow ones with scales per 16), not on the integer tiles."""
-    on = getattr(lib, "llmserve_quant_fma", None)
-    return bool(on and on(-1)) and rows >= FMA_MIN_ROWS and qw.bits < 8 and (not narrow or qw.half)
+    return lib.llmserve_quant_fma(-1) == 1 and rows >= FMA_MIN_ROWS and qw.bits < 8 and (not narrow or qw.half)
 
 
 def _call(lib, qw, packed, x: torch.Tensor, n: int, narrow: int) -> torch.Tensor:

@@ -147,7 +147,8 @@ inline float* aligned32(std::vector<float>& v, size_t n) {
   return reinterpret_cast<float*>((at + 31) & ~static_cast<uintptr_t>(31));
 }
 
-// x as float32: itself, or bf16 widened once into this member's buffer (exact)
+// x as float32: itself, or bf16 widened once into this member's buffer (exact; each member widens every row, as
+// tile_acts quantizes them: a shared copy would need a barrier)
 inline const float* fma_acts(const float* x, int64_t& xs, int, int) { return x; }
 inline const float* fma_acts(const uint16_t* x, int64_t& xs, int rows, int K) {
   thread_local std::vector<float> a;  // grown once
