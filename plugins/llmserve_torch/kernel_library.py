@@ -300,7 +300,7 @@ def load() -> ctypes.CDLL:
             _lib, _build = bind(ctypes.CDLL(str(path))), build
             if os.environ.get("LLMSERVE_AMX") == "0":  # int8 products for many decodes too (an A/B, a suspect)
                 _lib.llmserve_quant_amx(0)
-            if os.environ.get("LLMSERVE_FMA") == "0":  # a prompt's rows on AVX2's integer tiles (an A/B, a suspect)
+            if os.environ.get("LLMSERVE_FMA") == "0":  # many rows on AVX2's integer tiles, no panels (an A/B, a suspect)
                 _lib.llmserve_quant_fma(0)
             return _lib
         except (OSError, RuntimeError, AttributeError, subprocess.SubprocessError) as e:
@@ -321,7 +321,7 @@ def describe() -> dict:
 
 
 AMX_MIN_ROWS = api().limits["AMX_MIN_ROWS"]  # the fewest decodes (a bf16 model's rows) in a step AMX runs
-FMA_MIN_ROWS = api().limits["FMA_MIN_ROWS"]  # the fewest rows AVX2 without VNNI runs in float32 FMA on panels
+FMA_MIN_ROWS = api().limits["FMA_MIN_ROWS"]  # the fewest rows AVX2 without VNNI runs on panels (float32 or bytes)
 
 
 def amx(lib: ctypes.CDLL) -> bool:

@@ -321,6 +321,12 @@ def _on_fma(lib, qw, rows: int, narrow: bool) -> bool:
     return lib.llmserve_quant_fma(-1) == 1 and rows >= FMA_MIN_ROWS and qw.bits < 8 and (not narrow or qw.half)
 
 
+def _on_byte_panels(lib, qw, rows: int) -> bool:
+    """Whether a call of `rows` narrow rows on qw meets panels of unpacked bytes in `lib`'s build (AVX2 without VNNI:
+    weights below 8 bits, scales per 32), not the integer tiles' own unpacking."""
+    return lib.llmserve_quant_fma(-1) == 1 and rows >= FMA_MIN_ROWS and qw.bits < 8 and not qw.half
+
+
 def _call(lib, qw, packed, x: torch.Tensor, n: int, narrow: int) -> torch.Tensor:
     """lib's kernel on x's rows, the first `narrow` of them narrow."""
     x = x.contiguous()
@@ -348,6 +354,12 @@ def _check_narrow(lib, qw, packed, x: torch.Tensor, wide: torch.Tensor, isa: str
         bound = _rounding_bound(x, held, 127) + 2e-5 * (x.abs().sum(-1, keepdim=True) * held.dequantize().abs().amax())
         assert ((y - F.linear(x, held.dequantize())).abs() <= bound).all(), (isa, qw.kind, rows)
         assert not torch.equal(y, wide), (isa, qw.kind)  # int8 rounding shows
+        if _on_byte_panels(lib, qw, rows):  # the tiles' exact integer sums, only scaled and summed in another order
+            lib.llmserve_quant_fma(0)
+            tiles = _call(lib, qw, packed, x, n, rows)
+            lib.llmserve_quant_fma(1)
+            tight = 1e-6 * (x.abs().sum(-1, keepdim=True) * held.dequantize().abs().amax())
+            assert ((y - tiles).abs() <= tight).all(), (isa, qw.kind, rows)
     if rows > 1:  # the first rows narrow, the rest not: each as a call of those rows alone
         h = rows // 2
         half = _call(lib, qw, packed, x, n, h)

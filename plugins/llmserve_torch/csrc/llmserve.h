@@ -33,8 +33,9 @@ extern "C" {
 #define LLMSERVE_GROUP_FORMAT 0x100
 /* The fewest narrow rows of a quantized matmul that run on AMX tiles, where the build and the OS have them */
 #define LLMSERVE_AMX_MIN_ROWS 16
-/* The fewest rows of a quantized matmul that run in float32 FMA on dequantized panels, where the build is AVX2 without
- * VNNI and the weights have fewer than 8 bits (a prompt's rows; narrow ones with scales per 16) */
+/* The fewest rows of a quantized matmul that run on panels, where the build is AVX2 without VNNI and the weights have
+ * fewer than 8 bits: a prompt's rows (and narrow ones with scales per 16) in float32 FMA on dequantized weights, other
+ * narrow rows in int8 products on unpacked bytes */
 #define LLMSERVE_FMA_MIN_ROWS 24
 /* Bytes of the state llmserve_model.balance points to (the caller's zeroed buffer, kept between calls) */
 #define LLMSERVE_BALANCE_BYTES 192
@@ -145,8 +146,8 @@ LLMSERVE_API int llmserve_decode_layers(const struct llmserve_model* m, const st
  * have int8 products for the format (llmserve_quant_narrow), or where there are LLMSERVE_AMX_MIN_ROWS of them or more
  * and llmserve_quant_amx says so, computed in bf16 on AMX tiles; the rest int16. With bf16 x (elem_size 2) and
  * llmserve_quant_amx on, a call of LLMSERVE_AMX_MIN_ROWS rows or more runs every row on the tiles, narrow or not.
- * On AVX2 without VNNI, LLMSERVE_FMA_MIN_ROWS rows or more of weights below 8 bits are not rounded: float32 products
- * (llmserve_quant_fma) */
+ * On AVX2 without VNNI, LLMSERVE_FMA_MIN_ROWS rows or more of weights below 8 bits run on panels (llmserve_quant_fma):
+ * rows not narrow are not rounded there (float32 products) */
 LLMSERVE_API void llmserve_quant_matmul(int fmt, const void* x, int64_t xs, int rows, const uint8_t* w, void* y,
                                         int64_t ys, int N, int K, int elem_size, int out_size, int th, int narrow);
 /* 1 where llmserve_quant_matmul's narrow rows, LLMSERVE_AMX_MIN_ROWS or more (any such call's rows with bf16
@@ -154,9 +155,10 @@ LLMSERVE_API void llmserve_quant_matmul(int fmt, const void* x, int64_t xs, int 
  * dequantized to bf16, the products summed in float32) instead of int8, else 0; want 0 turns that off, 1 on where the
  * build and the OS have the tiles, -1 only asks */
 LLMSERVE_API int llmserve_quant_amx(int want);
-/* 1 where llmserve_quant_matmul's calls of LLMSERVE_FMA_MIN_ROWS rows or more on weights below 8 bits (narrow ones
- * with Q6_K's scales per 16) run in float32 FMA on panels of dequantized weights (AVX2 builds without VNNI), else 0;
- * want 0 turns that off, 1 on where the build has it, -1 only asks */
+/* 1 where llmserve_quant_matmul's calls of LLMSERVE_FMA_MIN_ROWS rows or more on weights below 8 bits run on panels
+ * (AVX2 builds without VNNI): float32 FMA on dequantized weights (narrow rows too with Q6_K's scales per 16), other
+ * narrow rows' int8 products on unpacked bytes; else 0 (the integer tiles). want 0 turns that off, 1 on where the build
+ * has it, -1 only asks */
 LLMSERVE_API int llmserve_quant_fma(int want);
 /* 1 where llmserve_quant_matmul's narrow rounds activations to int8 for format fmt on this build, else 0 */
 LLMSERVE_API int llmserve_quant_narrow(int fmt);

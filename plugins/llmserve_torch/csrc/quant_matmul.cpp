@@ -35,6 +35,7 @@
 #if !defined(QUANT_DPBUSD256)
 #define QUANT_FMA 1
 #include "arch/x86/quant_fma.h"
+#include "arch/x86/quant_bytes.h"
 #endif
 #else
 #include "quant_rows.h"
@@ -153,6 +154,9 @@ void team_quant_matmul(const Team& tm, int fmt, const void* x, int64_t xs, int r
           return amx_matmul<decltype(f)>(tm, xt + r0 * xs, xs, n, w, yt + r0 * ys, ys, N, K);
 #endif
 #if defined(QUANT_FMA)
+        // many narrow rows of weights below 8 bits: int8 products on panels of unpacked bytes (quant_bytes.h)
+        if (int8 && n >= kFmaRows && byte_rows_of<decltype(f)>() && fma_wanted().load(std::memory_order_relaxed))
+          return byte_matmul<decltype(f)>(tm, xt + r0 * xs, xs, n, w, yt + r0 * ys, ys, N, K);
         // many rows of weights below 8 bits in float32 FMA on dequantized panels, where the products of int16's two
         // bytes bind (quant_fma.h); narrow ones too with scales per 16 (fma_rows_of)
         if (n >= kFmaRows && fma_rows_of<decltype(f)>(int8) && fma_wanted().load(std::memory_order_relaxed))

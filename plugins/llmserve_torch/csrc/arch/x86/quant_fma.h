@@ -22,10 +22,10 @@ inline std::atomic<int>& fma_wanted() {
   return on;
 }
 // Whether rows of x (narrow: a large batch of decodes, whose activations the tiles would round to int8) meet these
-// weights here rather than on the integer tiles, from kFmaRows rows on (Zen 3, 16-960 rows, against the tiles):
-// weights below 8 bits with int16 activations (their two bytes are two products a weight: 1.1-1.9x); narrow ones only
-// with scales per 16 (Q6_K: 1.12-1.20x; int8 products of the others ran 1.04-1.4x faster than FMA); never 8-bit ones,
-// whose int16 pairs in vpmaddwd are one product a weight (0.87-0.96x of this path's time)
+// weights here, from kFmaRows rows on (Zen 3, 16-960 rows, against the tiles): weights below 8 bits with int16
+// activations (their two bytes are two products a weight: 1.1-1.9x); narrow ones only with scales per 16 (Q6_K:
+// 1.12-1.20x; the others' int8 products run faster on byte panels, quant_bytes.h); never 8-bit ones, whose int16 pairs
+// in vpmaddwd are one product a weight (0.87-0.96x of this path's time)
 template <typename F>
 constexpr bool fma_rows_of(bool narrow) {
   return F::kBits < 8 && (!narrow || F::kParts == 2);
