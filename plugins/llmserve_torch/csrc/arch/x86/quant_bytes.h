@@ -91,31 +91,32 @@ HOT_INLINE void byte_rows(const int8_t* xb, const Pairs& a, int r0, int K, int g
         }
       }
       const int p = P == 2 ? i0 / 4 : 0;
+      // sum((q - centre) * xq) = sum(q * xq) - centre * sum(xq): the second term in int32, in a part's last window
+      const bool part_end = (i0 + W) % (8 / P) == 0;
 #pragma GCC unroll 3
       for (int r = 0; r < MR; ++r) {
-        const __m256 d = _mm256_broadcast_ss(&a.d[static_cast<int64_t>(r0 + r) * ngk + g0 + g]);
+        const int64_t at = static_cast<int64_t>(r0 + r) * ngk + g0 + g;
+        const __m256 d = _mm256_broadcast_ss(&a.d[at]);
+        const __m256i cq = _mm256_set1_epi32(part_end ? F::kCentre * (p ? a.qs1[at] : a.qs0[at]) : 0);
 #pragma GCC unroll 2
         for (int t = 0; t < NT; ++t) {
-          const __m256 v = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(s[r][t], _mm256_set1_epi16(1))), d);
-          acc[r][t] = _mm256_fmadd_ps(_mm256_load_ps(sc + ((g * P + p) * NT + t) * 8), v, acc[r][t]);
+          const __m256i q = _mm256_sub_epi32(_mm256_madd_epi16(s[r][t], _mm256_set1_epi16(1)), cq);
+          acc[r][t] = _mm256_fmadd_ps(_mm256_load_ps(sc + ((g * P + p) * NT + t) * 8),
+                                      _mm256_mul_ps(_mm256_cvtepi32_ps(q), d), acc[r][t]);
         }
       }
     }
-    // sum((q - centre) * xq) = sum(q * xq) - centre * sum(xq), and with offsets the zero term times sum(x)
+    if (!F::kOff) continue;
+    // with offsets, the zero term times the exact sum of x
 #pragma GCC unroll 3
     for (int r = 0; r < MR; ++r)
 #pragma GCC unroll 2
       for (int p = 0; p < P; ++p) {
         const int64_t at = static_cast<int64_t>(r0 + r) * ngk + g0 + g;
-        const __m256 cq = _mm256_set1_ps(-static_cast<float>(F::kCentre * (p ? a.qs1[at] : a.qs0[at])) * a.d[at]);
+        const __m256 xsum = _mm256_broadcast_ss(p ? &a.xs1[at] : &a.xs0[at]);
 #pragma GCC unroll 2
-        for (int t = 0; t < NT; ++t) {
-          const int ps = ((g * P + p) * NT + t) * 8;
-          acc[r][t] = _mm256_fmadd_ps(_mm256_load_ps(sc + ps), cq, acc[r][t]);
-          if (F::kOff)
-            acc[r][t] = _mm256_fmadd_ps(_mm256_load_ps(zc + ps), _mm256_broadcast_ss(p ? &a.xs1[at] : &a.xs0[at]),
-                                        acc[r][t]);
-        }
+        for (int t = 0; t < NT; ++t)
+          acc[r][t] = _mm256_fmadd_ps(_mm256_load_ps(zc + ((g * P + p) * NT + t) * 8), xsum, acc[r][t]);
       }
   }
   if (!last) {
