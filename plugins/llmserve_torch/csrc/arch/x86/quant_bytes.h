@@ -19,14 +19,16 @@ constexpr bool byte_rows_of() {
   return F::kBits < 8 && F::kParts == 1;
 }
 
-constexpr int kByteRows = 3;  // rows of x a microkernel holds: 6 int16 and 6 float32 sums, 2 weight vectors, a broadcast
+// Rows of x a microkernel holds: 6 int16 and 6 float32 sums, 2 weight vectors and a broadcast, of 16 registers
+constexpr int kByteRows = 3;
 // Pieces of a group: 8 of 4 inputs each (piece i: inputs 16 * (i / 4) + 4 * (i % 4) ..), the vpmaddubsw products an
 // int16 sum holds before it is widened (kSums), never across a part's end (Q6_K's scales per 16)
 template <typename F>
 constexpr int kWindow = F::kParts == 2 && kSums<F> > 4 ? 4 : kSums<F> > 8 ? 8 : kSums<F>;
 
 // Groups g0..g0+ng of NT tiles from b into a panel: [group][piece][tile] 32 bytes (lane r: output r's 4 inputs), and
-// each group's scales sc and zero terms zc (centre * scale + offset, as tile_rows makes them) [group][part][tile] 8 floats
+// each group's scales sc and zero terms zc (centre * scale + offset, as tile_rows makes them), [group][part][tile] of
+// 8 floats
 template <typename F, int NT>
 HOT_INLINE void byte_panel(const uint8_t* w, int t0, int K, int g0, int ng, uint8_t* panel, float* sc, float* zc) {
   constexpr int P = F::kParts;
@@ -45,13 +47,14 @@ HOT_INLINE void byte_panel(const uint8_t* w, int t0, int K, int g0, int ng, uint
         const int at = (((g - g0) * P + p) * NT + t) * 8;
         const __m256 s = tile_scales<F>(b, g, p, 0);
         _mm256_store_ps(sc + at, s);
-        if (F::kOff) _mm256_store_ps(zc + at, _mm256_fmadd_ps(_mm256_set1_ps(F::kCentre), s, tile_scales<F>(b, g, p, 1)));
+        if (F::kOff)
+          _mm256_store_ps(zc + at, _mm256_fmadd_ps(_mm256_set1_ps(F::kCentre), s, tile_scales<F>(b, g, p, 1)));
       }
     }
   }
 }
 
-// Rows r0..r0+MR of x's bytes (xb, K a row) against NT tiles' panel of groups g0..g0+ng (a: their scales): the
+// Rows r0..r0+MR of x's bytes (xb, K a row) against NT tiles' panel of groups g0..g0+ng (a: x's scales and sums): the
 // float32 sums carried between panels in c ([rows][16], in L1), the last panel's stored into y (outputs past N are
 // padding). One function with every loop over registers unrolled, as fma_rows (g++ otherwise keeps the sums on the
 // stack)
@@ -81,7 +84,8 @@ HOT_INLINE void byte_rows(const int8_t* xb, const Pairs& a, int r0, int K, int g
       for (int i = i0; i < i0 + W; ++i) {
         __m256i wv[NT];
 #pragma GCC unroll 2
-        for (int t = 0; t < NT; ++t) wv[t] = _mm256_load_si256(reinterpret_cast<const __m256i*>(pg + (i * NT + t) * 32));
+        for (int t = 0; t < NT; ++t)
+          wv[t] = _mm256_load_si256(reinterpret_cast<const __m256i*>(pg + (i * NT + t) * 32));
         const int8_t* xi = xg + 16 * (i >> 2) + 4 * (i & 3);
 #pragma GCC unroll 3
         for (int r = 0; r < MR; ++r) {
@@ -166,7 +170,8 @@ void byte_matmul(const Team& tm, const T* x, int64_t xs, int rows, const uint8_t
   xb.resize(static_cast<size_t>(rows) * K);
   for (int r = 0; r < rows; ++r)
     for (int g = 0; g < K / kG; ++g)  // the narrow bytes sit where split's l bytes would (tile_acts)
-      std::memcpy(xb.data() + static_cast<int64_t>(r) * K + g * kG, a.q.data() + static_cast<int64_t>(r) * K + g * kG + 16, kG);
+      std::memcpy(xb.data() + static_cast<int64_t>(r) * K + g * kG,
+                  a.q.data() + static_cast<int64_t>(r) * K + g * kG + 16, kG);
   thread_local std::vector<float> panel_store, sc_store, zc_store, c_store;  // grown once
   uint8_t* panel = reinterpret_cast<uint8_t*>(aligned32(panel_store, kPanelGroups * 8 * 2 * 32 / 4));
   float* sc = aligned32(sc_store, kPanelGroups * P * 2 * 8);
