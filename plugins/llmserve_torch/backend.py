@@ -53,8 +53,9 @@ OPTIONS = {
     "fuse_layers": "auto",
     # a step with at least this many decodes rounds their rows' activations in the fused layers' quantized kernels to
     # int8 per group of 32 (as llama.cpp does for every row), not int16: half the integer products where many rows
-    # make a step compute-bound, a group's small values rounded coarser beside its largest; prompt rows never; 0: never
-    "int8_decode_rows": 16,
+    # make a step compute-bound, a group's small values rounded coarser beside its largest; prompt rows never; 0: never;
+    # auto: as many as make the step compute-bound on this build (kernel_library.int8_decode_rows)
+    "int8_decode_rows": "auto",
     # the quantized linears' weights in one arena of 2 MiB pages on CPU (huge_pages.py): auto | off
     "huge_pages": "auto",
     # decode steps replayed from CUDA graphs: auto (on CUDA with the triton attention, batches up to
@@ -112,8 +113,8 @@ class TorchBackend(ModelBackend):
             raise ConfigError(f"backend.options.quant_rows: must be auto, retime or a number of rows >= 0, "
                               f"got {quant_rows!r}")
         rows = self.options["int8_decode_rows"]
-        if isinstance(rows, bool) or not isinstance(rows, int) or rows < 0:
-            raise ConfigError(f"backend.options.int8_decode_rows: must be a number of rows >= 0 (0: never), "
+        if rows != "auto" and (isinstance(rows, bool) or not isinstance(rows, int) or rows < 0):
+            raise ConfigError(f"backend.options.int8_decode_rows: must be auto or a number of rows >= 0 (0: never), "
                               f"got {rows!r}")
         if self.options["dense_copies"] not in ("off", "auto", False):  # (YAML reads a bare off as false)
             raise ConfigError(f"backend.options.dense_copies: must be off or auto, got {self.options['dense_copies']!r}")
@@ -281,7 +282,10 @@ class TorchBackend(ModelBackend):
             self.stack, self.stack_note = build_stack(self.options["fuse_layers"], self.model, self.attention,
                                                       kernel_library.load(), max(sc.max_num_batched_tokens, sc.max_num_seqs))
             if self.stack is not None:  # greedy tokens fed back inside the one call
-                self.stack.int8_rows = rows = self.options["int8_decode_rows"]
+                rows = self.options["int8_decode_rows"]
+                if rows == "auto":
+                    rows = kernel_library.int8_decode_rows(kernel_library.load())
+                self.stack.int8_rows = rows
                 amx = kernel_library.amx(kernel_library.load())
                 tiles = kernel_library.AMX_MIN_ROWS
                 amx = amx and tiles <= self.stack.max_rows
@@ -291,7 +295,8 @@ class TorchBackend(ModelBackend):
                     if 0 < rows < tiles:
                         self.stack_note += f"; int8 activations in smaller steps of {rows}+ decodes"
                 elif 0 < rows <= self.stack.max_rows:
-                    self.stack_note += f"; int8 activations in batches of {rows}+ decodes"
+                    self.stack_note += ("; int8 activations in every decode" if rows == 1 else
+                                        f"; int8 activations in batches of {rows}+ decodes")
                     if amx:
                         self.stack_note += (f" ({max(rows, tiles)}+: bf16 on AMX tiles, "
                                             "the weights dequantized as they are read)")

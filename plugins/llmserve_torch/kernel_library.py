@@ -329,6 +329,16 @@ def amx(lib: ctypes.CDLL) -> bool:
     return lib.llmserve_quant_amx(-1) == 1
 
 
+def int8_decode_rows(lib: ctypes.CDLL) -> int:
+    """The fewest decodes in a step whose activations the group kernels round to int8 by default
+    (backend.options.int8_decode_rows auto)."""
+    # AVX2 without VNNI multiplies an int16 activation as two bytes in vpmaddubsw: twice int8's products, which bind
+    # even one row (Zen 3, Qwen2.5-0.5B Q4_K_M: a one-decode step 1.07x faster on int8; served, SmolLM2 Q4_1 1.02-1.15x).
+    # Elsewhere int16 keeps a lone request's answer as the dequantized weights give it, and 16 decodes are where
+    # int8 ran 1.4-1.5x faster with AVX-512 (docs/configuration.md)
+    return 1 if lib.llmserve_quant_isa() == b"avx2" else 16
+
+
 def unavailable() -> str | None:
     """Why the library cannot be had (None where it loads)."""
     try:

@@ -27,8 +27,9 @@ def llama_dir(tmp_path_factory):
 
 
 def _backend(path, dtype, quantization, fuse):
+    # int16 activations in every row, as the Python path's linears take them (AVX2's auto: int8 in every decode)
     return make_backend(str(path), dtype=dtype, quantization=quantization,
-                        options={"fuse_layers": fuse, "quant_rows": 4})
+                        options={"fuse_layers": fuse, "quant_rows": 4, "int8_decode_rows": 0})
 
 
 def _steps(backend, seed):
@@ -190,6 +191,38 @@ def amx_note(rows: int) -> str:
     return f" ({rows}+: bf16 on AMX tiles, the weights dequantized as they are read)"
 
 
+def int8_note(rows: int) -> str:
+    """What the stack's note says of int8 activations from that many decodes (AMX's tiles from 16)."""
+    if rows == 1:
+        return "; int8 activations in every decode" + amx_note(16)
+    return f"; int8 activations in batches of {rows}+ decodes" + amx_note(max(rows, 16))
+
+
+def test_int8_decode_rows_auto_follows_what_binds_this_builds_products(qwen2_dir):
+    """auto (the default): every decode on int8 where the build multiplies int16 as two bytes (AVX2 without VNNI:
+    the products bind even one row), else from 16 decodes; a lone decode's logits are then those of the number."""
+    path, _ = qwen2_dir
+    lib = kernel_library.load()
+    isa = lib.llmserve_quant_isa().decode()
+    opts = {"fuse_layers": "auto", "quant_rows": 100_000}
+    auto = make_backend(str(path), quantization="int4", options=opts)
+    rows = 1 if isa == "avx2" else 16
+    assert auto.stack.int8_rows == kernel_library.int8_decode_rows(lib) == rows
+    assert auto.describe()["fused_layers"] == "up to 512 rows" + int8_note(rows)
+    one = make_backend(str(path), quantization="int4", options={**opts, "int8_decode_rows": 1})
+    wide = make_backend(str(path), quantization="int4", options={**opts, "int8_decode_rows": 0})
+
+    def decode(b):  # one request's prompt, then its one decode as a step alone
+        d, ids = Driver(b, seed=2), list(range(3, 11))
+        b.compute_logits(batch_of([d.request("a", ids, 0, 8)]))
+        return b.compute_logits(batch_of([d.request("a", ids + [5], 8, 1, prompt_len=8)]))
+
+    got, int8, int16 = decode(auto), decode(one), decode(wide)
+    assert torch.equal(got, int8 if rows == 1 else int16)
+    fmt = auto.model.layers[0]["qkv"]._fmt
+    assert torch.equal(int8, int16) != (lib.llmserve_quant_narrow(fmt) == 1)
+
+
 def test_without_dense_copies_it_covers_what_a_step_can_hold(qwen2_dir):
     """quant_rows above any step: no dense copy is kept, the quantized kernels take every step, and so does the
     stack, up to the scheduler's token budget (512 here), with buffers sized by the steps it sees."""
@@ -197,7 +230,7 @@ def test_without_dense_copies_it_covers_what_a_step_can_hold(qwen2_dir):
     opts = {"fuse_layers": "auto", "quant_rows": 100_000}
     fused = make_backend(str(path), quantization="int4", options=opts)
     plain = make_backend(str(path), quantization="int4", options={**opts, "fuse_layers": "off"})
-    assert fused.describe()["fused_layers"] == "up to 512 rows; int8 activations in batches of 16+ decodes" + amx_note(16)
+    assert fused.describe()["fused_layers"] == "up to 512 rows" + int8_note(fused.stack.int8_rows)
     g = torch.Generator().manual_seed(3)
     ids = torch.randint(0, 200, (40,), generator=g).tolist()
     got, want = (b.compute_logits(batch_of([Driver(b).request("a", ids, 0, 40)])) for b in (fused, plain))
@@ -270,8 +303,8 @@ def test_fuse_layers_option(qwen2_dir):
     assert _backend(path, "float32", "int4", False).stack is None  # YAML's bare `off`
     with pytest.raises(ConfigError, match="fuse_layers: must be one of auto, off"):
         _backend(path, "float32", "int4", "on")
-    for bad in (-1, "16", True, 1.5):
-        with pytest.raises(ConfigError, match="int8_decode_rows: must be a number of rows >= 0"):
+    for bad in (-1, "16", "Auto", True, 1.5):
+        with pytest.raises(ConfigError, match="int8_decode_rows: must be auto or a number of rows >= 0"):
             make_backend(str(path), quantization="int4", options={"int8_decode_rows": bad})
 
 
