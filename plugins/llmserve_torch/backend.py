@@ -282,11 +282,9 @@ class TorchBackend(ModelBackend):
             self.stack, self.stack_note = build_stack(self.options["fuse_layers"], self.model, self.attention,
                                                       kernel_library.load(), max(sc.max_num_batched_tokens, sc.max_num_seqs))
             if self.stack is not None:  # greedy tokens fed back inside the one call
-                rows = self.options["int8_decode_rows"]
-                if rows == "auto":
-                    rows = kernel_library.int8_decode_rows(kernel_library.load())
-                self.stack.int8_rows = rows
-                amx = kernel_library.amx(kernel_library.load())
+                lib, rows = kernel_library.load(), self.options["int8_decode_rows"]
+                self.stack.int8_rows = rows = kernel_library.int8_decode_rows(lib) if rows == "auto" else rows
+                amx = kernel_library.amx(lib)
                 tiles = kernel_library.AMX_MIN_ROWS
                 amx = amx and tiles <= self.stack.max_rows
                 if self.dtype == torch.bfloat16 and amx:  # bf16 activations: every call of many rows on the tiles
