@@ -24,6 +24,7 @@ import sys
 import tempfile
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -190,18 +191,16 @@ def prebuild(out: Path, names: tuple[str, ...] | None = None) -> list[str]:
     they were built from (setup.py, at a package build); the variants built (none without a compiler: warned)."""
     cxx = os.environ.get("CXX", "g++")
     out.mkdir(parents=True, exist_ok=True)
+    wanted = [v for v in VARIANTS.get(platform.machine(), ()) if names is None or v.name in names]
+    builds = {out / f"llmserve_kernels-{v.name}.so": cxx_flags(v.march, v.extra) for v in wanted}
+    with tempfile.TemporaryDirectory(dir=out) as tmp:
+        failed = compile_libraries(cxx, builds, Path(tmp))
     built = {}
-    for v in VARIANTS.get(platform.machine(), ()):
-        if names is not None and v.name not in names:
-            continue
-        so = out / f"llmserve_kernels-{v.name}.so"
-        try:
-            with tempfile.TemporaryDirectory(dir=out) as tmp:
-                compile_library(cxx, cxx_flags(v.march, v.extra), Path(tmp), so)
-        except (OSError, RuntimeError, subprocess.SubprocessError) as e:
-            log.warning("the %s variant of the CPU kernel library was not prebuilt: %s", v.name, e)
-            continue
-        built[v.name] = so.name
+    for v, so in zip(wanted, builds):
+        if so in failed:
+            log.warning("the %s variant of the CPU kernel library was not prebuilt: %s", v.name, failed[so])
+        else:
+            built[v.name] = so.name
     (out / _MANIFEST).write_text(json.dumps({"sources": sources_hash(), "variants": built}, indent=1))
     return list(built)
 
@@ -229,27 +228,44 @@ def kernel_march() -> str:
 
 
 def compile_library(cxx: str, flags: list[str], tmp: Path, out: Path) -> None:
-    """Each source into an object at once (one compiler a CPU: the group kernel's formats take the longest), then one
-    library moved into place atomically (concurrent builders never load a half-written file)."""
-    objs = [tmp / f"{Path(f).stem}.o" for f in SOURCES]
-    compile_flags = [f for f in flags if f != "-shared"]
-    procs, running = [], []
-    for f, o in zip(SOURCES, objs):
-        if len(running) >= (os.cpu_count() or 1):
-            running.pop(0).wait(timeout=120)
-        p = subprocess.Popen([cxx, *compile_flags, "-c", f"-I{CSRC}", str(CSRC / f), "-o", str(o)],
-                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-        procs.append(p)
-        running.append(p)
-    for p in procs:
-        err = p.communicate(timeout=120)[1]
-        if p.returncode != 0:
-            raise RuntimeError(f"{cxx} failed: {err.strip()[-400:]}")
-    tmp_so = tmp / out.name
-    r = subprocess.run([cxx, *flags, *map(str, objs), "-o", str(tmp_so)], capture_output=True, text=True, timeout=120)
-    if r.returncode != 0:
-        raise RuntimeError(f"{cxx} failed: {r.stderr.strip()[-400:]}")
-    os.replace(tmp_so, out)
+    """One library from its sources (a RuntimeError with the compiler's error where it fails)."""
+    failed = compile_libraries(cxx, {out: flags}, tmp)
+    if failed:
+        raise RuntimeError(failed[out])
+
+
+def compile_libraries(cxx: str, builds: dict[Path, list[str]], tmp: Path) -> dict[Path, str]:
+    """Each library `out` of `builds` from its flags, every source of every build side by side (one compiler a CPU,
+    the longest sources first: the group kernel's formats take the longest, in every build), each moved into place
+    atomically (concurrent builders never load a half-written file); those that failed, with the compiler's error."""
+    jobs = sorted(((SOURCES.index(f), out, [cxx, *(x for x in flags if x != "-shared"), "-c", f"-I{CSRC}",
+                                             str(CSRC / f), "-o", str(tmp / f"{i}-{Path(f).stem}.o")])
+                   for i, (out, flags) in enumerate(builds.items()) for f in SOURCES), key=lambda j: j[0])
+
+    def run(cmd: list[str]) -> str | None:
+        try:
+            r = subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, timeout=300)
+        except (OSError, subprocess.SubprocessError) as e:
+            return f"{cxx} could not run: {e}"
+        return None if r.returncode == 0 else f"{cxx} failed: {r.stderr.strip()[-400:]}"
+
+    with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+        errors = list(pool.map(run, [cmd for _, _, cmd in jobs]))
+    failed: dict[Path, str] = {}
+    for (_, out, _), err in zip(jobs, errors):
+        if err is not None:
+            failed.setdefault(out, err)
+    for i, (out, flags) in enumerate(builds.items()):
+        if out in failed:
+            continue
+        objs = [cmd[-1] for _, o, cmd in jobs if o == out]
+        tmp_so = tmp / f"{i}-{out.name}"
+        err = run([cxx, *flags, *objs, "-o", str(tmp_so)])
+        if err is not None:
+            failed[out] = err
+        else:
+            os.replace(tmp_so, out)
+    return failed
 
 
 # --- loading -------------------------------------------------------------------------------------------------------

@@ -40,3 +40,19 @@ def qwen2_dir(tmp_path_factory):
 def qwen2_tied_dir(tmp_path_factory):
     """A tiny Qwen2 with tied embeddings; yields (dir, hf_model)."""
     return _saved(tmp_path_factory, "qwen2tied", make_qwen2(seed=1, tie=True))
+
+
+@pytest.fixture(scope="session")
+def x86_variants(tmp_path_factory):
+    """The avx2 and scalar x86-64 variants of the kernel library, built once as setup.py builds a wheel's (the
+    prebuilt-variant tests load them; the SIMD-path tests run their group kernel)."""
+    import platform
+    import shutil
+
+    from llmserve_torch import kernel_library
+
+    if platform.machine() != "x86_64" or shutil.which("g++") is None:
+        pytest.skip("prebuilds x86-64 variants: needs an x86-64 host with g++")
+    out = tmp_path_factory.mktemp("prebuilt")
+    assert kernel_library.prebuild(out, names=("avx2", "x86-64")) == ["avx2", "x86-64"]
+    return out

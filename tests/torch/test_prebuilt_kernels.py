@@ -15,12 +15,10 @@ if platform.machine() != "x86_64" or shutil.which("g++") is None:
 HAS_AVX2 = next(v for v in kernel_library.VARIANTS["x86_64"] if v.name == "avx2").needs <= kernel_library.cpu_features()
 
 
-@pytest.fixture(scope="module")
-def prebuilt(tmp_path_factory):
+@pytest.fixture
+def prebuilt(x86_variants):
     """The avx2 and scalar x86-64 variants, built as setup.py builds a wheel's."""
-    out = tmp_path_factory.mktemp("prebuilt")
-    assert kernel_library.prebuild(out, names=("avx2", "x86-64")) == ["avx2", "x86-64"]
-    return out
+    return x86_variants
 
 
 @pytest.fixture

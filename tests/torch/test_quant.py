@@ -313,6 +313,8 @@ MARCHES = {"x86-64": ("x86-64", (), set(), "scalar"), "x86-64-v3": ("x86-64-v3",
            "x86-64-v3+vnni": ("x86-64-v3", ("-mavx512vnni", "-mavx512vl"), _V3 | {"avx512_vnni", "avx512vl"},
                               "avx2-vnni"),
            "x86-64-v4": ("x86-64-v4", (), _V3 | {"avx512f", "avx512bw", "avx512vl", "avx512dq"}, "avx512bw")}
+# the marches a wheel's variants are built at: their library (x86_variants) is run, not compiled once more
+VARIANT_AT = {"x86-64": "x86-64", "x86-64-v3": "avx2"}
 
 
 def _on_fma(lib, qw, rows: int, narrow: bool) -> bool:
@@ -481,23 +483,27 @@ def test_llmserve_amx_0_keeps_many_decodes_on_the_int8_products():
     this one does."""
     ask = "import json; from llmserve_torch import kernel_library as k; print(json.dumps(k.describe()['amx_rows']))"
     env = {k: v for k, v in os.environ.items() if k != "LLMSERVE_AMX"}
+    env["LLMSERVE_CACHE_DIR"] = str(Path(kernel_library.load()._name).parent)  # this build, not compiled twice more
     rows = [json.loads(subprocess.run([sys.executable, "-c", ask], env={**env, **extra}, check=True,
                                       capture_output=True, text=True).stdout) for extra in ({"LLMSERVE_AMX": "0"}, {})]
     assert rows == [None, kernel_library.describe()["amx_rows"]]
 
 
 @pytest.mark.parametrize("march", MARCHES)
-def test_every_simd_path_of_the_group_kernel_matches_the_reference(tmp_path, monkeypatch, march):
+def test_every_simd_path_of_the_group_kernel_matches_the_reference(tmp_path, monkeypatch, request, march):
     """The kernel built for another ISA, run here in every format on the layout pack_own makes for that build's
     tile; its row lookup (a quantized embedding's) gives each row exactly."""
     level, extra, needs, isa = MARCHES[march]
     flags = set(" ".join(ln for ln in cpu_id().splitlines() if ln.startswith("flags")).split())
     if platform.machine() != "x86_64" or shutil.which("g++") is None or not needs <= flags:
         pytest.skip(f"needs an x86-64 CPU with {sorted(needs)} and g++")
-    csrc = Path(quant.__file__).with_name("csrc")
-    so = tmp_path / f"quant_{march}.so"
-    subprocess.run(["g++", *cxx_flags(level, extra), f"-I{csrc}", str(csrc / "quant_matmul.cpp"), "-o", str(so)],
-                   check=True, capture_output=True)
+    if march in VARIANT_AT:
+        so = request.getfixturevalue("x86_variants") / f"llmserve_kernels-{VARIANT_AT[march]}.so"
+    else:
+        csrc = Path(quant.__file__).with_name("csrc")
+        so = tmp_path / f"quant_{march}.so"
+        subprocess.run(["g++", *cxx_flags(level, extra), f"-I{csrc}", str(csrc / "quant_matmul.cpp"), "-o", str(so)],
+                       check=True, capture_output=True)
     lib = ctypes.CDLL(str(so))
     for name in ("llmserve_quant_isa", "llmserve_quant_tile", "llmserve_quant_format", "llmserve_quant_bytes",
                  "llmserve_quant_matmul", "llmserve_quant_rows", "llmserve_pack_weight", "llmserve_quant_narrow",
