@@ -538,6 +538,12 @@ def test_every_simd_path_of_the_group_kernel_matches_the_reference(tmp_path, mon
                     lib.llmserve_quant_matmul(quant.weight_format(qw), xb.data_ptr(), k, rows, packed.data_ptr(),
                                               yb.data_ptr(), n, n, k, 2, yb.element_size(), 2, 0)
                     assert torch.equal(yb, _call(lib, qw, packed, xb.float(), n, 0).to(out)), (name, rows, out)
+            if lib.llmserve_quant_fma(-1) == 1 and rows >= FMA_MIN_ROWS and qw.bits == 8:  # word panels: the
+                # tiles' exact int32 sums, scaled and summed in another order
+                lib.llmserve_quant_fma(0)
+                tiles = _call(lib, qw, packed, x, n, 0)
+                lib.llmserve_quant_fma(1)
+                assert ((y - tiles).abs() <= 1e-6 * scale).all(), (name, rows)
             bound = _rounding_bound(x, held) + 2e-5 * scale
             assert ((y - F.linear(x, held.dequantize())).abs() <= bound).all(), (name, rows, n, k)
             _check_narrow(lib, qw, packed, x, y, isa)

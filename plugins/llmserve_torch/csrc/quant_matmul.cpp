@@ -36,6 +36,7 @@
 #define QUANT_FMA 1
 #include "arch/x86/quant_fma.h"
 #include "arch/x86/quant_bytes.h"
+#include "arch/x86/quant_words.h"
 #endif
 #else
 #include "quant_rows.h"
@@ -154,6 +155,9 @@ void team_quant_matmul(const Team& tm, int fmt, const void* x, int64_t xs, int r
           return amx_matmul<decltype(f)>(tm, xt + r0 * xs, xs, n, w, yt + r0 * ys, ys, N, K);
 #endif
 #if defined(QUANT_FMA)
+        // many rows of 8-bit weights: int16 pairs on panels of words (quant_words.h)
+        if (n >= kFmaRows && word_rows_of<decltype(f)>() && fma_wanted().load(std::memory_order_relaxed))
+          return word_matmul<decltype(f)>(tm, xt + r0 * xs, xs, n, w, yt + r0 * ys, ys, N, K);
         // many narrow rows of weights below 8 bits: int8 products on panels of unpacked bytes (quant_bytes.h)
         if (int8 && n >= kFmaRows && byte_rows_of<decltype(f)>() && fma_wanted().load(std::memory_order_relaxed))
           return byte_matmul<decltype(f)>(tm, xt + r0 * xs, xs, n, w, yt + r0 * ys, ys, N, K);

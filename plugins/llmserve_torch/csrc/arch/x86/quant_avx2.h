@@ -94,12 +94,13 @@ constexpr bool narrow_products() {
   return kDpbusd || F::kBits < 8;
 }
 
+// as_pairs: int16 pairs whatever the weights (quant_words.h's panels take them so)
 template <typename F, typename T>
-const Pairs& tile_acts(const T* x, int64_t xs, int rows, int K, bool narrow) {
+const Pairs& tile_acts(const T* x, int64_t xs, int rows, int K, bool narrow, bool as_pairs = false) {
   thread_local Pairs a;  // grown once: a step calls this ~120 times
   const int ng = K / kG;
-  a.narrow = narrow && narrow_products<F>();
-  a.split = a.narrow || split_rows<F>(rows);  // (narrow: two sums a row and part, which AVX2's registers hold)
+  a.narrow = !as_pairs && narrow && narrow_products<F>();
+  a.split = !as_pairs && (a.narrow || split_rows<F>(rows));  // (narrow: two sums a row and part, which AVX2's registers hold)
   const float qmax = a.narrow ? kQMax8 : kQMax;
   a.q.resize(static_cast<size_t>(rows) * K);
   a.d.resize(static_cast<size_t>(rows) * ng), a.xs0.resize(a.d.size()), a.xs1.resize(a.d.size());
