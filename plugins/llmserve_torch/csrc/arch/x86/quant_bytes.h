@@ -54,6 +54,27 @@ HOT_INLINE void byte_panel(const uint8_t* w, int t0, int K, int g0, int ng, uint
   }
 }
 
+// A microkernel's float32 sums: carried in c ([rows][16], in L1) to the next panel, or after the last stored into y
+// (outputs past N are padding, not stored)
+template <int MR, int NT, typename U>
+HOT_INLINE void panel_sums_out(const __m256 (&acc)[MR][NT], bool last, float* c, U* y, int64_t ys, int n0, int N) {
+  if (!last) {
+#pragma GCC unroll 3
+    for (int r = 0; r < MR; ++r)
+#pragma GCC unroll 2
+      for (int t = 0; t < NT; ++t) _mm256_store_ps(c + 16 * r + 8 * t, acc[r][t]);
+    return;
+  }
+  const int valid = N - n0 < 8 * NT ? N - n0 : 8 * NT;
+  alignas(32) float out[MR][16];
+#pragma GCC unroll 3
+  for (int r = 0; r < MR; ++r)
+#pragma GCC unroll 2
+    for (int t = 0; t < NT; ++t) _mm256_store_ps(out[r] + 8 * t, acc[r][t]);
+  for (int r = 0; r < MR; ++r)
+    for (int i = 0; i < valid; ++i) store(y + r * ys + n0 + i, out[r][i]);
+}
+
 // Rows r0..r0+MR of x's bytes (xb, K a row) against NT tiles' panel of groups g0..g0+ng (a: x's scales and sums): the
 // float32 sums carried between panels in c ([rows][16], in L1), the last panel's stored into y (outputs past N are
 // padding). One function with every loop over registers unrolled, as fma_rows (g++ otherwise keeps the sums on the
@@ -123,21 +144,7 @@ HOT_INLINE void byte_rows(const int8_t* xb, const Pairs& a, int r0, int K, int g
           acc[r][t] = _mm256_fmadd_ps(_mm256_load_ps(zc + ((g * P + p) * NT + t) * 8), xsum, acc[r][t]);
       }
   }
-  if (!last) {
-#pragma GCC unroll 3
-    for (int r = 0; r < MR; ++r)
-#pragma GCC unroll 2
-      for (int t = 0; t < NT; ++t) _mm256_store_ps(c + 16 * r + 8 * t, acc[r][t]);
-    return;
-  }
-  const int valid = N - n0 < 8 * NT ? N - n0 : 8 * NT;
-  alignas(32) float out[MR][16];
-#pragma GCC unroll 3
-  for (int r = 0; r < MR; ++r)
-#pragma GCC unroll 2
-    for (int t = 0; t < NT; ++t) _mm256_store_ps(out[r] + 8 * t, acc[r][t]);
-  for (int r = 0; r < MR; ++r)
-    for (int i = 0; i < valid; ++i) store(y + r * ys + n0 + i, out[r][i]);
+  panel_sums_out<MR, NT>(acc, last, c, y, ys, n0, N);
 }
 
 // Every row of a block (rows m0.. of xb and a) against NT tiles from t0, panel after panel

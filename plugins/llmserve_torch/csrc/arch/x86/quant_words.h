@@ -116,21 +116,7 @@ HOT_INLINE void word_rows(const Pairs& a, int r0, int K, int g0, int ng, const i
           acc[r][t] = _mm256_fmadd_ps(_mm256_load_ps(zc + ((g * P + p) * NT + t) * 8), xsum, acc[r][t]);
       }
   }
-  if (!last) {
-#pragma GCC unroll 3
-    for (int r = 0; r < MR; ++r)
-#pragma GCC unroll 2
-      for (int t = 0; t < NT; ++t) _mm256_store_ps(c + 16 * r + 8 * t, acc[r][t]);
-    return;
-  }
-  const int valid = N - n0 < 8 * NT ? N - n0 : 8 * NT;
-  alignas(32) float out[MR][16];
-#pragma GCC unroll 3
-  for (int r = 0; r < MR; ++r)
-#pragma GCC unroll 2
-    for (int t = 0; t < NT; ++t) _mm256_store_ps(out[r] + 8 * t, acc[r][t]);
-  for (int r = 0; r < MR; ++r)
-    for (int i = 0; i < valid; ++i) store(y + r * ys + n0 + i, out[r][i]);
+  panel_sums_out<MR, NT>(acc, last, c, y, ys, n0, N);
 }
 
 // Every row of a block (rows m0.. of a) against NT tiles from t0, panel after panel
