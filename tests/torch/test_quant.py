@@ -317,10 +317,16 @@ MARCHES = {"x86-64": ("x86-64", (), set(), "scalar"), "x86-64-v3": ("x86-64-v3",
 VARIANT_AT = {"x86-64": "x86-64", "x86-64-v3": "avx2"}
 
 
-def _on_fma(lib, qw, rows: int, narrow: bool) -> bool:
-    """Whether a call of `rows` rows (narrow ones or not) on qw runs in float32 FMA on dequantized panels in `lib`'s
-    build (AVX2 without VNNI: weights below 8 bits, narrow ones with scales per 16), not on the integer tiles."""
-    return lib.llmserve_quant_fma(-1) == 1 and rows >= FMA_MIN_ROWS and qw.bits < 8 and (not narrow or qw.half)
+def _on_fma(lib, qw, rows: int) -> bool:
+    """Whether a call of `rows` rows on qw runs in float32 FMA on dequantized panels in `lib`'s build (AVX2 without
+    VNNI: weights below 8 bits with scales per 16), not on the integer tiles."""
+    return lib.llmserve_quant_fma(-1) == 1 and rows >= FMA_MIN_ROWS and qw.bits < 8 and qw.half
+
+
+def _on_word_panels(lib, qw, rows: int) -> bool:
+    """Whether a call of `rows` rows that are not narrow on qw meets panels of int16 pairs in `lib`'s build (AVX2
+    without VNNI: 8-bit weights, and those below with scales per 32), not the integer tiles' own unpacking."""
+    return lib.llmserve_quant_fma(-1) == 1 and rows >= FMA_MIN_ROWS and (qw.bits == 8 or not qw.half)
 
 
 def _on_byte_panels(lib, qw, rows: int) -> bool:
@@ -349,7 +355,7 @@ def _check_narrow(lib, qw, packed, x: torch.Tensor, wide: torch.Tensor, isa: str
     y = _call(lib, qw, packed, x, n, rows)
     expect = isa.startswith("avx512") or isa == "avx2-vnni" or (isa == "avx2" and qw.bits < 8)
     assert lib.llmserve_quant_narrow(quant.weight_format(qw)) == int(expect), (isa, qw.kind)
-    if not expect or _on_fma(lib, qw, rows, True):
+    if not expect or _on_fma(lib, qw, rows):
         assert torch.equal(y, wide), (isa, qw.kind, rows)
     else:
         held = _as_packed(qw)
@@ -522,7 +528,7 @@ def test_every_simd_path_of_the_group_kernel_matches_the_reference(tmp_path, mon
             y = _call(lib, qw, packed, x, n, 0)
             held = _as_packed(qw)
             scale = x.abs().sum(-1, keepdim=True) * held.dequantize().abs().amax()
-            if _on_fma(lib, qw, rows, False):  # float32 products on FMA panels: only the sums' rounding (int16
+            if _on_fma(lib, qw, rows):  # float32 products on FMA panels: only the sums' rounding (int16
                 # activations' is 1e-6 of the scale and more), and the integer tiles' result where they are turned off
                 want = F.linear(x.double(), held.dequantize().double())
                 assert ((y - want).abs() <= 2e-7 * scale).all(), (name, rows, n, k)
@@ -538,8 +544,7 @@ def test_every_simd_path_of_the_group_kernel_matches_the_reference(tmp_path, mon
                     lib.llmserve_quant_matmul(quant.weight_format(qw), xb.data_ptr(), k, rows, packed.data_ptr(),
                                               yb.data_ptr(), n, n, k, 2, yb.element_size(), 2, 0)
                     assert torch.equal(yb, _call(lib, qw, packed, xb.float(), n, 0).to(out)), (name, rows, out)
-            if lib.llmserve_quant_fma(-1) == 1 and rows >= FMA_MIN_ROWS and qw.bits == 8:  # word panels: the
-                # tiles' exact int32 sums, scaled and summed in another order
+            if _on_word_panels(lib, qw, rows):  # the tiles' exact int32 sums, scaled and summed in another order
                 lib.llmserve_quant_fma(0)
                 tiles = _call(lib, qw, packed, x, n, 0)
                 lib.llmserve_quant_fma(1)

@@ -155,15 +155,15 @@ void team_quant_matmul(const Team& tm, int fmt, const void* x, int64_t xs, int r
           return amx_matmul<decltype(f)>(tm, xt + r0 * xs, xs, n, w, yt + r0 * ys, ys, N, K);
 #endif
 #if defined(QUANT_FMA)
-        // many rows of 8-bit weights: int16 pairs on panels of words (quant_words.h)
-        if (n >= kFmaRows && word_rows_of<decltype(f)>() && fma_wanted().load(std::memory_order_relaxed))
+        // many rows of 8-bit weights, a prompt's of those with scales per 32: int16 pairs on panels of words
+        // (quant_words.h)
+        if (n >= kFmaRows && word_rows_of<decltype(f)>(int8) && fma_wanted().load(std::memory_order_relaxed))
           return word_matmul<decltype(f)>(tm, xt + r0 * xs, xs, n, w, yt + r0 * ys, ys, N, K);
         // many narrow rows of weights below 8 bits: int8 products on panels of unpacked bytes (quant_bytes.h)
         if (int8 && n >= kFmaRows && byte_rows_of<decltype(f)>() && fma_wanted().load(std::memory_order_relaxed))
           return byte_matmul<decltype(f)>(tm, xt + r0 * xs, xs, n, w, yt + r0 * ys, ys, N, K);
-        // many rows of weights below 8 bits in float32 FMA on dequantized panels, where the products of int16's two
-        // bytes bind (quant_fma.h); narrow ones too with scales per 16 (fma_rows_of)
-        if (n >= kFmaRows && fma_rows_of<decltype(f)>(int8) && fma_wanted().load(std::memory_order_relaxed))
+        // many rows of weights with scales per 16 in float32 FMA on dequantized panels (quant_fma.h)
+        if (n >= kFmaRows && fma_rows_of<decltype(f)>() && fma_wanted().load(std::memory_order_relaxed))
           return fma_matmul<decltype(f)>(tm, xt + r0 * xs, xs, n, w, yt + r0 * ys, ys, N, K);
 #endif
         group_matmul<decltype(f)>(tm, xt + r0 * xs, xs, n, w, yt + r0 * ys, ys, N, K, int8);

@@ -1,9 +1,10 @@
-// The group kernel's many-row form on AVX2 without VNNI (quant_matmul.cpp includes it after the AVX2 path): a
-// prompt's rows and a large batch of decodes are bound by their integer products there (each row meets each group of
-// a tile of 8 in eight vpmaddubsw for int16's two bytes, four for int8), about 33-40 G multiply-adds/s on two Zen 3
-// cores against the 95 G their FMA units do. Here a pair of tiles' groups is dequantized once per block of rows into a
-// float32 panel (w = q * scale + offset, the value QuantWeight.dequantize holds), and 6 rows of x at a time meet it in
-// 12 vfmadd231ps a input: exact float32 products, no activation rounded to integers.
+// The group kernel's many-row form on AVX2 without VNNI for weights with scales per 16, Q6_K (quant_matmul.cpp
+// includes it after the AVX2 path): a prompt's rows and a large batch of decodes are bound by their integer products
+// there (each row meets each group of a tile of 8 in eight vpmaddubsw for int16's two bytes, four for int8), about
+// 33-40 G multiply-adds/s on two Zen 3 cores against the 95 G their FMA units do. Here a pair of tiles' groups is
+// dequantized once per block of rows into a float32 panel (w = q * scale + offset, the value QuantWeight.dequantize
+// holds), and 6 rows of x at a time meet it in 12 vfmadd231ps a input: exact float32 products, no activation rounded
+// to integers.
 #pragma once
 
 #include <immintrin.h>
@@ -21,14 +22,13 @@ inline std::atomic<int>& fma_wanted() {
   static std::atomic<int> on{1};
   return on;
 }
-// Whether rows of x (narrow: a large batch of decodes, whose activations the tiles would round to int8) meet these
-// weights here, from kFmaRows rows on (Zen 3, 16-960 rows, against the tiles): weights below 8 bits with int16
-// activations (their two bytes are two products a weight: 1.1-1.9x); narrow ones only with scales per 16 (Q6_K:
-// 1.12-1.20x; the others' int8 products run faster on byte panels, quant_bytes.h); never 8-bit ones, whose int16 pairs
-// in vpmaddwd are one product a weight (0.87-0.96x of this path's time)
+// Whether many rows of x meet these weights here, from kFmaRows rows on: weights below 8 bits with scales per 16
+// (Q6_K), a large batch of decodes (1.12-1.20x the tiles' int8 products, Zen 3) and a prompt's int16 rows (their two
+// bytes are two products a weight on the tiles; the word panels ran these 1.00-1.04x, and the FMA's are exact). The
+// others' rows run faster on byte panels (narrow, quant_bytes.h) or word panels (quant_words.h)
 template <typename F>
-constexpr bool fma_rows_of(bool narrow) {
-  return F::kBits < 8 && (!narrow || F::kParts == 2);
+constexpr bool fma_rows_of() {
+  return F::kBits < 8 && F::kParts == 2;
 }
 
 constexpr int kPanelGroups = 8;  // inputs a panel holds: 256 (16 KiB of float32 for 16 outputs), in L1 beside x's rows
