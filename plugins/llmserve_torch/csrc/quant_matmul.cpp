@@ -155,15 +155,16 @@ void team_quant_matmul(const Team& tm, int fmt, const void* x, int64_t xs, int r
           return amx_matmul<decltype(f)>(tm, xt + r0 * xs, xs, n, w, yt + r0 * ys, ys, N, K);
 #endif
 #if defined(QUANT_FMA)
-        // many rows of 8-bit weights, a prompt's of those with scales per 32: int16 pairs on panels of words
-        // (quant_words.h)
-        if (n >= kFmaRows && word_rows_of<decltype(f)>(int8) && fma_wanted().load(std::memory_order_relaxed))
+        // many rows meet panels made once per block of rows, one kind per format and width
+        const bool panels = n >= kFmaRows && fma_wanted().load(std::memory_order_relaxed);
+        // 8-bit weights, a prompt's of those with scales per 32: int16 pairs on panels of words (quant_words.h)
+        if (panels && word_rows_of<decltype(f)>(int8))
           return word_matmul<decltype(f)>(tm, xt + r0 * xs, xs, n, w, yt + r0 * ys, ys, N, K);
-        // many narrow rows of weights below 8 bits: int8 products on panels of unpacked bytes (quant_bytes.h)
-        if (int8 && n >= kFmaRows && byte_rows_of<decltype(f)>() && fma_wanted().load(std::memory_order_relaxed))
+        // narrow rows of weights below 8 bits: int8 products on panels of unpacked bytes (quant_bytes.h)
+        if (panels && int8 && byte_rows_of<decltype(f)>())
           return byte_matmul<decltype(f)>(tm, xt + r0 * xs, xs, n, w, yt + r0 * ys, ys, N, K);
-        // many rows of weights with scales per 16 in float32 FMA on dequantized panels (quant_fma.h)
-        if (n >= kFmaRows && fma_rows_of<decltype(f)>() && fma_wanted().load(std::memory_order_relaxed))
+        // weights with scales per 16: float32 FMA on dequantized panels (quant_fma.h)
+        if (panels && fma_rows_of<decltype(f)>())
           return fma_matmul<decltype(f)>(tm, xt + r0 * xs, xs, n, w, yt + r0 * ys, ys, N, K);
 #endif
         group_matmul<decltype(f)>(tm, xt + r0 * xs, xs, n, w, yt + r0 * ys, ys, N, K, int8);
